@@ -1,0 +1,54 @@
+# The targets here are what the README and CI call.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
+TEST_STAMP := $(VENV)/.installed-test-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
+BENCH_STAMP := $(VENV)/.installed-bench-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
+
+.PHONY: run test lint bench bench-smoke clean install
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+
+$(STAMP): $(VENV)/bin/python pyproject.toml setup.py
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): $(VENV)/bin/python pyproject.toml setup.py
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(BENCH_STAMP): $(VENV)/bin/python pyproject.toml setup.py
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+install: $(STAMP)
+
+# Rebuild the C extension in place whenever its source changed.
+simpler_daemon/_mailbox%.so: simpler_daemon/_mailbox.c
+	$(PY) setup.py -q build_ext --inplace
+
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+run: $(STAMP) build
+	$(VENV)/bin/simpler-daemon serve $(ARGS)
+
+lint: $(TEST_STAMP) build
+	$(VENV)/bin/ruff check simpler_daemon tests benchmarks
+	$(VENV)/bin/ruff format --check simpler_daemon tests benchmarks
+	$(VENV)/bin/mypy
+
+test: $(TEST_STAMP) build lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(BENCH_STAMP) build
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+bench-smoke: $(TEST_STAMP) build
+	$(PY) -m benchmarks --smoke $(BENCH_ARGS)
+
+clean:
+	rm -rf build *.egg-info simpler_daemon/*.so

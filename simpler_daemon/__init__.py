@@ -1,0 +1,40 @@
+"""simpler-daemon: pre-forked worker pools scheduled through shared-memory mailboxes."""
+
+from simpler_daemon.args import CallConfig, TaskArgs, Tag
+from simpler_daemon.callables import CallableHandle
+from simpler_daemon.errors import (
+    ConfigError,
+    EndpointError,
+    ProtocolError,
+    RegistrationError,
+    RunCancelled,
+    SimplerError,
+    StartupError,
+    TaskError,
+    WorkerClosedError,
+)
+from simpler_daemon.orchestrator import Orchestrator, RunState
+from simpler_daemon.worker import RunHandle, Worker, WorkerState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CallConfig",
+    "CallableHandle",
+    "ConfigError",
+    "EndpointError",
+    "Orchestrator",
+    "ProtocolError",
+    "RegistrationError",
+    "RunCancelled",
+    "RunHandle",
+    "RunState",
+    "SimplerError",
+    "StartupError",
+    "Tag",
+    "TaskArgs",
+    "TaskError",
+    "Worker",
+    "WorkerClosedError",
+    "WorkerState",
+]

@@ -1,0 +1,306 @@
+"""Task arguments, the call config, and the args blob that crosses the mailbox.
+
+Tensor data never travels through a mailbox: a tensor is a descriptor naming a
+range of the shared heap, and the child rebuilds a zero-copy NumPy view::
+
+    blob = [i32 T][i32 S][TensorDesc x T][u64 x S]          (little-endian)
+    TensorDesc (168 B) = u32 buffer_id, u8 dtype, u8 tag, u8 ndim, u8 0,
+                         u64 generation, u64 buffer_offset (in the heap),
+                         u64 byte_offset (element 0, from the buffer start),
+                         u64 buffer_nbytes, i64 shape[8], i64 strides[8]
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from simpler_daemon.mailbox import CONFIG_SIZE, MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+MAX_NDIM: Final = 8
+MAX_TENSORS: Final = (MAILBOX_ARGS_CAPACITY - 8) // TENSOR_DESC_SIZE
+MAX_OUTPUT_PREFIX: Final = 1024
+U64_MASK: Final = (1 << 64) - 1
+
+
+class Tag(IntEnum):
+    """How a task uses a tensor; drives dependency inference."""
+
+    NO_DEP = 0
+    INPUT = 1
+    OUTPUT = 2
+    INOUT = 3
+    OUTPUT_EXISTING = 4
+
+
+_DTYPES: Final[tuple[str, ...]] = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+_DTYPE_CODE: Final = {np.dtype(name): code for code, name in enumerate(_DTYPES)}
+_CODE_DTYPE: Final = tuple(np.dtype(name) for name in _DTYPES)
+
+_HEADER = struct.Struct("<ii")
+_DESC = struct.Struct("<IBBBxQQQQ8q8q")
+assert _DESC.size == TENSOR_DESC_SIZE
+_EMPTY_BLOB: Final = _HEADER.pack(0, 0)
+
+
+def dtype_code(dtype: Any) -> int:
+    """Return the wire code of a NumPy dtype; ``ValueError`` when unsupported."""
+    try:
+        return _DTYPE_CODE[np.dtype(dtype)]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(
+            f"cannot describe tensor: dtype {dtype!r} is not supported "
+            f"(supported: {', '.join(_DTYPES)})"
+        ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDesc:
+    """Where a tensor lives on the shared heap and how it is laid out."""
+
+    buffer_id: int
+    generation: int
+    buffer_offset: int
+    byte_offset: int
+    buffer_nbytes: int
+    dtype: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    tag: Tag = Tag.INPUT
+
+    def byte_range(self) -> tuple[int, int]:
+        """Half-open byte range ``[lo, hi)`` the view touches, relative to its buffer."""
+        itemsize = _CODE_DTYPE[self.dtype].itemsize
+        lo = hi = self.byte_offset
+        for dim, stride in zip(self.shape, self.strides, strict=True):
+            if dim == 0:
+                return (self.byte_offset, self.byte_offset)
+            span = (dim - 1) * stride
+            if span < 0:
+                lo += span
+            else:
+                hi += span
+        return (lo, hi + itemsize)
+
+    def with_tag(self, tag: Tag) -> TensorDesc:
+        return TensorDesc(
+            self.buffer_id,
+            self.generation,
+            self.buffer_offset,
+            self.byte_offset,
+            self.buffer_nbytes,
+            self.dtype,
+            self.shape,
+            self.strides,
+            tag,
+        )
+
+
+class TaskArgs:
+    """Tensors (with tags) and u64 scalars passed to one task.
+
+    In the parent, ``tensors`` holds the arrays given to :meth:`add_tensor`
+    (they must live on the shared heap, see ``Worker.alloc``). Inside a child,
+    ``tensors`` holds zero-copy NumPy views of the same memory and ``scalars``
+    the decoded integers.
+    """
+
+    __slots__ = ("scalars", "tags", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[np.ndarray[Any, Any]] = []
+        self.tags: list[Tag] = []
+        self.scalars: list[int] = []
+
+    def add_tensor(self, array: np.ndarray[Any, Any], tag: Tag = Tag.INPUT) -> TaskArgs:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(
+                f"cannot add tensor: expected a NumPy array from Worker.alloc, got {type(array).__name__}"
+            )
+        if len(self.tensors) >= MAX_TENSORS:
+            raise ValueError(f"cannot add tensor: a task takes at most {MAX_TENSORS} tensors")
+        self.tensors.append(array)
+        self.tags.append(Tag(tag))
+        return self
+
+    def add_scalar(self, value: int) -> TaskArgs:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"cannot add scalar: expected an int, got {type(value).__name__}")
+        v = int(value)
+        if not -(1 << 63) <= v <= U64_MASK:
+            raise ValueError(f"cannot add scalar: {v} does not fit in 64 bits")
+        self.scalars.append(v & U64_MASK)
+        return self
+
+    def __repr__(self) -> str:
+        return f"TaskArgs(tensors={len(self.tensors)}, scalars={self.scalars!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class CallConfig:
+    """Per-task settings copied by value into the task frame.
+
+    ``enable_profile`` and ``enable_dump_args`` are the diagnostic flags: a task
+    with either set is never staged ahead of its run.
+    """
+
+    deadline_ms: int = 0
+    threads: int = 0
+    enable_profile: bool = False
+    enable_dump_args: bool = False
+    output_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.deadline_ms < (1 << 63):
+            raise ValueError(f"cannot build CallConfig: deadline_ms={self.deadline_ms} is negative")
+        if not 0 <= self.threads < (1 << 31):
+            raise ValueError(f"cannot build CallConfig: threads={self.threads} out of range")
+        if len(self.output_prefix.encode()) > MAX_OUTPUT_PREFIX:
+            raise ValueError(
+                f"cannot build CallConfig: output_prefix is {len(self.output_prefix.encode())} "
+                f"bytes, the limit is {MAX_OUTPUT_PREFIX}"
+            )
+
+    @property
+    def diagnostic(self) -> bool:
+        return self.enable_profile or self.enable_dump_args
+
+    def encode(self) -> bytes:
+        return _encode_config(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> CallConfig:
+        deadline, threads, flags, plen, _ = _CONFIG.unpack_from(data, 0)
+        prefix = bytes(data[_CONFIG.size : _CONFIG.size + min(plen, MAX_OUTPUT_PREFIX)])
+        return cls(deadline, threads, bool(flags & 1), bool(flags & 2), prefix.decode())
+
+
+_CONFIG = struct.Struct("<QIIII")
+assert _CONFIG.size + MAX_OUTPUT_PREFIX <= CONFIG_SIZE
+_config_cache: dict[CallConfig, bytes] = {}
+
+
+def _encode_config(cfg: CallConfig) -> bytes:
+    data = _config_cache.get(cfg)
+    if data is None:
+        prefix = cfg.output_prefix.encode()
+        flags = int(cfg.enable_profile) | (int(cfg.enable_dump_args) << 1)
+        data = _CONFIG.pack(cfg.deadline_ms, cfg.threads, flags, len(prefix), 0) + prefix
+        if len(_config_cache) < 1024:
+            _config_cache[cfg] = data
+    return data
+
+
+DEFAULT_CONFIG: Final = CallConfig()
+
+
+def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
+    """Encode descriptors and scalars; ``ValueError`` naming both sizes when too big."""
+    if not descs and not scalars:
+        return _EMPTY_BLOB
+    need = _HEADER.size + len(descs) * TENSOR_DESC_SIZE + 8 * len(scalars)
+    if need > MAILBOX_ARGS_CAPACITY:
+        raise ValueError(
+            f"cannot encode task args: {len(descs)} tensors and {len(scalars)} scalars need "
+            f"{need} bytes, the mailbox args capacity is {MAILBOX_ARGS_CAPACITY} bytes"
+        )
+    out = bytearray(need)
+    _HEADER.pack_into(out, 0, len(descs), len(scalars))
+    off = _HEADER.size
+    for d in descs:
+        nd = len(d.shape)
+        shape = d.shape + (0,) * (MAX_NDIM - nd)
+        strides = d.strides + (0,) * (MAX_NDIM - nd)
+        _DESC.pack_into(
+            out,
+            off,
+            d.buffer_id,
+            d.dtype,
+            int(d.tag),
+            nd,
+            d.generation,
+            d.buffer_offset,
+            d.byte_offset,
+            d.buffer_nbytes,
+            *shape,
+            *strides,
+        )
+        off += TENSOR_DESC_SIZE
+    struct.pack_into(f"<{len(scalars)}Q", out, off, *scalars)
+    return bytes(out)
+
+
+def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
+    """Decode a blob into descriptors and scalars; ``ValueError`` when malformed."""
+    if len(blob) < _HEADER.size:
+        raise ValueError(f"malformed args blob: {len(blob)} bytes is shorter than its header")
+    t, s = _HEADER.unpack_from(blob, 0)
+    need = _HEADER.size + t * TENSOR_DESC_SIZE + 8 * s
+    if t < 0 or s < 0 or need > len(blob):
+        raise ValueError(f"malformed args blob: T={t} S={s} needs {need} bytes, got {len(blob)}")
+    descs = []
+    off = _HEADER.size
+    for _ in range(t):
+        f = _DESC.unpack_from(blob, off)
+        buffer_id, dtype, tag, nd = f[0], f[1], f[2], f[3]
+        if nd > MAX_NDIM or dtype >= len(_CODE_DTYPE) or tag > Tag.OUTPUT_EXISTING:
+            raise ValueError(
+                f"malformed tensor descriptor {len(descs)}: ndim={nd} dtype={dtype} tag={tag}"
+            )
+        descs.append(
+            TensorDesc(
+                buffer_id,
+                f[4],
+                f[5],
+                f[6],
+                f[7],
+                dtype,
+                tuple(f[8 : 8 + nd]),
+                tuple(f[16 : 16 + nd]),
+                Tag(tag),
+            )
+        )
+        off += TENSOR_DESC_SIZE
+    scalars = list(struct.unpack_from(f"<{s}Q", blob, off)) if s else []
+    return descs, scalars
+
+
+def decode_args(
+    blob: bytes, view: Callable[[TensorDesc], np.ndarray[Any, Any]]
+) -> TaskArgs:
+    """Rebuild a child-side :class:`TaskArgs`; ``view`` maps a descriptor to an array."""
+    args = TaskArgs()
+    if blob == _EMPTY_BLOB:
+        return args
+    descs, scalars = decode_descs(blob)
+    for d in descs:
+        args.tensors.append(view(d))
+        args.tags.append(d.tag)
+    args.scalars = scalars
+    return args
+
+
+def dtype_of(code: int) -> np.dtype[Any]:
+    return _CODE_DTYPE[code]

@@ -1,0 +1,365 @@
+"""Callable identity: descriptors, hashids, the parent registry, the child slot table.
+
+``hashid = "sha256:" + hex(sha256(descriptor))``; the descriptor is canonical::
+
+    u32 schema version (1) | u32 kind | fields, each u32 length + bytes   (little-endian)
+
+    PYTHON_IMPORT (3):     module, qualname
+    PYTHON_SERIALIZED (2): sha256 of the cloudpickle serialization
+    CHIP_CALLABLE (1):     platform, runtime, sha256(kernel payload), sha256(signature)
+
+Frames carry the raw 32-byte digest. A child resolves it to a private slot;
+no child slot number ever crosses the mailbox. The parent registry counts
+references and keeps a tombstone while an unregister is being confirmed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Final, Literal
+
+import cloudpickle
+
+from simpler_daemon.errors import RegistrationError
+
+SCHEMA_VERSION: Final = 1
+HASHID_PREFIX: Final = "sha256:"
+_HASHID_RE: Final = re.compile(r"^sha256:[0-9a-f]{64}$")
+_IDENT_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DEFAULT_SLOT_CAPACITY: Final = 4096
+
+Role = Literal["sub", "chip", "orchestration"]
+
+
+class CallableKind(IntEnum):
+    CHIP_CALLABLE = 1
+    PYTHON_SERIALIZED = 2
+    PYTHON_IMPORT = 3
+
+
+def _lp(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def make_descriptor(kind: CallableKind, *fields: bytes) -> bytes:
+    return struct.pack("<II", SCHEMA_VERSION, int(kind)) + b"".join(_lp(f) for f in fields)
+
+
+def import_descriptor(module: str, qualname: str) -> bytes:
+    return make_descriptor(CallableKind.PYTHON_IMPORT, module.encode(), qualname.encode())
+
+
+def serialized_descriptor(payload: bytes) -> bytes:
+    return make_descriptor(CallableKind.PYTHON_SERIALIZED, hashlib.sha256(payload).digest())
+
+
+def chip_descriptor(platform: str, runtime: str, kernel_payload: bytes, signature: bytes) -> bytes:
+    return make_descriptor(
+        CallableKind.CHIP_CALLABLE,
+        platform.encode(),
+        runtime.encode(),
+        hashlib.sha256(kernel_payload).digest(),
+        hashlib.sha256(signature).digest(),
+    )
+
+
+def hashid_of(descriptor: bytes) -> str:
+    return HASHID_PREFIX + hashlib.sha256(descriptor).hexdigest()
+
+
+def digest_of(hashid: str) -> bytes:
+    """Raw digest of a hashid; ``RegistrationError(HASHID_FORMAT_INVALID)`` when malformed."""
+    if not isinstance(hashid, str) or not _HASHID_RE.match(hashid):
+        raise RegistrationError(
+            "HASHID_FORMAT_INVALID",
+            f"hashid {hashid!r} is not 'sha256:' followed by 64 lowercase hex digits",
+        )
+    return bytes.fromhex(hashid[len(HASHID_PREFIX) :])
+
+
+def hashid_of_digest(digest: bytes) -> str:
+    return HASHID_PREFIX + digest.hex()
+
+
+def verify_hashid(hashid: str, descriptor: bytes) -> None:
+    """Raise ``HASHID_DESCRIPTOR_MISMATCH`` when ``hashid`` does not name ``descriptor``."""
+    digest_of(hashid)
+    actual = hashid_of(descriptor)
+    if actual != hashid:
+        raise RegistrationError(
+            "HASHID_DESCRIPTOR_MISMATCH", f"hashid {hashid} does not match its descriptor ({actual})"
+        )
+
+
+def parse_import_path(target: str) -> tuple[str, str]:
+    """Split ``module:qualname``; ``RegistrationError(HASHID_FORMAT_INVALID)`` when malformed."""
+    text = target.strip() if isinstance(target, str) else ""
+    parts = text.split(":")
+    if len(parts) != 2:
+        raise RegistrationError(
+            "HASHID_FORMAT_INVALID",
+            f"import path {target!r} must be 'module:qualname' with exactly one colon",
+        )
+    module, qualname = parts
+    if not module or module.startswith(".") or not all(_IDENT_RE.match(p) for p in module.split(".")):
+        raise RegistrationError(
+            "HASHID_FORMAT_INVALID",
+            f"import path {target!r}: module {module!r} must be an absolute dotted name",
+        )
+    if not qualname or not all(_IDENT_RE.match(p) for p in qualname.split(".")):
+        raise RegistrationError(
+            "HASHID_FORMAT_INVALID",
+            f"import path {target!r}: qualname {qualname!r} must be dotted identifiers "
+            "(no <locals>)",
+        )
+    return module, qualname
+
+
+def resolve_import(module: str, qualname: str) -> Callable[..., Any]:
+    """Import ``module`` and walk ``qualname``; raises ImportError/AttributeError/TypeError."""
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{module}:{qualname} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def importable_path(fn: Callable[..., Any]) -> str | None:
+    """``module:qualname`` when importing it yields this very object, else ``None``."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        return None
+    try:
+        if resolve_import(module, qualname) is fn:
+            return f"{module}:{qualname}"
+    except Exception:
+        return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CallableHandle:
+    """A registered callable, as returned by ``Worker.register``."""
+
+    hashid: str
+    kind: CallableKind
+    name: str
+    role: Role = "sub"
+
+    @property
+    def digest(self) -> bytes:
+        return bytes.fromhex(self.hashid[len(HASHID_PREFIX) :])
+
+    def __repr__(self) -> str:
+        return f"CallableHandle({self.name!r}, {self.hashid[:19]}…, role={self.role})"
+
+
+@dataclass(frozen=True, slots=True)
+class CallableSpec:
+    """Everything needed to make a child able to run a callable.
+
+    ``import_path`` or ``payload`` (cloudpickle bytes) says how a child gets
+    it after init; ``obj`` is the object itself, inherited through fork when
+    the callable is registered before init.
+    """
+
+    handle: CallableHandle
+    import_path: str | None = None
+    payload: bytes | None = None
+    obj: Callable[..., Any] | None = None
+
+
+def spec_for_import(target: str, role: Role = "sub") -> CallableSpec:
+    module, qualname = parse_import_path(target)
+    desc = import_descriptor(module, qualname)
+    handle = CallableHandle(hashid_of(desc), CallableKind.PYTHON_IMPORT, f"{module}:{qualname}", role)
+    return CallableSpec(handle, import_path=f"{module}:{qualname}")
+
+
+def spec_for_object(fn: Callable[..., Any], role: Role = "sub") -> CallableSpec:
+    if not callable(fn):
+        raise TypeError(f"cannot register {fn!r}: it is not callable")
+    try:
+        payload = cloudpickle.dumps(fn, protocol=5)
+    except Exception as exc:
+        raise RegistrationError(
+            "HASHID_DESCRIPTOR_MISMATCH", f"cannot serialize {fn!r} to identify it: {exc}"
+        ) from exc
+    desc = serialized_descriptor(payload)
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    handle = CallableHandle(hashid_of(desc), CallableKind.PYTHON_SERIALIZED, name, role)
+    return CallableSpec(handle, import_path=importable_path(fn), payload=payload, obj=fn)
+
+
+def spec_for_chip(target: str, platform: str = "sim", runtime: str = "python") -> CallableSpec:
+    module, qualname = parse_import_path(target)
+    path = f"{module}:{qualname}"
+    desc = chip_descriptor(platform, runtime, path.encode(), b"kernel(args, config)")
+    handle = CallableHandle(hashid_of(desc), CallableKind.CHIP_CALLABLE, path, "chip")
+    return CallableSpec(handle, import_path=path)
+
+
+def load_spec(import_path: str | None, payload: bytes | None) -> Callable[..., Any]:
+    """Child side: turn a shipped spec back into a callable."""
+    if import_path is not None:
+        module, qualname = parse_import_path(import_path)
+        return resolve_import(module, qualname)
+    if payload is not None:
+        fn = cloudpickle.loads(payload)
+        if not callable(fn):
+            raise TypeError(f"serialized payload is a {type(fn).__name__}, not a callable")
+        return fn  # type: ignore[no-any-return]
+    raise ValueError("callable spec has neither an import path nor a payload")
+
+
+# -- parent registry -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Registration:
+    spec: CallableSpec
+    refcount: int = 1
+    state: Literal["pending", "active", "tombstone"] = "active"
+    workers: frozenset[int] = field(default_factory=frozenset)
+
+
+class CallableRegistry:
+    """Parent-side registry: refcounts, pending registrations and tombstones.
+
+    The Worker drives the broadcast; this object only keeps the bookkeeping
+    honest so a hashid is reusable only after every child confirmed.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Registration] = {}
+
+    def __contains__(self, hashid: str) -> bool:
+        entry = self._entries.get(hashid)
+        return entry is not None and entry.state == "active"
+
+    def get(self, hashid: str) -> Registration:
+        entry = self._entries.get(hashid)
+        if entry is None or entry.state != "active":
+            raise RegistrationError("NOT_REGISTERED", f"callable {hashid} is not registered")
+        return entry
+
+    def lookup(self, hashid: str) -> Registration | None:
+        return self._entries.get(hashid)
+
+    def active(self) -> list[Registration]:
+        return [e for e in self._entries.values() if e.state == "active"]
+
+    def begin_register(self, spec: CallableSpec, workers: frozenset[int]) -> bool:
+        """Start a registration. True: the children must be told; False: refcount bumped."""
+        hashid = spec.handle.hashid
+        entry = self._entries.get(hashid)
+        if entry is None:
+            self._entries[hashid] = Registration(spec, 1, "pending", workers)
+            return True
+        if entry.state == "tombstone":
+            raise RegistrationError(
+                "REGISTER_TOMBSTONE_ACTIVE",
+                f"callable {hashid} is still being unregistered; retry once that completes",
+            )
+        if entry.state == "pending":
+            raise RegistrationError(
+                "REGISTER_TOMBSTONE_ACTIVE", f"callable {hashid} registration is in progress"
+            )
+        if entry.spec.handle.role != spec.handle.role:
+            raise RegistrationError(
+                "HASHID_DESCRIPTOR_MISMATCH",
+                f"callable {hashid} is registered as {entry.spec.handle.role}, "
+                f"not {spec.handle.role}",
+            )
+        entry.refcount += 1
+        return False
+
+    def commit_register(self, hashid: str) -> None:
+        self._entries[hashid].state = "active"
+
+    def abort_register(self, hashid: str) -> None:
+        entry = self._entries.get(hashid)
+        if entry is not None and entry.state == "pending":
+            del self._entries[hashid]
+
+    def begin_unregister(self, hashid: str) -> Registration | None:
+        """Drop one reference. Returns the entry when children must be told (now a tombstone)."""
+        digest_of(hashid)
+        entry = self._entries.get(hashid)
+        if entry is None or entry.state == "pending":
+            raise RegistrationError("NOT_REGISTERED", f"callable {hashid} is not registered")
+        if entry.state == "tombstone":
+            raise RegistrationError(
+                "UNREGISTER_TOMBSTONE_ACTIVE", f"callable {hashid} is already being unregistered"
+            )
+        entry.refcount -= 1
+        if entry.refcount > 0:
+            return None
+        entry.state = "tombstone"
+        return entry
+
+    def finish_unregister(self, hashid: str) -> None:
+        """Every child confirmed: the hashid may be registered again."""
+        self._entries.pop(hashid, None)
+
+
+# -- child slot table --------------------------------------------------------------------
+
+
+class SlotTable:
+    """A child's private digest -> slot map, bounded by ``capacity``."""
+
+    def __init__(self, capacity: int = DEFAULT_SLOT_CAPACITY) -> None:
+        self.capacity = capacity
+        self._by_digest: dict[bytes, int] = {}
+        self._slots: list[Callable[..., Any] | None] = []
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def add(self, digest: bytes, fn: Callable[..., Any]) -> int:
+        slot = self._by_digest.get(digest)
+        if slot is not None:
+            self._slots[slot] = fn
+            return slot
+        if self._free:
+            slot = self._free.pop()
+            self._slots[slot] = fn
+        elif len(self._slots) < self.capacity:
+            slot = len(self._slots)
+            self._slots.append(fn)
+        else:
+            raise RegistrationError(
+                "LOCAL_SLOT_EXHAUSTED",
+                f"child holds {self.capacity} callables already; unregister one first",
+            )
+        self._by_digest[digest] = slot
+        return slot
+
+    def remove(self, digest: bytes) -> bool:
+        slot = self._by_digest.pop(digest, None)
+        if slot is None:
+            return False
+        self._slots[slot] = None
+        self._free.append(slot)
+        return True
+
+    def resolve(self, digest: bytes) -> Callable[..., Any] | None:
+        slot = self._by_digest.get(digest)
+        return None if slot is None else self._slots[slot]
+
+    def slot_of(self, digest: bytes) -> int | None:
+        return self._by_digest.get(digest)
+
+
+def not_registered_message(digest: bytes) -> str:
+    return f"callable hash {hashid_of_digest(digest)} not registered"

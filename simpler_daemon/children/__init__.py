@@ -1,0 +1,1 @@
+"""Child processes: forking, supervision, and the loops that run inside children."""

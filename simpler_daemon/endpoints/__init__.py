@@ -1,0 +1,1 @@
+"""Endpoints: the transport under a lane (shared-memory mailbox, later framed TCP)."""

@@ -1,0 +1,435 @@
+"""LocalMailboxEndpoint: drives one forked child through its shared-memory mailbox.
+
+Parent side of the task path (single frame)::
+
+    submit_progress          child                         poll_progress
+    publish_task ----------> TASK_READY: run fn(args)
+      (payload, trailer,     write error + text
+       then state; wakes     store TASK_DONE  ---------->  check trailer identity
+       a parked child)       ring doorbell if parked       ACCEPTED, COMPLETED; store IDLE
+
+Two-frame bookkeeping (chip children): a frame published ``prepare_only`` is
+stored as PREPARE_READY; FRAME_STAGED is reported once; an activation is
+sticky and is published by compare-exchange FRAME_STAGED -> ACTIVATE; the
+accepted word is reported once, only when the child set it.
+
+Any stale identity, invalid state, refused publication, dead child or expired
+control timeout poisons the endpoint: SHUTDOWN is requested, completions are
+withheld until the child has exited, then every owned frame completes with
+ENDPOINT_FAILURE. Later submissions fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from simpler_daemon import _mailbox as _mb
+from simpler_daemon.endpoints.base import (
+    EndpointCaps,
+    EndpointEvent,
+    EventKind,
+    Outcome,
+    WorkerDispatch,
+)
+from simpler_daemon.errors import ControlError, EndpointError
+from simpler_daemon.mailbox import (
+    BASE_FRAME,
+    CTRL_OFF_ARG_LEN,
+    CTRL_OFF_RESULT0,
+    CTRL_OFF_RESULT1,
+    CTRL_PAYLOAD_CAPACITY,
+    ERR_SHUTDOWN,
+    OFF_ACCEPTED,
+    OFF_DISPOSITION,
+    OFF_ARGS,
+    OFF_DIGEST,
+    OFF_ERRMSG,
+    OFF_ERROR,
+    OFF_RESERVED,
+    OFF_STATE,
+    PROTOCOL,
+    TASK_FRAMES,
+    ControlOp,
+    Mailbox,
+    MailboxState,
+)
+
+if TYPE_CHECKING:
+    from simpler_daemon.children.process import ChildProcess
+
+log = logging.getLogger("simpler_daemon.endpoints")
+
+_IDLE: Final = int(MailboxState.IDLE)
+_TASK_READY: Final = int(MailboxState.TASK_READY)
+_TASK_DONE: Final = int(MailboxState.TASK_DONE)
+_TASK_FAILED: Final = int(MailboxState.TASK_FAILED)
+_PREPARE_READY: Final = int(MailboxState.PREPARE_READY)
+_FRAME_STAGED: Final = int(MailboxState.FRAME_STAGED)
+_ACTIVATE: Final = int(MailboxState.ACTIVATE)
+_TASK_LAUNCHED: Final = int(MailboxState.TASK_LAUNCHED)
+_IN_FLIGHT: Final = frozenset({_TASK_READY, _PREPARE_READY, _FRAME_STAGED, _ACTIVATE, _TASK_LAUNCHED})
+
+#: How long a poisoned endpoint waits for its child to exit before killing it.
+POISON_KILL_AFTER: Final = 2.0
+
+
+@dataclass(slots=True)
+class ControlResult:
+    result0: int
+    result1: int
+
+
+class _Frame:
+    __slots__ = ("accepted", "activate", "dispatch", "index", "off", "staged")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.off = TASK_FRAMES[index]
+        self.dispatch: WorkerDispatch | None = None
+        self.staged = False
+        self.accepted = False
+        self.activate = False
+
+
+class LocalMailboxEndpoint:
+    """One lane's transport to one local child (SUB, chip or nested Worker)."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        mailbox: Mailbox,
+        child: ChildProcess | None,
+        *,
+        task_frame_count: int = 1,
+        label: str | None = None,
+    ) -> None:
+        if task_frame_count not in (1, 2):
+            raise ValueError(f"cannot create endpoint: task_frame_count={task_frame_count}")
+        self.worker_id = worker_id
+        self.mailbox = mailbox
+        self.buf = mailbox.buf
+        self.child = child
+        self.label = label or f"worker {worker_id}"
+        self.caps = EndpointCaps(task_frame_count, task_frame_count == 2, task_frame_count)
+        self._frames = [_Frame(i) for i in range(task_frame_count)]
+        self._owned = 0
+        self._lock = threading.Lock()
+        self.poison_reason: str | None = None
+        self._poisoned_at = 0.0
+        self.stopping = False
+        self._control_op: ControlOp | None = None
+        self._control_deadline: float | None = None
+        self.tasks_completed = 0
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def poisoned(self) -> bool:
+        return self.poison_reason is not None
+
+    def owned(self) -> int:
+        return self._owned
+
+    def who(self) -> str:
+        pid = f" (pid {self.child.pid})" if self.child is not None else ""
+        return f"{self.label}{pid}"
+
+    def poison(self, reason: str) -> None:
+        """Mark the endpoint unusable; completions wait until the child has exited."""
+        if self.poison_reason is None:
+            self.poison_reason = reason
+            self._poisoned_at = time.monotonic()
+            log.warning("endpoint %s poisoned: %s", self.who(), reason)
+        self.mailbox.request_shutdown()
+
+    # -- task path --------------------------------------------------------------------------
+
+    def frame_for(self, d: WorkerDispatch) -> _Frame:
+        if len(self._frames) == 1:
+            return self._frames[0]
+        return self._frames[d.task_slot.lease_slot & 1]
+
+    def submit_progress(self, d: WorkerDispatch) -> None:
+        """Publish one dispatch. Raises ``EndpointError`` naming the reason on refusal."""
+        if self.poison_reason is not None:
+            raise EndpointError(f"cannot submit to {self.who()}: endpoint poisoned ({self.poison_reason})")
+        if self.stopping:
+            raise EndpointError(f"cannot submit to {self.who()}: endpoint is stopping")
+        if d.prepare_only and not self.caps.supports_frame_staging:
+            raise EndpointError(f"cannot stage on {self.who()}: it has a single task frame")
+        fr = self.frame_for(d)
+        if fr.dispatch is not None:
+            raise EndpointError(
+                f"cannot submit to {self.who()}: task frame {fr.index} is owned by dispatch "
+                f"{fr.dispatch.dispatch_id}"
+            )
+        slot = d.task_slot
+        state = _PREPARE_READY if d.prepare_only else _TASK_READY
+        try:
+            with self._lock:
+                _mb.publish_task(
+                    self.buf,
+                    fr.off,
+                    state,
+                    slot.config_bytes,
+                    slot.lease_slot,
+                    slot.lease_generation,
+                    slot.digest,
+                    slot.blobs[d.group_index],
+                    PROTOCOL,
+                    slot.run_id,
+                    slot.slot_id,
+                    slot.lease_generation,
+                    d.dispatch_id,
+                )
+        except ValueError as exc:
+            if "not idle" in str(exc):
+                self.poison(f"publication into a non-idle task frame {fr.index}: {exc}")
+                raise EndpointError(f"cannot submit to {self.who()}: {exc}") from exc
+            raise EndpointError(f"cannot submit to {self.who()}: {exc}") from exc
+        fr.dispatch = d
+        fr.staged = False
+        fr.accepted = False
+        fr.activate = not d.prepare_only
+        self._owned += 1
+
+    def activate_progress(self, dispatch_id: int) -> bool:
+        """Record permission to launch a staged frame; published once it is FRAME_STAGED."""
+        for fr in self._frames:
+            if fr.dispatch is not None and fr.dispatch.dispatch_id == dispatch_id:
+                fr.activate = True
+                if self.poison_reason is None:
+                    _mb.cas32(self.buf, fr.off + OFF_STATE, _FRAME_STAGED, _ACTIVATE) and _mb.wake_child(
+                        self.buf
+                    )
+                return True
+        return False
+
+    def poll_progress(self, out: list[EndpointEvent]) -> None:
+        """Append FRAME_STAGED / ACCEPTED / COMPLETED events; never blocks."""
+        if not self._owned:
+            return
+        if self.poison_reason is not None:
+            self._drain_poisoned(out)
+            return
+        buf = self.buf
+        for fr in self._frames:
+            d = fr.dispatch
+            if d is None:
+                continue
+            st = _mb.load32(buf, fr.off)
+            if st == _TASK_DONE or st == _TASK_FAILED:
+                self._complete(fr, d, out)
+            elif st in _IN_FLIGHT:
+                if st == _FRAME_STAGED:
+                    if not fr.staged:
+                        fr.staged = True
+                        disp = _mb.load32(buf, fr.off + OFF_DISPOSITION)
+                        out.append(EndpointEvent(EventKind.FRAME_STAGED, d, disposition=disp))
+                    if fr.activate and _mb.cas32(buf, fr.off, _FRAME_STAGED, _ACTIVATE):
+                        _mb.wake_child(buf)
+                elif st == _TASK_LAUNCHED and not fr.accepted and _mb.load32(buf, fr.off + OFF_ACCEPTED):
+                    fr.accepted = True
+                    out.append(EndpointEvent(EventKind.ACCEPTED, d))
+            else:
+                self.poison(f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}")
+        if self._owned and self.poison_reason is None and self.child is not None:
+            if self.child.sample(time.monotonic()):
+                self.poison(f"child {self.child.describe()}")
+        if self.poison_reason is not None:
+            self._drain_poisoned(out)
+
+    def _complete(self, fr: _Frame, d: WorkerDispatch, out: list[EndpointEvent]) -> None:
+        (state, error, message, accepted, disposition, proto, run_id, slot_id, gen, did) = (
+            _mb.read_result(self.buf, fr.off)
+        )
+        slot = d.task_slot
+        if (
+            proto != PROTOCOL
+            or did != d.dispatch_id
+            or run_id != slot.run_id
+            or slot_id != slot.slot_id
+            or gen != slot.lease_generation
+        ):
+            self.poison(
+                f"stale identity in task frame {fr.index}: found run {run_id} slot {slot_id} "
+                f"generation {gen} dispatch {did}, expected run {slot.run_id} slot "
+                f"{slot.slot_id} generation {slot.lease_generation} dispatch {d.dispatch_id}"
+            )
+            return
+        if error:
+            full_len = _mb.load64(self.buf, fr.off + OFF_RESERVED)
+            if 0 < full_len <= CTRL_PAYLOAD_CAPACITY:
+                message = _mb.read_bytes(self.buf, fr.off + OFF_ARGS, full_len).decode(
+                    errors="replace"
+                )
+        if not fr.accepted:
+            fr.accepted = True
+            out.append(EndpointEvent(EventKind.ACCEPTED, d))
+        if state == _TASK_DONE and error == 0:
+            outcome = Outcome.SUCCESS
+        elif error == ERR_SHUTDOWN:
+            outcome = Outcome.ENDPOINT_FAILURE
+        else:
+            outcome = Outcome.TASK_FAILURE
+        _mb.store32(self.buf, fr.off, _IDLE)
+        fr.dispatch = None
+        self._owned -= 1
+        self.tasks_completed += 1
+        out.append(EndpointEvent(EventKind.COMPLETED, d, outcome, error, message, disposition))
+
+    def _drain_poisoned(self, out: list[EndpointEvent]) -> None:
+        child = self.child
+        if child is not None and not child.poll():
+            if time.monotonic() - self._poisoned_at > POISON_KILL_AFTER:
+                child.signal_group(signal.SIGKILL)
+            return
+        reason = self.poison_reason or "endpoint failure"
+        for fr in self._frames:
+            d = fr.dispatch
+            if d is None:
+                continue
+            fr.dispatch = None
+            self._owned -= 1
+            out.append(
+                EndpointEvent(
+                    EventKind.COMPLETED,
+                    d,
+                    Outcome.ENDPOINT_FAILURE,
+                    -1,
+                    f"endpoint failure on {self.who()}: {reason}",
+                )
+            )
+
+    # -- controls ------------------------------------------------------------------------------
+
+    @property
+    def control_busy(self) -> bool:
+        return self._control_op is not None
+
+    def begin_control(
+        self, op: ControlOp, digest: bytes = b"", payload: bytes = b"", timeout: float | None = None
+    ) -> None:
+        """Publish a control request on the base frame (single-flight).
+
+        Raises ``EndpointError`` when poisoned, stopping or another control is in flight.
+        """
+        if self.poison_reason is not None:
+            raise EndpointError(f"cannot send {op.name} to {self.who()}: endpoint poisoned ({self.poison_reason})")
+        if self.stopping:
+            raise EndpointError(f"cannot send {op.name} to {self.who()}: endpoint is stopping")
+        if self._control_op is not None:
+            raise EndpointError(f"cannot send {op.name} to {self.who()}: {self._control_op.name} in flight")
+        if len(payload) > CTRL_PAYLOAD_CAPACITY:
+            raise EndpointError(
+                f"cannot send {op.name} to {self.who()}: payload of {len(payload)} bytes exceeds "
+                f"the control capacity of {CTRL_PAYLOAD_CAPACITY} bytes"
+            )
+        buf = self.buf
+        with self._lock:
+            if _mb.load32(buf, BASE_FRAME + OFF_STATE) != _IDLE:
+                raise EndpointError(
+                    f"cannot send {op.name} to {self.who()}: base frame is in state "
+                    f"{MailboxState(_mb.load32(buf, OFF_STATE)).name}"
+                )
+            _mb.write_bytes(buf, OFF_ARGS, payload)
+            _mb.write_bytes(buf, OFF_DIGEST, digest.ljust(32, b"\0"))
+            _mb.store64(buf, CTRL_OFF_ARG_LEN, len(payload))
+            _mb.store64(buf, CTRL_OFF_RESULT0, 0)
+            _mb.store64(buf, CTRL_OFF_RESULT1, 0)
+            _mb.store32(buf, OFF_ERROR, 0)
+            _mb.write_bytes(buf, OFF_ERRMSG, b"\0")
+            _mb.store64(buf, OFF_RESERVED, int(op))
+            if not _mb.cas32(buf, OFF_STATE, _IDLE, int(MailboxState.CONTROL_REQUEST)):
+                raise EndpointError(f"cannot send {op.name} to {self.who()}: base frame changed")
+        _mb.wake_child(buf)
+        self._control_op = op
+        self._control_deadline = None if timeout is None else time.monotonic() + timeout
+
+    def poll_control(self) -> ControlResult | None:
+        """None while pending; the result once done.
+
+        Raises ``ControlError`` when the child reports failure (endpoint stays
+        healthy) and ``EndpointError`` when the child died or the timeout
+        expired (endpoint poisoned).
+        """
+        op = self._control_op
+        if op is None:
+            raise EndpointError(f"no control in flight on {self.who()}")
+        buf = self.buf
+        st = _mb.load32(buf, OFF_STATE)
+        if st == MailboxState.CONTROL_DONE:
+            error = _mb.load32(buf, OFF_ERROR)
+            res = ControlResult(_mb.load64(buf, CTRL_OFF_RESULT0), _mb.load64(buf, CTRL_OFF_RESULT1))
+            message = _mb.read_result(buf, BASE_FRAME)[2]
+            _mb.cas32(buf, OFF_STATE, int(MailboxState.CONTROL_DONE), _IDLE)
+            self._control_op = None
+            if error:
+                raise ControlError(f"{op.name.lower()} failed on child {self.who()}: {message}")
+            return res
+        if st != MailboxState.CONTROL_REQUEST:
+            self._control_op = None
+            if st == MailboxState.SHUTDOWN:
+                raise EndpointError(f"cannot complete {op.name}: {self.who()} is shutting down")
+            self.poison(f"invalid base state {st} during {op.name}")
+            raise EndpointError(f"cannot complete {op.name} on {self.who()}: invalid state {st}")
+        if self.child is not None and self.child.poll():
+            self._control_op = None
+            self.poison(f"child {self.child.describe()} during {op.name}")
+            raise EndpointError(f"cannot complete {op.name}: child {self.child.describe()}")
+        if self._control_deadline is not None and time.monotonic() > self._control_deadline:
+            self._control_op = None
+            self.poison(f"{op.name} timed out; completion uncertain")
+            raise EndpointError(f"cannot complete {op.name} on {self.who()}: timed out")
+        return None
+
+    def control_sync(
+        self, op: ControlOp, digest: bytes = b"", payload: bytes = b"", timeout: float | None = None
+    ) -> ControlResult:
+        """Blocking control (for callers outside the event loop)."""
+        self._wait_free_sync(op)
+        self.begin_control(op, digest, payload, timeout)
+        delay = 0.00002
+        while True:
+            res = self.poll_control()
+            if res is not None:
+                return res
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    async def control(
+        self, op: ControlOp, digest: bytes = b"", payload: bytes = b"", timeout: float | None = None
+    ) -> ControlResult:
+        """Awaitable control; never blocks the event loop."""
+        import asyncio
+
+        delay = 0.0002
+        while self._control_op is not None:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        self.begin_control(op, digest, payload, timeout)
+        delay = 0.00005
+        while True:
+            res = self.poll_control()
+            if res is not None:
+                return res
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    def _wait_free_sync(self, op: ControlOp) -> None:
+        delay = 0.0002
+        while self._control_op is not None:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """No publication after this returns; the child is asked to shut down."""
+        self.stopping = True
+        self.mailbox.request_shutdown()

@@ -1,0 +1,101 @@
+"""Every exception the package raises, rooted by who is at fault.
+
+Messages read "cannot <do X>: <reason>" and name the worker, pid, hashid or
+field involved. Builtins are mixed in where callers would naturally catch
+them (a bad config is also a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SimplerError(Exception):
+    """Root of every error raised by simpler-daemon."""
+
+
+class ConfigError(SimplerError, ValueError):
+    """A configuration value is missing, malformed or contradictory.
+
+    ``key`` is the dotted path of the offending setting (``limits.max_tasks``).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class StartupError(SimplerError, RuntimeError):
+    """A worker tree could not be brought up; everything started was rolled back."""
+
+
+class EndpointError(SimplerError, RuntimeError):
+    """An endpoint is poisoned, stopping or refused a request."""
+
+
+class ProtocolError(SimplerError):
+    """Bytes on a mailbox or a wire violated the protocol; the channel is unusable."""
+
+
+class RegistrationError(SimplerError, ValueError):
+    """A callable could not be registered or unregistered.
+
+    ``code`` is one of the section 9 codes (``HASHID_FORMAT_INVALID``,
+    ``HASHID_DESCRIPTOR_MISMATCH``, ``LOCAL_SLOT_EXHAUSTED``,
+    ``REGISTER_PARTIAL_FAILURE``, ``REGISTER_CLEANUP_UNCERTAIN``,
+    ``REGISTER_TOMBSTONE_ACTIVE``, ``UNREGISTER_TOMBSTONE_ACTIVE``) or
+    ``NOT_REGISTERED`` / ``CONTROL_FAILED`` for the remaining cases.
+    """
+
+    def __init__(
+        self, code: str, message: str, failures: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.failures: dict[int, str] = dict(failures or {})
+
+
+class ControlError(SimplerError, RuntimeError):
+    """A control request failed on the child; the endpoint stays healthy."""
+
+
+class TaskError(SimplerError, RuntimeError):
+    """A run failed. Carries the identity of the first failing task."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: int = 0,
+        worker_id: int | None = None,
+        hashid: str | None = None,
+        dispatch_id: int | None = None,
+        outcome: str = "TASK_FAILURE",
+        remote_text: str = "",
+        pid: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.worker_id = worker_id
+        self.hashid = hashid
+        self.dispatch_id = dispatch_id
+        self.outcome = outcome
+        self.remote_text = remote_text
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_task_error, (str(self), self.__dict__))
+
+
+def _rebuild_task_error(message: str, state: dict[str, Any]) -> TaskError:
+    err = TaskError(message)
+    err.__dict__.update(state)
+    return err
+
+
+class RunCancelled(TaskError):
+    """The run was cancelled before it finished."""
+
+
+class WorkerClosedError(SimplerError, RuntimeError):
+    """The Worker (or daemon) is closed or closing and takes no more work."""

@@ -1,0 +1,336 @@
+"""The shared heap: one ``MAP_SHARED`` region mapped before any fork.
+
+Every child inherits the mapping at the same address, so a tensor crosses a
+mailbox as a descriptor and the child rebuilds a zero-copy NumPy view of the
+same bytes. The parent owns allocation; children only build views.
+
+A heap is anonymous by default (nothing in ``/dev/shm`` can leak). A named
+heap (for local clients that map it by name) is a ``/dev/shm`` file that is
+unlinked at close and swept at start when its creator is gone.
+
+Freed buffers are reused only after every task slot that captured them has
+retired: slots ``pin`` buffers at submit and ``unpin`` them when they retire.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from simpler_daemon.args import MAX_NDIM, TensorDesc, dtype_code, dtype_of
+
+ALIGN: Final = 64
+SHM_DIR: Final = "/dev/shm"
+_NAME_RE: Final = re.compile(r"^simpler-heap-(\d+)-[0-9a-f]+$")
+
+
+@dataclass(slots=True)
+class Buffer:
+    """One allocation on the heap."""
+
+    buffer_id: int
+    generation: int
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    pins: int = 0
+    freed: bool = False
+
+
+class Heap:
+    """Allocator over one shared mapping.
+
+    ``size`` is fixed at construction (the mapping must exist before fork).
+    Raises ``MemoryError`` naming the request when the heap is exhausted.
+    """
+
+    def __init__(self, size: int, *, name: str | None = None) -> None:
+        if size <= 0:
+            raise ValueError(f"cannot create heap: size {size} must be positive")
+        self.size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        self.name = name
+        self.path: str | None = None
+        if name is None:
+            self.mmap = mmap.mmap(-1, self.size, flags=mmap.MAP_SHARED)
+        else:
+            self.path = os.path.join(SHM_DIR, name)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                self.mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            except BaseException:
+                os.unlink(self.path)
+                raise
+            finally:
+                os.close(fd)
+        self._base = np.frombuffer(self.mmap, dtype=np.uint8)
+        self.address: int = self._base.__array_interface__["data"][0]
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, length)
+        self._buffers: dict[int, Buffer] = {}
+        self._starts: list[int] = []  # sorted offsets of live buffers
+        self._by_start: dict[int, Buffer] = {}
+        self._next_id = 1
+        self._generation = 0
+        self.closed = False
+        self.owner_pid = os.getpid()
+
+    # -- allocation -----------------------------------------------------------------
+
+    def alloc(self, shape: tuple[int, ...] | int, dtype: Any = "float32") -> np.ndarray[Any, Any]:
+        """Allocate a C-contiguous array on the heap and return a view of it."""
+        buf = self.alloc_buffer(shape, dtype)
+        return self.array(buf)
+
+    def alloc_buffer(self, shape: tuple[int, ...] | int, dtype: Any = "float32") -> Buffer:
+        self._check_open()
+        shp = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if len(shp) > MAX_NDIM or any(d < 0 for d in shp):
+            raise ValueError(
+                f"cannot allocate buffer: shape {shp} must have at most {MAX_NDIM} "
+                "non-negative dimensions"
+            )
+        dt = np.dtype(dtype)
+        dtype_code(dt)  # refuses unsupported dtypes
+        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize if shp else dt.itemsize
+        length = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        for i, (off, free_len) in enumerate(self._free):
+            if free_len >= length:
+                if free_len == length:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + length, free_len - length)
+                break
+        else:
+            raise MemoryError(
+                f"cannot allocate {nbytes} bytes on the shared heap: {self.free_bytes()} of "
+                f"{self.size} bytes free, largest block {self.largest_free()}"
+            )
+        self._generation += 1
+        buf = Buffer(self._next_id, self._generation, off, nbytes, shp, dt.str)
+        self._next_id += 1
+        self._buffers[buf.buffer_id] = buf
+        bisect.insort(self._starts, off)
+        self._by_start[off] = buf
+        return buf
+
+    def array(self, buf: Buffer) -> np.ndarray[Any, Any]:
+        dt = np.dtype(buf.dtype)
+        return np.ndarray(buf.shape, dtype=dt, buffer=self.mmap, offset=buf.offset)
+
+    def free(self, target: int | np.ndarray[Any, Any] | Buffer) -> None:
+        """Free a buffer; its memory returns to the pool once no slot pins it.
+
+        Raises ``KeyError`` naming the buffer id when it is unknown or already freed.
+        """
+        buf = self._resolve(target)
+        if buf.freed:
+            raise KeyError(f"cannot free buffer {buf.buffer_id}: already freed")
+        buf.freed = True
+        if buf.pins == 0:
+            self._release(buf)
+
+    def get(self, buffer_id: int) -> Buffer:
+        buf = self._buffers.get(buffer_id)
+        if buf is None or buf.freed:
+            raise KeyError(f"buffer {buffer_id} is not allocated")
+        return buf
+
+    def buffers(self) -> list[Buffer]:
+        return [b for b in self._buffers.values() if not b.freed]
+
+    def pin(self, buffer_id: int) -> None:
+        self._buffers[buffer_id].pins += 1
+
+    def unpin(self, buffer_id: int) -> None:
+        buf = self._buffers.get(buffer_id)
+        if buf is None:
+            return
+        buf.pins -= 1
+        if buf.pins == 0 and buf.freed:
+            self._release(buf)
+
+    def _release(self, buf: Buffer) -> None:
+        del self._buffers[buf.buffer_id]
+        i = bisect.bisect_left(self._starts, buf.offset)
+        del self._starts[i]
+        del self._by_start[buf.offset]
+        length = max(ALIGN, (buf.nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        j = bisect.bisect_left(self._free, (buf.offset, 0))
+        self._free.insert(j, (buf.offset, length))
+        # Coalesce with neighbours.
+        if j + 1 < len(self._free) and self._free[j][0] + self._free[j][1] == self._free[j + 1][0]:
+            self._free[j] = (self._free[j][0], self._free[j][1] + self._free[j + 1][1])
+            del self._free[j + 1]
+        if j > 0 and self._free[j - 1][0] + self._free[j - 1][1] == self._free[j][0]:
+            self._free[j - 1] = (self._free[j - 1][0], self._free[j - 1][1] + self._free[j][1])
+            del self._free[j]
+
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def largest_free(self) -> int:
+        return max((length for _, length in self._free), default=0)
+
+    # -- descriptors --------------------------------------------------------------
+
+    def describe(self, array: np.ndarray[Any, Any]) -> TensorDesc:
+        """Descriptor of an array that views heap memory.
+
+        Raises ``ValueError`` when the array is not on this heap or its buffer was freed.
+        """
+        ptr = array.__array_interface__["data"][0] - self.address
+        if not 0 <= ptr < self.size:
+            raise ValueError(
+                "cannot describe tensor: the array is not on the shared heap; "
+                "allocate it with Worker.alloc"
+            )
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        buf = self._by_start.get(self._starts[i]) if i >= 0 else None
+        if buf is None or buf.freed or ptr > buf.offset + buf.nbytes:
+            raise ValueError(
+                f"cannot describe tensor at heap offset {ptr}: no live buffer holds it "
+                "(freed, or not allocated with Worker.alloc)"
+            )
+        desc = TensorDesc(
+            buf.buffer_id,
+            buf.generation,
+            buf.offset,
+            ptr - buf.offset,
+            buf.nbytes,
+            dtype_code(array.dtype),
+            tuple(int(d) for d in array.shape),
+            tuple(int(s) for s in array.strides),
+        )
+        lo, hi = desc.byte_range()
+        if lo < 0 or hi > buf.nbytes:
+            raise ValueError(
+                f"cannot describe tensor: its view [{lo}, {hi}) overruns buffer "
+                f"{buf.buffer_id} of {buf.nbytes} bytes"
+            )
+        return desc
+
+    def describe_buffer(
+        self,
+        buffer_id: int,
+        *,
+        byte_offset: int,
+        shape: tuple[int, ...],
+        dtype: Any,
+        strides: tuple[int, ...] | None = None,
+    ) -> TensorDesc:
+        """Descriptor for a view given by numbers (the gRPC path); ``ValueError`` if it overruns."""
+        buf = self.get(buffer_id)
+        dt = np.dtype(dtype)
+        if strides is None:
+            strides_l = []
+            acc = dt.itemsize
+            for d in reversed(shape):
+                strides_l.append(acc)
+                acc *= d
+            strides = tuple(reversed(strides_l))
+        desc = TensorDesc(
+            buf.buffer_id,
+            buf.generation,
+            buf.offset,
+            byte_offset,
+            buf.nbytes,
+            dtype_code(dt),
+            tuple(shape),
+            tuple(strides),
+        )
+        lo, hi = desc.byte_range()
+        if byte_offset < 0 or lo < 0 or hi > buf.nbytes:
+            raise ValueError(
+                f"cannot describe tensor: view [{lo}, {hi}) overruns buffer {buffer_id} "
+                f"of {buf.nbytes} bytes"
+            )
+        return desc
+
+    def view(self, desc: TensorDesc) -> np.ndarray[Any, Any]:
+        """Child side: a zero-copy view for a descriptor, bounds-checked against the heap."""
+        lo, hi = desc.byte_range()
+        start = desc.buffer_offset
+        if lo < 0 or hi > desc.buffer_nbytes or start + desc.buffer_nbytes > self.size:
+            raise ValueError(
+                f"tensor descriptor for buffer {desc.buffer_id} overruns the heap "
+                f"([{start + lo}, {start + hi}) of {self.size})"
+            )
+        return np.ndarray(
+            desc.shape,
+            dtype=dtype_of(desc.dtype),
+            buffer=self.mmap,
+            offset=start + desc.byte_offset,
+            strides=desc.strides,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def _resolve(self, target: int | np.ndarray[Any, Any] | Buffer) -> Buffer:
+        if isinstance(target, Buffer):
+            return target
+        if isinstance(target, np.ndarray):
+            return self.get(self.describe(target).buffer_id)
+        buf = self._buffers.get(int(target))
+        if buf is None:
+            raise KeyError(f"cannot free buffer {target}: not allocated")
+        return buf
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("cannot use the shared heap: it is closed")
+
+    def close(self) -> None:
+        """Unlink a named heap and drop the mapping (views keep it alive until released)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.path is not None and os.getpid() == self.owner_pid:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        del self._base
+        try:
+            self.mmap.close()
+        except BufferError:
+            # Arrays handed to the user still view the mapping; it is released
+            # when the last of them is collected.
+            pass
+
+
+def sweep_stale_heaps(directory: str = SHM_DIR) -> list[str]:
+    """Remove named heaps whose creating process no longer exists."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def heap_name() -> str:
+    return f"simpler-heap-{os.getpid()}-{os.urandom(4).hex()}"

@@ -1,0 +1,883 @@
+"""Tests for the ``simpler_daemon._mailbox`` C extension (offsets, atomics, futex, bulk helpers)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from simpler_daemon import _mailbox as mb
+
+FRAME = mb.MAILBOX_FRAME_SIZE
+DIGEST = bytes(range(32))
+
+
+@pytest.fixture
+def box() -> Iterator[mmap.mmap]:
+    m = mmap.mmap(-1, mb.MAILBOX_SIZE)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def make_blob(t: int, s: int, fill: int = 0xAB) -> bytes:
+    return (
+        struct.pack("<ii", t, s)
+        + bytes([fill]) * (t * mb.TENSOR_DESC_SIZE)
+        + struct.pack(f"<{s}Q", *range(s))
+    )
+
+
+def publish(
+    buf: mmap.mmap | bytearray,
+    frame_off: int = 0,
+    *,
+    state: int = mb.STATE_TASK_READY,
+    config: bytes | bytearray | memoryview = b"cfg",
+    slot_id: int = 7,
+    generation: int = 2**40 + 3,
+    digest: bytes | bytearray | memoryview = DIGEST,
+    blob: bytes | bytearray | memoryview | None = None,
+    dispatch_id: int = 2**64 - 1,
+) -> None:
+    mb.publish_task(
+        buf,
+        frame_off,
+        state,
+        config,
+        slot_id,
+        generation,
+        digest,
+        make_blob(2, 3) if blob is None else blob,
+        1,  # protocol
+        99,  # run_id
+        7,  # trailer_slot_id
+        2**40 + 3,  # trailer_generation
+        dispatch_id,
+    )
+
+
+# --------------------------------------------------------------------------- constants
+
+
+def test_constants() -> None:
+    assert mb.ABI_VERSION == 1
+    assert mb.MAILBOX_SIZE == mb.MAILBOX_FRAME_SIZE * mb.MAILBOX_NUM_FRAMES == 196608
+    layout = {
+        "OFF_STATE": 0,
+        "OFF_ERROR": 4,
+        "OFF_RESERVED": 8,
+        "OFF_CONFIG": 16,
+        "CONFIG_SIZE": 1056,
+        "OFF_LEASE": 1072,
+        "OFF_DIGEST": 1088,
+        "DIGEST_SIZE": 32,
+        "OFF_ARGS": 1120,
+        "MAILBOX_ARGS_CAPACITY": 64080,
+        "OFF_WAKE_SEQ": 65200,
+        "OFF_CHILD_PARKED": 65208,
+        "OFF_SHUTDOWN": 65216,
+        "OFF_TRAILER": 65224,
+        "TRAILER_SIZE": 40,
+        "OFF_ACCEPTED": 65264,
+        "OFF_DISPOSITION": 65272,
+        "OFF_ERRMSG": 65280,
+        "ERRMSG_SIZE": 256,
+        "TENSOR_DESC_SIZE": 168,
+    }
+    for name, value in layout.items():
+        assert getattr(mb, name) == value, name
+    assert mb.OFF_ERRMSG + mb.ERRMSG_SIZE == mb.MAILBOX_FRAME_SIZE
+    names = [
+        "IDLE",
+        "TASK_READY",
+        "TASK_DONE",
+        "SHUTDOWN",
+        "CONTROL_REQUEST",
+        "CONTROL_DONE",
+        "INIT_READY",
+        "INIT_FAILED",
+        "FRAME_STAGED",
+        "TASK_LAUNCHED",
+        "TASK_FAILED",
+        "ACTIVATE",
+        "PREPARE_READY",
+    ]
+    assert {n: i for i, n in enumerate(names)} == mb.STATES
+    for n, v in mb.STATES.items():
+        assert getattr(mb, "STATE_" + n) == v
+
+
+# --------------------------------------------------------------------------- atomics
+
+
+@pytest.mark.parametrize("kind", ["mmap", "bytearray", "memoryview"])
+def test_atomics_on_every_buffer_kind(kind: str) -> None:
+    raw = bytearray(64)
+    buf: mmap.mmap | bytearray | memoryview
+    if kind == "mmap":
+        buf = mmap.mmap(-1, 64)
+    elif kind == "bytearray":
+        buf = raw
+    else:
+        buf = memoryview(raw)
+    mb.store32(buf, 8, 0x1234)
+    assert mb.load32(buf, 8) == 0x1234
+    mb.store64(buf, 16, 2**63 + 5)
+    assert mb.load64(buf, 16) == 2**63 + 5
+    if kind != "mmap":
+        assert raw[8:12] == struct.pack("<i", 0x1234)
+        assert raw[16:24] == struct.pack("<Q", 2**63 + 5)
+    if isinstance(buf, memoryview):
+        buf.release()
+    elif isinstance(buf, mmap.mmap):
+        buf.close()
+
+
+def test_load_store32_signed_and_bit_patterns(box: mmap.mmap) -> None:
+    mb.store32(box, 4, -1)
+    assert mb.load32(box, 4) == -1
+    mb.store32(box, 4, 2**32 - 1)
+    assert mb.load32(box, 4) == -1
+    mb.store32(box, 4, 2**31)
+    assert mb.load32(box, 4) == -(2**31)
+    mb.store32(box, 4, -(2**31))
+    assert mb.load32(box, 4) == -(2**31)
+    mb.store32(box, 4, 2**31 - 1)
+    assert mb.load32(box, 4) == 2**31 - 1
+    for bad in (2**32, -(2**31) - 1, 2**40):
+        with pytest.raises(OverflowError):
+            mb.store32(box, 4, bad)
+    with pytest.raises(TypeError):
+        mb.store32(box, 4, 1.5)  # type: ignore[arg-type]
+
+
+def test_load_store64_unsigned(box: mmap.mmap) -> None:
+    mb.store64(box, 8, 2**64 - 1)
+    assert mb.load64(box, 8) == 2**64 - 1
+    mb.store64(box, 8, -1)
+    assert mb.load64(box, 8) == 2**64 - 1
+    mb.store64(box, 8, 0)
+    assert mb.load64(box, 8) == 0
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(OverflowError):
+            mb.store64(box, 8, bad)
+
+
+def test_cas32(box: mmap.mmap) -> None:
+    mb.store32(box, 0, 5)
+    assert mb.cas32(box, 0, 5, 6) is True
+    assert mb.load32(box, 0) == 6
+    assert mb.cas32(box, 0, 5, 7) is False
+    assert mb.load32(box, 0) == 6
+    mb.store32(box, 0, -1)
+    assert mb.cas32(box, 0, 2**32 - 1, 0) is True  # bit-pattern equal
+    assert mb.load32(box, 0) == 0
+    with pytest.raises(OverflowError):
+        mb.cas32(box, 0, 0, 2**33)
+
+
+def test_cas64(box: mmap.mmap) -> None:
+    mb.store64(box, 8, 2**60)
+    assert mb.cas64(box, 8, 2**60, 2**64 - 2) is True
+    assert mb.load64(box, 8) == 2**64 - 2
+    assert mb.cas64(box, 8, 2**60, 1) is False
+    assert mb.load64(box, 8) == 2**64 - 2
+
+
+def test_fetch_add(box: mmap.mmap) -> None:
+    mb.store32(box, 0, 10)
+    assert mb.fetch_add32(box, 0, 5) == 10
+    assert mb.fetch_add32(box, 0, -20) == 15
+    assert mb.load32(box, 0) == -5
+    mb.store32(box, 0, 2**31 - 1)
+    assert mb.fetch_add32(box, 0, 1) == 2**31 - 1
+    assert mb.load32(box, 0) == -(2**31)  # wraps
+
+    mb.store64(box, 8, 2**64 - 1)
+    assert mb.fetch_add64(box, 8, 1) == 2**64 - 1
+    assert mb.load64(box, 8) == 0
+    assert mb.fetch_add64(box, 8, -1) == 0
+    assert mb.load64(box, 8) == 2**64 - 1
+
+
+def test_fence() -> None:
+    mb.fence()
+    mb.fence()
+
+
+ATOMIC_CALLS: list[tuple[str, int, Callable[[mmap.mmap, int], object]]] = [
+    ("load32", 4, lambda b, o: mb.load32(b, o)),
+    ("store32", 4, lambda b, o: mb.store32(b, o, 1)),
+    ("cas32", 4, lambda b, o: mb.cas32(b, o, 0, 1)),
+    ("fetch_add32", 4, lambda b, o: mb.fetch_add32(b, o, 1)),
+    ("futex_wake", 4, lambda b, o: mb.futex_wake(b, o, 1)),
+    ("futex_wait", 4, lambda b, o: mb.futex_wait(b, o, 12345, 0.0)),
+    ("spin_wait", 4, lambda b, o: mb.spin_wait(b, [o], [0], 1)),
+    ("load64", 8, lambda b, o: mb.load64(b, o)),
+    ("store64", 8, lambda b, o: mb.store64(b, o, 1)),
+    ("cas64", 8, lambda b, o: mb.cas64(b, o, 0, 1)),
+    ("fetch_add64", 8, lambda b, o: mb.fetch_add64(b, o, 1)),
+]
+
+
+@pytest.mark.parametrize(("name", "width", "call"), ATOMIC_CALLS, ids=[c[0] for c in ATOMIC_CALLS])
+def test_atomic_bounds_and_alignment(
+    name: str, width: int, call: Callable[[mmap.mmap, int], object]
+) -> None:
+    m = mmap.mmap(-1, 64)
+    try:
+        call(m, 64 - width)  # last word is fine
+        with pytest.raises(
+            IndexError,
+            match=rf"^offset 64 out of range for {width}-byte word in buffer of 64 bytes$",
+        ):
+            call(m, 64)
+        with pytest.raises(IndexError, match=r"offset -4 out of range"):
+            call(m, -4)
+        with pytest.raises(IndexError):
+            call(m, 61)
+        with pytest.raises(IndexError):
+            call(m, 2**70)
+        with pytest.raises(ValueError, match=rf"^offset 2 is not {width}-byte aligned$"):
+            call(m, 2)
+        if width == 8:
+            with pytest.raises(ValueError, match=r"^offset 4 is not 8-byte aligned$"):
+                call(m, 4)
+    finally:
+        m.close()
+
+
+def test_misaligned_memoryview_base() -> None:
+    raw = bytearray(64)
+    view = memoryview(raw)[1:]  # base address is raw+1
+    with pytest.raises(ValueError, match=r"^offset 0 is not 4-byte aligned$"):
+        mb.load32(view, 0)
+    with pytest.raises(ValueError, match=r"^offset 4 is not 4-byte aligned$"):
+        mb.load32(view, 4)
+    mb.store32(view, 3, 9)  # address raw+4 is aligned
+    assert struct.unpack_from("<i", raw, 4)[0] == 9
+    view.release()
+
+
+def test_non_writable_buffers_rejected() -> None:
+    with pytest.raises((TypeError, BufferError)):
+        mb.load32(bytes(8), 0)
+    with pytest.raises((TypeError, BufferError)):
+        mb.store32(memoryview(bytearray(8)).toreadonly(), 0, 1)
+    with pytest.raises(TypeError):
+        mb.load32("abcd", 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        mb.load32(bytearray(8), 1.0)  # type: ignore[arg-type]
+
+
+def test_buffer_released_after_errors() -> None:
+    raw = bytearray(16)
+    for call in (
+        lambda: mb.load32(raw, 100),
+        lambda: mb.load64(raw, 4),
+        lambda: mb.store32(raw, 0, 2**40),
+        lambda: mb.spin_wait(raw, [100], [0], 1),
+        lambda: mb.read_task(raw, 0),
+        lambda: mb.read_bytes(raw, 10, 10),
+    ):
+        with pytest.raises((IndexError, ValueError, OverflowError)):
+            call()
+    raw.extend(b"x")  # would raise BufferError if an export leaked
+    assert len(raw) == 17
+
+
+# --------------------------------------------------------------------------- futex
+
+
+def test_futex_wait_value_mismatch(box: mmap.mmap) -> None:
+    mb.store32(box, 0, 3)
+    assert mb.futex_wait(box, 0, 4, 1.0) == 2
+
+
+def test_futex_wait_timeout(box: mmap.mmap) -> None:
+    t0 = time.monotonic()
+    assert mb.futex_wait(box, 0, 0, 0.05) == 1
+    assert 0.04 <= time.monotonic() - t0 < 1.0
+    assert mb.futex_wait(box, 0, 0, 0) == 1
+
+
+def test_futex_wait_bad_timeout(box: mmap.mmap) -> None:
+    with pytest.raises(ValueError):
+        mb.futex_wait(box, 0, 0, -1.0)
+    with pytest.raises(ValueError):
+        mb.futex_wait(box, 0, 0, float("nan"))
+    with pytest.raises(TypeError):
+        mb.futex_wait(box, 0, 0, "1")  # type: ignore[arg-type]
+
+
+def test_futex_wake_nobody(box: mmap.mmap) -> None:
+    assert mb.futex_wake(box, 0, 1) == 0
+    with pytest.raises(ValueError):
+        mb.futex_wake(box, 0, -1)
+
+
+def test_futex_wait_woken_by_thread(box: mmap.mmap) -> None:
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(mb.futex_wait(box, 0, 0, timeout=5.0)))
+    t.start()
+    woken = 0
+    deadline = time.monotonic() + 2.0
+    while woken == 0 and time.monotonic() < deadline:
+        woken = mb.futex_wake(box, 0, 1)
+        if woken == 0:
+            time.sleep(0.001)
+    t.join(2.0)
+    assert woken == 1
+    assert result == [0]
+
+
+def _interrupt_main_after(delay: float) -> threading.Timer:
+    main = threading.main_thread().ident
+    assert main is not None and main == threading.get_ident()
+    timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGUSR1))
+    timer.start()
+    return timer
+
+
+def test_futex_wait_eintr_propagates_signal_exception(box: mmap.mmap) -> None:
+    class Boom(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Boom
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = _interrupt_main_after(0.05)
+    try:
+        with pytest.raises(Boom):
+            mb.futex_wait(box, 0, 0, 2.0)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_futex_wait_eintr_returns_3(box: mmap.mmap) -> None:
+    hits: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: hits.append(signum))
+    timer = _interrupt_main_after(0.05)
+    try:
+        assert mb.futex_wait(box, 0, 0, 2.0) == 3
+        assert hits == [signal.SIGUSR1]
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_child_wait_eintr_propagates_signal_exception(box: mmap.mmap) -> None:
+    class Boom(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Boom
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = _interrupt_main_after(0.05)
+    try:
+        with pytest.raises(Boom):
+            mb.child_wait(box, [0], [0], 0, 2.0)
+        assert mb.load32(box, mb.OFF_CHILD_PARKED) == 0
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, old)
+
+
+# --------------------------------------------------------------------------- spin_wait
+
+
+def test_spin_wait_immediate_and_budget(box: mmap.mmap) -> None:
+    mb.store32(box, 8, 1)
+    assert mb.spin_wait(box, [0, 4, 8], [0, 0, 0], 10) == 2
+    assert mb.spin_wait(box, [0, 4, 8], [0, 0, 1], 1000) == -1
+    assert mb.spin_wait(box, [0], [0], 0) == -1
+    assert mb.spin_wait(box, [8], [0], 0) == 0
+    assert mb.spin_wait(box, (0, 8), (0, 2**32 - 1), 5) == 1
+
+
+def test_spin_wait_argument_errors(box: mmap.mmap) -> None:
+    with pytest.raises(ValueError):
+        mb.spin_wait(box, [], [], 1)
+    with pytest.raises(ValueError):
+        mb.spin_wait(box, list(range(0, 36, 4)), [0] * 9, 1)
+    with pytest.raises(ValueError):
+        mb.spin_wait(box, [0, 4], [0], 1)
+    with pytest.raises(ValueError):
+        mb.spin_wait(box, [0], [0], -1)
+    with pytest.raises(IndexError):
+        mb.spin_wait(box, [0, mb.MAILBOX_SIZE], [0, 0], 1)
+    with pytest.raises(ValueError, match="not 4-byte aligned"):
+        mb.spin_wait(box, [0, 6], [0, 0], 1)
+    with pytest.raises(TypeError):
+        mb.spin_wait(box, 0, [0], 1)  # type: ignore[arg-type]
+
+
+def test_spin_wait_sees_change_from_thread(box: mmap.mmap) -> None:
+    def writer() -> None:
+        time.sleep(0.02)
+        mb.store32(box, 12, 42)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        r = -1
+        deadline = time.monotonic() + 2.0
+        while r < 0 and time.monotonic() < deadline:
+            r = mb.spin_wait(box, [0, 12], [0, 0], 1_000_000)
+        assert r == 1
+    finally:
+        t.join(2.0)
+
+
+# --------------------------------------------------------------------------- child_wait / wake_child (same process)
+
+
+def test_child_wait_returns_changed_index_without_parking(box: mmap.mmap) -> None:
+    mb.store32(box, FRAME, 1)
+    assert mb.child_wait(box, [0, FRAME], [0, 0], 1000, 1.0) == 1
+    assert mb.load32(box, mb.OFF_CHILD_PARKED) == 0
+
+
+def test_child_wait_times_out(box: mmap.mmap) -> None:
+    seq = mb.load32(box, mb.OFF_WAKE_SEQ)
+    t0 = time.monotonic()
+    assert mb.child_wait(box, [0], [0], 10_000, 0.05) == -1
+    assert time.monotonic() - t0 < 1.0
+    assert mb.load32(box, mb.OFF_CHILD_PARKED) == 0
+    assert mb.load32(box, mb.OFF_WAKE_SEQ) == seq
+
+
+def test_child_wait_argument_errors(box: mmap.mmap) -> None:
+    with pytest.raises(ValueError):
+        mb.child_wait(box, [0], [0], 0, -1.0)
+    with pytest.raises(ValueError):
+        mb.child_wait(box, [0], [0], -1, 1.0)
+    with pytest.raises(IndexError):
+        mb.child_wait(bytearray(1024), [0], [0], 0, 0.0)
+
+
+def test_wake_child_not_parked(box: mmap.mmap) -> None:
+    assert mb.wake_child(box) is False
+    assert mb.load32(box, mb.OFF_WAKE_SEQ) == 0
+    with pytest.raises(IndexError):
+        mb.wake_child(bytearray(100))
+
+
+def test_child_wait_woken_by_thread(box: mmap.mmap) -> None:
+    result: list[int] = []
+    t = threading.Thread(
+        target=lambda: result.append(mb.child_wait(box, [0, FRAME], [0, 0], 0, 5.0))
+    )
+    t.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while mb.load32(box, mb.OFF_CHILD_PARKED) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert mb.load32(box, mb.OFF_CHILD_PARKED) == 1
+        mb.store32(box, FRAME, mb.STATE_TASK_READY)
+        assert mb.wake_child(box) is True
+    finally:
+        t.join(2.0)
+    assert result == [1]
+    assert mb.load32(box, mb.OFF_CHILD_PARKED) == 0
+    assert mb.load32(box, mb.OFF_WAKE_SEQ) == 1
+
+
+# --------------------------------------------------------------------------- bulk helpers
+
+
+@pytest.mark.parametrize("frame_off", [0, FRAME, 2 * FRAME])
+def test_publish_read_task_round_trip(box: mmap.mmap, frame_off: int) -> None:
+    blob = make_blob(3, 4)
+    publish(box, frame_off, blob=blob + b"trailing garbage", config=b"\x01" * 10)
+    assert mb.load32(box, frame_off + mb.OFF_STATE) == mb.STATE_TASK_READY
+    task = mb.read_task(box, frame_off)
+    config, slot_id, gen, digest, got_blob, protocol, run_id, t_slot, t_gen, dispatch = task
+    assert config == b"\x01" * 10 + bytes(mb.CONFIG_SIZE - 10)
+    assert (slot_id, gen) == (7, 2**40 + 3)
+    assert digest == DIGEST
+    assert got_blob == blob
+    assert (protocol, run_id, t_slot, t_gen, dispatch) == (1, 99, 7, 2**40 + 3, 2**64 - 1)
+    assert mb.read_trailer(box, frame_off) == (1, 99, 7, 2**40 + 3, 2**64 - 1)
+    assert mb.load32(box, frame_off + mb.OFF_LEASE + 4) == 0
+
+    res = mb.read_result(box, frame_off)
+    assert res == (mb.STATE_TASK_READY, 0, "", 0, 0, 1, 99, 7, 2**40 + 3, 2**64 - 1)
+
+    mb.store32(box, frame_off + mb.OFF_ACCEPTED, 1)
+    mb.store32(box, frame_off + mb.OFF_DISPOSITION, -3)
+    mb.write_result(box, frame_off, mb.STATE_TASK_FAILED, -22, "bad thing")
+    res = mb.read_result(box, frame_off)
+    assert res[:5] == (mb.STATE_TASK_FAILED, -22, "bad thing", 1, -3)
+
+    # The child returns the frame to IDLE; the next publication clears results.
+    mb.store32(box, frame_off + mb.OFF_STATE, mb.STATE_IDLE)
+    publish(box, frame_off, blob=make_blob(0, 0), config=b"", dispatch_id=5)
+    res = mb.read_result(box, frame_off)
+    assert res == (mb.STATE_TASK_READY, 0, "", 0, 0, 1, 99, 7, 2**40 + 3, 5)
+    assert mb.read_task(box, frame_off)[4] == make_blob(0, 0)
+    assert mb.read_task(box, frame_off)[0] == bytes(mb.CONFIG_SIZE)
+
+
+def test_publish_full_capacity_blob(box: mmap.mmap) -> None:
+    # 8 + T*168 + S*8 == 64080 exactly: 8 + 381*168 = 64016, + 8*8 = 64080
+    blob = make_blob(381, 8)
+    assert len(blob) == mb.MAILBOX_ARGS_CAPACITY
+    publish(box, FRAME, blob=blob, config=b"c" * mb.CONFIG_SIZE)
+    got = mb.read_task(box, FRAME)
+    assert got[4] == blob
+    assert got[0] == b"c" * mb.CONFIG_SIZE
+
+
+def test_publish_size_errors(box: mmap.mmap) -> None:
+    with pytest.raises(
+        ValueError, match=r"^args blob of 64081 bytes exceeds mailbox capacity of 64080 bytes$"
+    ):
+        publish(box, blob=bytes(mb.MAILBOX_ARGS_CAPACITY + 1))
+    with pytest.raises(ValueError, match="config"):
+        publish(box, config=bytes(mb.CONFIG_SIZE + 1))
+    with pytest.raises(ValueError, match="digest"):
+        publish(box, digest=bytes(31))
+    with pytest.raises(ValueError, match="digest"):
+        publish(box, digest=bytes(33))
+    with pytest.raises(OverflowError):
+        publish(box, slot_id=2**32)
+    with pytest.raises(OverflowError):
+        publish(box, generation=-1)
+    with pytest.raises(OverflowError):
+        publish(box, dispatch_id=2**64)
+    with pytest.raises(TypeError):
+        publish(box, blob="not bytes")  # type: ignore[arg-type]
+    # Nothing was written by any refused call.
+    assert mb.load32(box, 0) == mb.STATE_IDLE
+    assert mb.read_bytes(box, 0, mb.MAILBOX_FRAME_SIZE) == bytes(mb.MAILBOX_FRAME_SIZE)
+
+
+def test_publish_accepts_any_bytes_like(box: mmap.mmap) -> None:
+    publish(
+        box,
+        config=bytearray(b"xy"),
+        digest=memoryview(DIGEST),
+        blob=memoryview(bytearray(make_blob(1, 1))),
+    )
+    got = mb.read_task(box, 0)
+    assert got[0][:2] == b"xy"
+    assert got[3] == DIGEST
+    assert got[4] == make_blob(1, 1)
+
+
+def test_publish_refuses_non_idle_frame(box: mmap.mmap) -> None:
+    publish(box, FRAME)
+    before = mb.read_bytes(box, FRAME, FRAME)
+    with pytest.raises(ValueError, match=r"^frame is not idle \(state 1\)$"):
+        publish(box, FRAME, dispatch_id=1234)
+    assert mb.read_bytes(box, FRAME, FRAME) == before
+    mb.store32(box, FRAME, mb.STATE_TASK_DONE)
+    with pytest.raises(ValueError, match=r"frame is not idle \(state 2\)"):
+        publish(box, FRAME)
+
+
+def test_frame_offset_errors(box: mmap.mmap) -> None:
+    for fn in (mb.read_task, mb.read_trailer, mb.read_result):
+        with pytest.raises(ValueError):
+            fn(box, 100)
+        with pytest.raises(IndexError):
+            fn(box, 3 * FRAME)
+        with pytest.raises(IndexError):
+            fn(box, -FRAME)
+        with pytest.raises(IndexError):
+            fn(bytearray(1000), 0)
+    with pytest.raises(ValueError):
+        publish(box, 8)
+    with pytest.raises(IndexError):
+        publish(box, 3 * FRAME)
+    with pytest.raises(ValueError):
+        mb.write_result(box, 4, 2, 0, "")
+    with pytest.raises(IndexError):
+        mb.write_result(box, 3 * FRAME, 2, 0, "")
+    # A single-frame buffer is a valid mailbox for frame 0 only.
+    one = bytearray(FRAME)
+    publish(one, 0)
+    assert mb.read_trailer(one, 0)[4] == 2**64 - 1
+    with pytest.raises(IndexError):
+        mb.read_trailer(one, FRAME)
+
+
+@pytest.mark.parametrize(
+    ("t", "s"),
+    [(-1, 0), (0, -1), (381, 9), (382, 0), (0, 8010), (2**31 - 1, 2**31 - 1)],
+)
+def test_read_task_malformed_header(box: mmap.mmap, t: int, s: int) -> None:
+    mb.write_bytes(box, mb.OFF_ARGS, struct.pack("<ii", t, s))
+    need = 8 + t * 168 + s * 8
+    with pytest.raises(
+        ValueError,
+        match=rf"^malformed args blob: T={t} S={s} needs {need} bytes, capacity 64080$",
+    ):
+        mb.read_task(box, 0)
+
+
+def test_publish_short_blob_clears_header(box: mmap.mmap) -> None:
+    mb.write_bytes(box, mb.OFF_ARGS, struct.pack("<ii", 5, 5))
+    publish(box, blob=b"")
+    assert mb.read_task(box, 0)[4] == make_blob(0, 0)
+
+
+def _utf8_prefix(s: str, limit: int) -> str:
+    out = ""
+    for c in s:
+        if len((out + c).encode()) > limit:
+            break
+        out += c
+    return out
+
+
+def test_write_result_utf8_truncation(box: mmap.mmap) -> None:
+    # 254 ASCII bytes + a 2-byte char: the char would straddle byte 255 -> dropped.
+    msg = "a" * 254 + "é" + "tail"
+    mb.write_result(box, 0, mb.STATE_TASK_FAILED, 1, msg)
+    state, error, text, *_ = mb.read_result(box, 0)
+    assert (state, error) == (mb.STATE_TASK_FAILED, 1)
+    assert text == "a" * 254
+    assert mb.read_bytes(box, mb.OFF_ERRMSG + 254, 1) == b"\0"
+
+    # 3-byte and 4-byte sequences straddling the boundary.
+    for prefix_len, ch in ((253, "€"), (254, "€"), (252, "😀"), (253, "😀"), (254, "😀")):
+        msg = "b" * prefix_len + ch * 3
+        mb.write_result(box, 0, mb.STATE_TASK_FAILED, 1, msg)
+        assert mb.read_result(box, 0)[2] == _utf8_prefix(msg, 255)
+        assert mb.read_result(box, 0)[2] == "b" * prefix_len + ch * (
+            (255 - prefix_len) // len(ch.encode())
+        )
+
+    # A character that ends exactly at byte 255 is kept.
+    msg = "c" * 253 + "é" + "more"
+    mb.write_result(box, 0, 2, 0, msg)
+    assert mb.read_result(box, 0)[2] == "c" * 253 + "é"
+
+    # Exactly 255 ASCII bytes fit; short messages are untouched.
+    mb.write_result(box, 0, 2, 0, "z" * 300)
+    assert mb.read_result(box, 0)[2] == "z" * 255
+    mb.write_result(box, 0, 2, 0, "ok ✓")
+    assert mb.read_result(box, 0)[2] == "ok ✓"
+
+
+def test_write_result_bytes_and_odd_input(box: mmap.mmap) -> None:
+    mb.write_result(box, FRAME, mb.STATE_TASK_DONE, 0, b"raw \xff bytes")
+    assert mb.read_result(box, FRAME)[2] == "raw \ufffd bytes"
+    mb.write_result(box, FRAME, mb.STATE_TASK_DONE, 0, "lone \udcff surrogate")
+    assert mb.read_result(box, FRAME)[2] == "lone \\udcff surrogate"
+    mb.write_result(box, FRAME, mb.STATE_TASK_DONE, 0, "")
+    assert mb.read_result(box, FRAME)[2] == ""
+    with pytest.raises(TypeError):
+        mb.write_result(box, FRAME, mb.STATE_TASK_DONE, 0, 12)  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):
+        mb.write_result(box, FRAME, 2**32, 0, "")
+
+
+def test_read_result_unterminated_message(box: mmap.mmap) -> None:
+    mb.write_bytes(box, mb.OFF_ERRMSG, b"x" * mb.ERRMSG_SIZE)
+    assert mb.read_result(box, 0)[2] == "x" * mb.ERRMSG_SIZE
+
+
+def test_read_write_bytes(box: mmap.mmap) -> None:
+    mb.write_bytes(box, 3, b"hello")
+    assert mb.read_bytes(box, 3, 5) == b"hello"
+    assert mb.read_bytes(box, 0, 0) == b""
+    mb.write_bytes(box, mb.MAILBOX_SIZE - 2, bytearray(b"zz"))
+    assert mb.read_bytes(box, mb.MAILBOX_SIZE - 2, 2) == b"zz"
+    with pytest.raises(IndexError):
+        mb.read_bytes(box, mb.MAILBOX_SIZE - 1, 2)
+    with pytest.raises(IndexError):
+        mb.read_bytes(box, -1, 1)
+    with pytest.raises(ValueError):
+        mb.read_bytes(box, 0, -1)
+    with pytest.raises(IndexError):
+        mb.write_bytes(box, mb.MAILBOX_SIZE - 1, b"ab")
+    with pytest.raises((TypeError, BufferError)):
+        mb.write_bytes(b"immutable", 0, b"x")
+
+
+def test_set_pdeathsig() -> None:
+    # Harmless in the test process: restore "no signal" right away.
+    mb.set_pdeathsig(0)
+    with pytest.raises(OSError):
+        mb.set_pdeathsig(10_000)
+    with pytest.raises(OSError):
+        mb.set_pdeathsig(-1)
+
+
+# --------------------------------------------------------------------------- cross-process
+
+
+def _run_child(body: Callable[[], int]) -> int:
+    """Fork; run body() in the child and _exit with its code. Returns the pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 99
+        try:
+            code = body()
+        except BaseException:
+            code = 98
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # pragma: no cover - already gone
+        pass
+
+
+def _reap(pid: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            _kill(pid)
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.001)
+
+
+def _spin_until(buf: mmap.mmap, off: int, old: int, deadline: float) -> int:
+    """Wait (spin_wait, yielding between budgets) until the word at off != old."""
+    while mb.spin_wait(buf, [off], [old], 256) < 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(off)
+        os.sched_yield()
+    return mb.load32(buf, off)
+
+
+def _payload(i: int) -> int:
+    return (i * 0x9E3779B97F4A7C15) & (2**64 - 1)
+
+
+@pytest.mark.timeout(30)
+def test_cross_process_payload_visibility() -> None:
+    iterations = 20_000
+    seq_off = mb.OFF_STATE
+    ack_off = mb.OFF_ACCEPTED
+    payload_off = mb.OFF_TRAILER
+    ok_off = mb.OFF_DISPOSITION
+    buf = mmap.mmap(-1, mb.MAILBOX_SIZE)
+
+    def child() -> int:
+        deadline = time.monotonic() + 20.0
+        seen = 0
+        for i in range(1, iterations + 1):
+            cur = _spin_until(buf, seq_off, i - 1, deadline)
+            if cur != i:
+                return 3
+            if mb.load64(buf, payload_off) == _payload(i):
+                seen += 1
+            mb.store32(buf, ok_off, seen)
+            mb.store32(buf, ack_off, i)
+        return 0 if seen == iterations else 1
+
+    pid = _run_child(child)
+    code = -1
+    try:
+        deadline = time.monotonic() + 20.0
+        for i in range(1, iterations + 1):
+            mb.store64(buf, payload_off, _payload(i))
+            mb.store32(buf, seq_off, i)
+            _spin_until(buf, ack_off, i - 1, deadline)
+            assert mb.load32(buf, ok_off) == i, f"iteration {i} missed the payload"
+        assert mb.load32(buf, ack_off) == iterations
+    except BaseException:
+        _kill(pid)
+        raise
+    finally:
+        code = _reap(pid)
+        buf.close()
+    assert code == 0
+
+
+@pytest.mark.timeout(30)
+def test_cross_process_child_wait_woken_by_wake_child() -> None:
+    buf = mmap.mmap(-1, mb.MAILBOX_SIZE)
+    result_off = mb.OFF_RESERVED  # child reports child_wait's return value here
+
+    def child() -> int:
+        r = mb.child_wait(buf, [mb.OFF_SHUTDOWN, FRAME + mb.OFF_STATE], [0, 0], 0, 10.0)
+        mb.store64(buf, result_off, r + 100)
+        return 0
+
+    pid = _run_child(child)
+    code = -1
+    try:
+        deadline = time.monotonic() + 5.0
+        while mb.load32(buf, mb.OFF_CHILD_PARKED) == 0:
+            assert time.monotonic() < deadline, "child never parked"
+            time.sleep(0.001)
+        time.sleep(0.02)  # let it reach FUTEX_WAIT
+        mb.store32(buf, FRAME + mb.OFF_STATE, mb.STATE_TASK_READY)
+        assert mb.wake_child(buf) is True
+    except BaseException:
+        _kill(pid)
+        raise
+    finally:
+        code = _reap(pid)
+    try:
+        assert code == 0
+        assert mb.load64(buf, result_off) == 101
+        assert mb.load32(buf, mb.OFF_CHILD_PARKED) == 0
+        assert mb.load32(buf, mb.OFF_WAKE_SEQ) == 1
+    finally:
+        buf.close()
+
+
+@pytest.mark.timeout(30)
+def test_cross_process_publish_task_wakes_parked_child() -> None:
+    buf = mmap.mmap(-1, mb.MAILBOX_SIZE)
+    frame_off = 2 * FRAME
+    blob = make_blob(2, 5, fill=0x5A)
+
+    def child() -> int:
+        r = mb.child_wait(buf, [frame_off + mb.OFF_STATE], [mb.STATE_IDLE], 0, 10.0)
+        if r != 0:
+            return 10
+        task = mb.read_task(buf, frame_off)
+        if task[4] != blob or task[3] != DIGEST or task[9] != 77:
+            mb.write_result(buf, frame_off, mb.STATE_TASK_FAILED, 1, "mismatch")
+            return 0
+        mb.store32(buf, frame_off + mb.OFF_ACCEPTED, 1)
+        mb.write_result(buf, frame_off, mb.STATE_TASK_DONE, 0, f"done {len(task[4])} ✓")
+        return 0
+
+    pid = _run_child(child)
+    code = -1
+    try:
+        deadline = time.monotonic() + 5.0
+        while mb.load32(buf, mb.OFF_CHILD_PARKED) == 0:
+            assert time.monotonic() < deadline, "child never parked"
+            time.sleep(0.001)
+        publish(buf, frame_off, blob=blob, dispatch_id=77)
+        state = _spin_until(buf, frame_off + mb.OFF_STATE, mb.STATE_TASK_READY, deadline)
+        assert state == mb.STATE_TASK_DONE
+        res = mb.read_result(buf, frame_off)
+        assert res[:5] == (mb.STATE_TASK_DONE, 0, f"done {len(blob)} ✓", 1, 0)
+        assert res[9] == 77
+    except BaseException:
+        _kill(pid)
+        raise
+    finally:
+        code = _reap(pid)
+        buf.close()
+    assert code == 0
