@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d
 TEST_STAMP := $(VENV)/.installed-test-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 BENCH_STAMP := $(VENV)/.installed-bench-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 
-.PHONY: run test lint bench bench-smoke clean install
+.PHONY: run test lint bench bench-smoke clean install proto build
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,9 @@ bench: $(BENCH_STAMP) build
 
 bench-smoke: $(TEST_STAMP) build
 	$(PY) -m benchmarks --smoke $(BENCH_ARGS)
+
+proto: $(TEST_STAMP)
+	$(PY) -m simpler_daemon.server.gen_proto
 
 clean:
 	rm -rf build *.egg-info simpler_daemon/*.so

@@ -1,0 +1,278 @@
+"""Prometheus metrics of the daemon and the asyncio listener that serves them.
+
+The registry is the daemon's own (never ``prometheus_client``'s global one), so
+several daemons in one process (tests) do not collide. ``/metrics`` is served by
+a small HTTP/1.1 responder on the daemon's event loop::
+
+    Prometheus --GET /metrics--> asyncio.start_server --> generate_latest(registry)
+
+so no thread is started (see the fork rule: threads only after the last fork,
+and none that the daemon does not need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.exposition import choose_encoder
+
+__all__ = ["LATENCY_BUCKETS", "Metrics"]
+
+logger = logging.getLogger(__name__)
+
+#: Task latency buckets in seconds: 10 µs to 10 s, three per decade.
+LATENCY_BUCKETS: Final = (
+    0.00001, 0.000025, 0.00005,
+    0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0,
+    10.0,
+)  # fmt: skip
+
+_MAX_REQUEST_HEAD: Final = 16 * 1024
+_REQUEST_TIMEOUT: Final = 10.0
+_CLOSE_TIMEOUT: Final = 5.0
+_REASONS: Final = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+}
+
+
+class Metrics:
+    """Counters, gauges and the latency histogram of one daemon, plus ``/metrics``.
+
+    The recording methods are cheap and synchronous; call them from the event
+    loop (or any thread: ``prometheus_client`` values are lock-protected).
+    """
+
+    def __init__(self, *, namespace: str = "simpler_daemon", runtime_metrics: bool = True) -> None:
+        """``runtime_metrics`` adds the standard ``process_*`` and ``python_*`` collectors."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        ns = namespace
+        self._dispatched = Counter(
+            "tasks_dispatched", "Tasks published to a worker.", ["kind"], namespace=ns, registry=reg
+        )
+        self._completed = Counter(
+            "tasks_completed",
+            "Tasks that reached a terminal outcome.",
+            ["kind", "outcome"],
+            namespace=ns,
+            registry=reg,
+        )
+        self._runs = Counter(
+            "runs", "Runs that finished, by outcome.", ["outcome"], namespace=ns, registry=reg
+        )
+        self._queue_depth = Gauge(
+            "queue_depth",
+            "Tasks waiting in a scheduler queue.",
+            ["queue"],
+            namespace=ns,
+            registry=reg,
+        )
+        self._lanes = Gauge(
+            "lanes",
+            "Worker lanes by kind and state.",
+            ["kind", "state"],
+            namespace=ns,
+            registry=reg,
+        )
+        self._latency = Histogram(
+            "task_latency_seconds",
+            "Time from dispatch to completion of a task.",
+            ["kind"],
+            namespace=ns,
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
+        )
+        self._restarts = Counter(
+            "child_restarts",
+            "Worker children replaced after they died.",
+            ["kind"],
+            namespace=ns,
+            registry=reg,
+        )
+        self._grpc = Counter(
+            "grpc_requests",
+            "Finished gRPC calls by method and status code.",
+            ["method", "code"],
+            namespace=ns,
+            registry=reg,
+        )
+        if runtime_metrics:
+            ProcessCollector(registry=reg)
+            PlatformCollector(registry=reg)
+            GCCollector(registry=reg)
+        self._server: asyncio.Server | None = None
+        # Open scrape connections: close() aborts their transports (cancelling the
+        # handler tasks instead trips a 3.11 streams bug that logs the cancellation).
+        self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ recording
+
+    def task_dispatched(self, kind: str) -> None:
+        """A task of ``kind`` (``sub``, ``chip``, ``next_level``...) was published."""
+        self._dispatched.labels(kind).inc()
+
+    def task_completed(self, kind: str, outcome: str, latency: float | None = None) -> None:
+        """A task finished with ``outcome``; ``latency`` (seconds since dispatch) is observed."""
+        self._completed.labels(kind, outcome).inc()
+        if latency is not None:
+            self._latency.labels(kind).observe(latency)
+
+    def observe_task_latency(self, kind: str, seconds: float) -> None:
+        """Record one dispatch-to-completion time without counting a completion."""
+        self._latency.labels(kind).observe(seconds)
+
+    def run_finished(self, outcome: str) -> None:
+        """A run reached ``outcome`` (``completed``, ``failed``, ``cancelled``)."""
+        self._runs.labels(outcome).inc()
+
+    def set_queue_depth(self, queue: str, depth: int) -> None:
+        self._queue_depth.labels(queue).set(depth)
+
+    def set_lanes(self, kind: str, state: str, count: int) -> None:
+        """How many lanes of ``kind`` are in ``state`` (``idle``, ``busy``, ``failed``...)."""
+        self._lanes.labels(kind, state).set(count)
+
+    def child_restarted(self, kind: str) -> None:
+        self._restarts.labels(kind).inc()
+
+    def grpc_request(self, method: str, code: str) -> None:
+        """A gRPC call to ``method`` finished with status ``code`` (``OK``, ``NOT_FOUND``...)."""
+        self._grpc.labels(method, code).inc()
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return bytes(generate_latest(self.registry))
+
+    # ------------------------------------------------------------------ listener
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of every bound listener socket (empty before ``start``)."""
+        if self._server is None:
+            return []
+        return [tuple(s.getsockname()[:2]) for s in self._server.sockets]
+
+    @property
+    def port(self) -> int | None:
+        """The bound port (useful after ``start(host, 0)``), None when not listening."""
+        addresses = self.addresses
+        return addresses[0][1] if addresses else None
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen for ``GET /metrics`` on ``host:port`` (port 0 picks a free one).
+
+        Raises ``RuntimeError`` when already started or closed and ``OSError``
+        when the address cannot be bound.
+        """
+        if self._closed:
+            raise RuntimeError("cannot start metrics listener: closed")
+        if self._server is not None:
+            raise RuntimeError("cannot start metrics listener: already started")
+        self._server = await asyncio.start_server(
+            self._serve, host or None, port, limit=_MAX_REQUEST_HEAD, reuse_address=True
+        )
+        logger.info("metrics listening on %s", ", ".join(f"{h}:{p}" for h, p in self.addresses))
+
+    async def close(self) -> None:
+        """Stop listening and drop open scrape connections (bounded to a few seconds).
+
+        Idempotent.
+        """
+        self._closed = True
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for writer in self._connections.values():
+            writer.transport.abort()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                if self._connections:
+                    await asyncio.gather(*self._connections, return_exceptions=True)
+                await server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            if self._closed:  # accepted while close() ran
+                return
+            try:
+                async with asyncio.timeout(_REQUEST_TIMEOUT):
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.LimitOverrunError:
+                await _respond(writer, 431, b"request head too large\n")
+                return
+            except (asyncio.IncompleteReadError, TimeoutError):
+                return
+            status, headers, body = self._handle(head)
+            await _respond(writer, status, body, headers)
+        except ConnectionError:
+            pass
+        finally:
+            self._connections.pop(task, None)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _handle(self, head: bytes) -> tuple[int, dict[str, str], bytes]:
+        request_line, *lines = head.decode("latin-1").split("\r\n")
+        parts = request_line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, {}, b"bad request line\n"
+        method, target, _ = parts
+        if target.partition("?")[0] != "/metrics":
+            return 404, {}, b"not found; metrics are at /metrics\n"
+        if method not in ("GET", "HEAD"):
+            return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
+        accept = ""
+        for line in lines:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "accept":
+                accept = value.strip()
+        encoder, content_type = choose_encoder(accept)
+        body = bytes(encoder(self.registry))
+        headers = {"Content-Type": content_type}
+        if method == "HEAD":
+            headers["Content-Length"] = str(len(body))
+            body = b""
+        return 200, headers, body
+
+
+async def _respond(
+    writer: asyncio.StreamWriter, status: int, body: bytes, headers: dict[str, str] | None = None
+) -> None:
+    fields = {"Content-Type": "text/plain; charset=utf-8", "Content-Length": str(len(body))}
+    fields.update(headers or {})
+    fields["Connection"] = "close"
+    head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in fields.items())
+    writer.write(head.encode("latin-1") + b"\r\n" + body)
+    await writer.drain()
