@@ -126,6 +126,17 @@ class ControlOp(IntEnum):
     STATS = 7
 
 
+#: Controls that mutate a child's callable table: deferred while native state is owned.
+CONTROL_REQUEST_OPS_MUTATING: Final = frozenset(
+    {
+        ControlOp.REGISTER_IMPORT,
+        ControlOp.REGISTER_SERIALIZED,
+        ControlOp.UNREGISTER,
+        ControlOp.REGISTER_CHIP,
+        ControlOp.UNREGISTER_CHIP,
+    }
+)
+
 # Control argument words inside the base frame's config area.
 CTRL_OFF_ARG_LEN: Final = OFF_CONFIG  # u64 payload length (payload lives in the args area)
 CTRL_OFF_RESULT0: Final = OFF_CONFIG + 8  # u64 result word 0

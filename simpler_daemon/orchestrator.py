@@ -65,6 +65,7 @@ class FailureInfo:
     worker_id: int | None = None
     dispatch_id: int | None = None
     pid: int | None = None
+    worker_label: str | None = None
 
 
 class TaskSlot:
@@ -220,7 +221,9 @@ class Run:
             self.error = TaskError(f"run {self.run_id} failed: {failure.message}", run_id=self.run_id,
                                    outcome=failure.outcome.name, remote_text=failure.message)
             return
-        where = f"worker {failure.worker_id}" if failure.worker_id is not None else "no worker"
+        where = failure.worker_label or (
+            f"worker {failure.worker_id}" if failure.worker_id is not None else "no worker"
+        )
         if failure.pid is not None:
             where += f" (pid {failure.pid})"
         dispatch = f", dispatch {failure.dispatch_id}" if failure.dispatch_id is not None else ""

@@ -287,15 +287,15 @@ class Scheduler(SubmitSink):
                 gq.popleft()
                 continue
             lanes = [manager.next_level.get(w) for w in g.targets]
-            if all(lane is not None and lane.idle() for lane in lanes):
+            ready = [m for m in lanes if m is not None and m.idle()]
+            if len(ready) == len(lanes):
                 gq.popleft()
                 self._claim(g)
                 self._stall_since = None
                 self._stall_warned = False
-                for i, lane in enumerate(lanes):
-                    assert lane is not None
+                for i, member in enumerate(ready):
                     g.members_started += 1
-                    self._send(lane, WorkerDispatch(g, i))
+                    self._send(member, WorkerDispatch(g, i))
                 did = True
                 continue
             reserved = set(g.targets)
@@ -308,14 +308,14 @@ class Scheduler(SubmitSink):
             q = per.get(rid)
             if not q:
                 continue
-            lane = manager.next_level.get(wid)
-            if lane is None or not lane.idle():
+            target = manager.next_level.get(wid)
+            if target is None or not target.idle():
                 continue
             while q:
                 slot = q.popleft()
                 if self._claim(slot):
                     slot.members_started = 1
-                    self._send(lane, WorkerDispatch(slot, 0))
+                    self._send(target, WorkerDispatch(slot, 0))
                     did = True
                     break
         # 5. SUB tasks on idle SUB workers
@@ -373,15 +373,15 @@ class Scheduler(SubmitSink):
             # A group queued ahead in the successor keeps FIFO order: never stage around it.
             if self.groups.get(rid):
                 return False
-            lane = self.manager.next_level.get(wid)
-            if lane is None or not lane.can_stage():
+            stager = self.manager.next_level.get(wid)
+            if stager is None or not stager.can_stage():
                 continue
             q.popleft()
             self._claim(slot)
             slot.members_started = 1
             succ.staged_one = True
             self.stats["dispatched"] += 1
-            lane.dispatch_prepared(WorkerDispatch(slot, 0))
+            stager.dispatch_prepared(WorkerDispatch(slot, 0))
             if self.on_task_event is not None:
                 self.on_task_event(slot, "dispatched", None)
             return True
@@ -424,9 +424,10 @@ class Scheduler(SubmitSink):
             if slot.failure is None:
                 ep = getattr(self._lane_of(c), "endpoint", None)
                 child = getattr(ep, "child", None)
+                label = "sub worker" if c.worker_type is WorkerType.SUB else "worker"
                 slot.failure = FailureInfo(
-                    c.outcome, c.message, c.worker_id if c.worker_type is WorkerType.NEXT_LEVEL else c.worker_id,
-                    c.dispatch.dispatch_id, getattr(child, "pid", None),
+                    c.outcome, c.message, c.worker_id, c.dispatch.dispatch_id,
+                    getattr(child, "pid", None), f"{label} {c.worker_id}",
                 )
         if self.on_task_event is not None:
             self.on_task_event(slot, "completed", c)
@@ -469,9 +470,8 @@ class Scheduler(SubmitSink):
             s, f = stack.pop()
             if s.state in (SlotState.COMPLETED, SlotState.FAILED):
                 continue
-            if not running or not first:
-                if s.state == SlotState.RUNNING:
-                    continue
+            if (not running or not first) and s.state == SlotState.RUNNING:
+                continue
             s.state = SlotState.FAILED
             s.failure = f
             run = s.run

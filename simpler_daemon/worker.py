@@ -23,6 +23,7 @@ import enum
 import inspect
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,7 @@ from simpler_daemon.callables import (
     spec_for_import,
     spec_for_object,
 )
+from simpler_daemon.children.chip import ChipContext, run_chip_child
 from simpler_daemon.children.loop import ChildContext, run_child
 from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
 from simpler_daemon.doorbell import Doorbell
@@ -54,7 +56,7 @@ from simpler_daemon.errors import (
 )
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox import BASE_FRAME, ControlOp, Mailbox, MailboxState
-from simpler_daemon.manager import WorkerManager
+from simpler_daemon.manager import WorkerManager, WorkerType
 from simpler_daemon.orchestrator import Orchestrator, Run, RunState
 from simpler_daemon.scheduler import Scheduler
 
@@ -70,17 +72,6 @@ class WorkerState(enum.Enum):
     READY = "READY"
     FAILED = "FAILED"
     CLOSED = "CLOSED"
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    if os.environ.get("SIMPLER_LOOP", "uvloop") != "asyncio":
-        try:
-            import uvloop
-
-            return uvloop.new_event_loop()  # type: ignore[no-any-return]
-        except ImportError:  # pragma: no cover - uvloop is a dependency
-            pass
-    return asyncio.new_event_loop()
 
 
 class RunHandle:
@@ -149,6 +140,8 @@ class Worker:
         child_spin_ns: int = 50_000,
         scheduler_spin_s: float = 0.0002,
         pipeline_depth: int | None = None,
+        chip_pipeline_depth: int = 2,
+        chip_trace_dir: str | None = None,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -158,10 +151,9 @@ class Worker:
             raise ValueError(f"cannot create Worker: num_sub_workers={num_sub_workers!r} must be an int >= 0")
         if isinstance(num_chips, bool) or not isinstance(num_chips, int) or num_chips < 0:
             raise ValueError(f"cannot create Worker: num_chips={num_chips!r} must be an int >= 0")
-        if num_chips:
+        if chip_pipeline_depth not in (1, 2):
             raise ValueError(
-                "cannot create Worker: num_chips > 0 needs the simulated chip backend, which this "
-                "build does not include yet"
+                f"cannot create Worker: chip_pipeline_depth={chip_pipeline_depth!r} must be 1 or 2"
             )
         if num_sub_workers == 0 and num_chips == 0:
             raise ValueError("cannot create Worker: it needs at least one SUB worker or chip")
@@ -172,22 +164,33 @@ class Worker:
         self.close_timeout = close_timeout
         self.child_spin_ns = child_spin_ns
         self.scheduler_spin_s = scheduler_spin_s
-        self.pipeline_depth = pipeline_depth or 2
+        self.pipeline_depth = pipeline_depth
+        self.chip_pipeline_depth = chip_pipeline_depth
+        self.chip_trace_dir = chip_trace_dir
         self.state = WorkerState.NEW
         self.heap = Heap(heap_bytes)
         self.registry = CallableRegistry()
         self.children: list[ChildProcess] = []
         self.mailboxes: list[Mailbox] = []
-        self.endpoints: list[LocalMailboxEndpoint] = []
+        self.sub_endpoints: list[LocalMailboxEndpoint] = []
+        self.chip_endpoints: list[LocalMailboxEndpoint] = []
         self.doorbell: Doorbell | None = None
         self.manager: WorkerManager | None = None
         self.scheduler: Scheduler | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_owned = False
+        self._aux_loop: asyncio.AbstractEventLoop | None = None
         self._drive_lock = threading.RLock()
+        self._pending_builds: list[Run] = []
+        self._poll: select.poll | None = None
+        self._pidfd_child: dict[int, ChildProcess] = {}
         self._pid = os.getpid()
         #: Test hooks: per-SUB-index callables run in the child before INIT_READY.
         self._init_hooks: dict[int, Callable[[], None]] = {}
+
+    @property
+    def endpoints(self) -> list[LocalMailboxEndpoint]:
+        """Every local endpoint: chips first, then SUB workers."""
+        return [*self.chip_endpoints, *self.sub_endpoints]
 
     # -- registration ------------------------------------------------------------------------------
 
@@ -217,7 +220,10 @@ class Worker:
         targets = self._targets_for(spec)
         if not self.registry.begin_register(spec, frozenset(range(len(targets)))):
             return spec.handle
-        if spec.import_path is not None:
+        if spec.handle.role == "chip":
+            assert spec.import_path is not None
+            op, payload = ControlOp.REGISTER_CHIP, spec.import_path.encode()
+        elif spec.import_path is not None:
             op, payload = ControlOp.REGISTER_IMPORT, spec.import_path.encode()
         else:
             assert spec.payload is not None
@@ -269,9 +275,10 @@ class Worker:
         if entry is None:
             return
         failures: dict[int, str] = {}
+        op = ControlOp.UNREGISTER_CHIP if entry.spec.handle.role == "chip" else ControlOp.UNREGISTER
         for ep in self._targets_for(entry.spec):
             try:
-                await ep.control(ControlOp.UNREGISTER, handle.digest)
+                await ep.control(op, handle.digest)
             except (ControlError, EndpointError) as exc:
                 failures[ep.worker_id] = str(exc)
         if failures:
@@ -297,7 +304,9 @@ class Worker:
 
     def _targets_for(self, spec: CallableSpec) -> list[LocalMailboxEndpoint]:
         if spec.handle.role == "sub":
-            return list(self.endpoints)
+            return list(self.sub_endpoints)
+        if spec.handle.role == "chip":
+            return list(self.chip_endpoints)
         return []
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -314,25 +323,35 @@ class Worker:
             self._release_memory()
             raise
         manager = WorkerManager()
-        for ep in self.endpoints:
+        for ep in self.chip_endpoints:
+            manager.add_next_level_at(ep.worker_id, ep)
+        for ep in self.sub_endpoints:
             manager.add_sub(ep)
         assert self.doorbell is not None
+        depths = [ep.mailbox.pipeline_depth() for ep in self.chip_endpoints]
+        # Whole-run admission depth: the minimum the chip children published; 2 for SUB-only.
+        depth = self.pipeline_depth or (min(depths) if depths else 2)
         self.manager = manager
         self.scheduler = Scheduler(
             manager,
             self.registry,
             self.heap,
             self.doorbell,
-            pipeline_depth=self.pipeline_depth,
+            pipeline_depth=max(1, depth),
             spin_s=self.scheduler_spin_s,
         )
         self.scheduler.on_admit = self._on_admit
         self.state = WorkerState.READY
 
     def _start_children(self) -> None:
+        """Fork SUB children first, then chips; one startup deadline for all of them."""
         self.doorbell = Doorbell()
-        sub_specs = [e.spec for e in self.registry.active() if e.spec.handle.role == "sub"]
+        specs = {
+            role: [e.spec for e in self.registry.active() if e.spec.handle.role == role]
+            for role in ("sub", "chip")
+        }
         deadline = time.monotonic() + self.startup_timeout
+        starting: list[tuple[str, int, Mailbox, ChildProcess]] = []
         try:
             for i in range(self.num_sub_workers):
                 mb = Mailbox()
@@ -343,63 +362,97 @@ class Worker:
                     mailbox=mb,
                     heap=self.heap,
                     doorbell=self.doorbell,
-                    specs=sub_specs,
+                    specs=specs["sub"],
                     parent_pid=self._pid,
                     spin_ns=self.child_spin_ns,
                     init_hook=self._init_hooks.get(i),
                 )
                 child = fork_child(lambda ctx=ctx: run_child(ctx), ctx.label)  # type: ignore[misc]
                 self.children.append(child)
-                self.endpoints.append(LocalMailboxEndpoint(i, mb, child, label=ctx.label))
-            self._startup_barrier(deadline)
+                starting.append(("sub", i, mb, child))
+            for j in range(self.num_chips):
+                mb = Mailbox()
+                self.mailboxes.append(mb)
+                trace = (
+                    os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl") if self.chip_trace_dir else None
+                )
+                chip_ctx = ChipContext(
+                    worker_id=j,
+                    label=f"chip {j}",
+                    mailbox=mb,
+                    heap=self.heap,
+                    doorbell=self.doorbell,
+                    specs=specs["chip"],
+                    parent_pid=self._pid,
+                    spin_ns=self.child_spin_ns,
+                    error_prefix="chip_worker",
+                    pipeline_depth=self.chip_pipeline_depth,
+                    trace_path=trace,
+                )
+                child = fork_child(lambda c=chip_ctx: run_chip_child(c), chip_ctx.label)  # type: ignore[misc]
+                self.children.append(child)
+                starting.append(("chip", j, mb, child))
+            self._startup_barrier(starting, deadline)
         except BaseException as exc:
-            self._rollback_children()
+            self._rollback_children(starting)
             if isinstance(exc, StartupError):
                 raise
             raise StartupError(f"cannot start worker: {type(exc).__name__}: {exc}") from exc
+        for kind, index, mb, child in starting:
+            if kind == "sub":
+                self.sub_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
+            else:
+                frames = 2 if mb.pipeline_depth() >= 2 else 1
+                self.chip_endpoints.append(
+                    LocalMailboxEndpoint(index, mb, child, task_frame_count=frames, label=child.label)
+                )
 
-    def _startup_barrier(self, deadline: float) -> None:
-        pending = dict(enumerate(self.endpoints))
+    def _startup_barrier(
+        self, starting: list[tuple[str, int, Mailbox, ChildProcess]], deadline: float
+    ) -> None:
+        pending = list(starting)
         delay = 0.0002
         while pending:
-            for i, ep in list(pending.items()):
-                st = ep.mailbox.state(BASE_FRAME)
+            for entry in list(pending):
+                _, _, mb, child = entry
+                st = mb.state(BASE_FRAME)
                 if st == MailboxState.INIT_READY:
-                    ep.mailbox.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
-                    _mb.wake_child(ep.mailbox.buf)
-                    del pending[i]
+                    mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
+                    _mb.wake_child(mb.buf)
+                    pending.remove(entry)
                 elif st == MailboxState.INIT_FAILED:
                     raise StartupError(
-                        f"cannot start worker: {ep.who()} failed to initialize: "
-                        f"{ep.mailbox.error_text(BASE_FRAME)}"
+                        f"cannot start worker: {child.label} (pid {child.pid}) failed to "
+                        f"initialize: {mb.error_text(BASE_FRAME)}"
                     )
-                elif ep.child is not None and ep.child.poll():
-                    raise StartupError(f"cannot start worker: {ep.child.describe()} during init")
+                elif child.poll():
+                    raise StartupError(f"cannot start worker: {child.describe()} during init")
             if not pending:
                 break
             if time.monotonic() > deadline:
-                names = ", ".join(ep.who() for ep in pending.values())
+                names = ", ".join(f"{c.label} (pid {c.pid})" for _, _, _, c in pending)
                 raise StartupError(
                     f"cannot start worker: {names} not ready within {self.startup_timeout:.1f}s"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
-    def _rollback_children(self) -> None:
+    def _rollback_children(self, starting: list[tuple[str, int, Mailbox, ChildProcess]]) -> None:
+        """SHUTDOWN to ready children, SIGTERM to starting ones, SIGKILL survivors."""
         import signal
 
-        for ep in self.endpoints:
-            if ep.child is not None and not ep.child.poll():
-                if ep.mailbox.state(BASE_FRAME) in (MailboxState.IDLE, MailboxState.INIT_READY):
-                    ep.mailbox.request_shutdown()
-                else:
-                    ep.child.signal_group(signal.SIGTERM)
-                    ep.mailbox.request_shutdown()
+        for _, _, mb, child in starting:
+            if child.poll():
+                continue
+            if mb.state(BASE_FRAME) not in (MailboxState.IDLE, MailboxState.INIT_READY):
+                child.signal_group(signal.SIGTERM)
+            mb.request_shutdown()
         reap_all(self.children, 2.0)
         for c in self.children:
             c.close()
         self.children.clear()
-        self.endpoints.clear()
+        self.sub_endpoints.clear()
+        self.chip_endpoints.clear()
         for mb in self.mailboxes:
             mb.close()
         self.mailboxes.clear()
@@ -433,7 +486,13 @@ class Worker:
         self._check_usable("free")
         self.heap.free(array)
 
-    # -- event loop binding ----------------------------------------------------------------------------
+    # -- driving the Scheduler ---------------------------------------------------------------------
+    #
+    # Bound mode: the Scheduler coroutine runs on an event loop (``run_async``,
+    # ``start_async``, the daemon). Unbound mode (blocking API only): the
+    # calling thread drives the same rounds directly — spin while work is in
+    # flight, then park in poll(2) on the doorbell and the child pidfds. Either
+    # way one owner calls lane progress at a time.
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is loop:
@@ -441,43 +500,107 @@ class Worker:
         if self._loop is not None:
             raise RuntimeError(
                 "cannot use this Worker from another event loop: its Scheduler already runs on "
-                "a different one (use either the blocking or the async API per Worker)"
+                "a different one"
             )
         assert self.scheduler is not None
-        self._loop = loop
-        self.scheduler.attach(loop)
+        with self._drive_lock:
+            self._loop = loop
+            self.scheduler.attach(loop)
+            pending, self._pending_builds = self._pending_builds, []
+        for run in pending:
+            loop.call_soon(self._build, run)
 
-    def _private_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            loop = _new_loop()
-            self._loop_owned = True
-            self._bind(loop)
-        assert self._loop is not None
-        return self._loop
+    def _bound_elsewhere(self) -> asyncio.AbstractEventLoop | None:
+        """The bound loop when called from outside it; raises when called from inside it."""
+        loop = self._loop
+        if loop is None:
+            return None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError(
+                "cannot call a blocking Worker method from its own event loop; use the *_async form"
+            )
+        if not loop.is_running():
+            raise RuntimeError("cannot block on this Worker: its event loop is not running")
+        return loop
 
     def _drive(self, aw: Awaitable[Any]) -> Any:
-        """Run ``aw`` to completion from blocking code."""
-        loop = self._loop
-        if loop is not None and not self._loop_owned:
-            if loop.is_running():
-                try:
-                    running = asyncio.get_running_loop()
-                except RuntimeError:
-                    running = None
-                if running is loop:
-                    if inspect.iscoroutine(aw):
-                        aw.close()
-                    raise RuntimeError(
-                        "cannot call a blocking Worker method from its own event loop; "
-                        "use the *_async form"
-                    )
-                return asyncio.run_coroutine_threadsafe(_as_coro(aw), loop).result()
+        """Run a rare coroutine (controls, close) to completion from blocking code."""
+        try:
+            loop = self._bound_elsewhere()
+        except RuntimeError:
             if inspect.iscoroutine(aw):
                 aw.close()
-            raise RuntimeError("cannot block on this Worker: its event loop is not running")
-        loop = self._private_loop()
+            raise
+        if loop is not None:
+            return asyncio.run_coroutine_threadsafe(_as_coro(aw), loop).result()
         with self._drive_lock:
-            return loop.run_until_complete(aw)
+            if self._aux_loop is None:
+                self._aux_loop = asyncio.new_event_loop()
+            return self._aux_loop.run_until_complete(aw)
+
+    def _drive_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Unbound mode: run Scheduler rounds on this thread until ``done()`` or the timeout."""
+        sched = self.scheduler
+        doorbell = self.doorbell
+        assert sched is not None and doorbell is not None
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        spin_s = self.scheduler_spin_s
+        spin_until = now + spin_s
+        poller = self._poller()
+        with self._drive_lock:
+            while True:
+                if self._pending_builds:
+                    self._run_pending_builds()
+                progressed = sched.round()
+                if done():
+                    return True
+                now = time.monotonic()
+                if progressed:
+                    spin_until = now + spin_s
+                    continue
+                if deadline is not None and now >= deadline:
+                    return False
+                if now < spin_until:
+                    continue
+                doorbell.park()
+                if sched.round() or done():
+                    doorbell.unpark()
+                    spin_until = time.monotonic() + spin_s
+                    if done():
+                        return True
+                    continue
+                wait_s = 0.01 if sched.busy() else 0.25
+                if deadline is not None:
+                    wait_s = max(0.0, min(wait_s, deadline - now))
+                sched.stats["parks"] += 1
+                events = poller.poll(int(wait_s * 1000) + 1)
+                doorbell.unpark()
+                for fd, _ in events:
+                    if fd == doorbell.fd:
+                        doorbell.drain()
+                    else:
+                        poller.unregister(fd)
+                        child = self._pidfd_child.pop(fd, None)
+                        if child is not None:
+                            child.poll()
+                spin_until = time.monotonic() + spin_s
+
+    def _poller(self) -> select.poll:
+        if self._poll is None:
+            assert self.doorbell is not None
+            poller = select.poll()
+            poller.register(self.doorbell.fd, select.POLLIN)
+            for child in self.children:
+                if child.pidfd is not None:
+                    poller.register(child.pidfd, select.POLLIN)
+                    self._pidfd_child[child.pidfd] = child
+            self._poll = poller
+        return self._poll
 
     async def start_async(self) -> None:
         """Bind the Scheduler to the running loop (the daemon calls this once)."""
@@ -502,6 +625,13 @@ class Worker:
         loop = self._loop
         if loop is not None:
             loop.call_soon(self._build, run)
+        else:
+            self._pending_builds.append(run)
+
+    def _run_pending_builds(self) -> None:
+        pending, self._pending_builds = self._pending_builds, []
+        for run in pending:
+            self._build(run)
 
     def _build(self, run: Run) -> None:
         if run.build_started or run.terminal:  # type: ignore[attr-defined]
@@ -516,7 +646,17 @@ class Worker:
             self._orch_failed(run, exc)
             return
         if inspect.isawaitable(res):
-            assert self._loop is not None
+            if self._loop is None:
+                if inspect.iscoroutine(res):
+                    res.close()
+                self._orch_failed(
+                    run,
+                    TypeError(
+                        "cannot run an async orchestration function through the blocking API; "
+                        "use run_async"
+                    ),
+                )
+                return
             self._loop.create_task(self._build_async(run, res))
             return
         self.scheduler.finish_building(run)
@@ -540,12 +680,15 @@ class Worker:
 
     def submit(self, orch: Orch, args: Any = None, config: CallConfig | None = None) -> RunHandle:
         """Queue a run and return its handle at once (the orchestration runs when admitted)."""
+        loop = self._bound_elsewhere()
+        if loop is not None:
+            return asyncio.run_coroutine_threadsafe(
+                self.submit_async(orch, args, config), loop
+            ).result()
         with self._drive_lock:
-            loop = self._loop if self._loop is not None else self._private_loop()
-            if not self._loop_owned and loop.is_running():
-                return self._drive(self.submit_async(orch, args, config))  # type: ignore[no-any-return]
             run = self._new_run(orch, args, config)
             if run.admitted:
+                self._pending_builds = [r for r in self._pending_builds if r is not run]
                 self._build(run)
             return RunHandle(self, run)
 
@@ -553,7 +696,9 @@ class Worker:
         """Run an orchestration to completion; raises ``TaskError`` when the run failed."""
         self.submit(orch, args, config).wait()
 
-    async def submit_async(self, orch: Orch, args: Any = None, config: CallConfig | None = None) -> RunHandle:
+    async def submit_async(
+        self, orch: Orch, args: Any = None, config: CallConfig | None = None
+    ) -> RunHandle:
         self._check_ready("submit a run")
         self._bind(asyncio.get_running_loop())
         run = self._new_run(orch, args, config)
@@ -569,19 +714,42 @@ class Worker:
     def cancel(self, handle: RunHandle | Run) -> None:
         """Cancel a run: unstarted tasks fail, running ones finish."""
         run = handle.run if isinstance(handle, RunHandle) else handle
-        assert self.scheduler is not None
-        if self._loop is not None and not self._loop_owned and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self.scheduler.cancel, run)
+        sched = self.scheduler
+        assert sched is not None
+        loop = self._bound_elsewhere()
+        if loop is not None:
+            loop.call_soon_threadsafe(self._cancel_now, run)
             return
-        self.scheduler.cancel(run)
-        if not run.admitted or not run.terminal:
-            run.building = False if not getattr(run, "build_started", False) else run.building
-            self.scheduler.finish_building(run) if not run.building else None
+        with self._drive_lock:
+            self._cancel_now(run)
+
+    def _cancel_now(self, run: Run) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        sched.cancel(run)
+        if not getattr(run, "build_started", True):
+            # Never admitted or not yet built: nothing will call finish_building.
+            run.build_started = True  # type: ignore[attr-defined]
+            self._pending_builds = [r for r in self._pending_builds if r is not run]
+            if not run.admitted:
+                sched.admission.release(run)
+                run.building = False
+                run.state = RunState.FAILED
+                run.fire_done()
+            else:
+                sched.finish_building(run)
 
     def _wait_run(self, run: Run, timeout: float | None) -> None:
         if run.terminal:
             return
-        self._drive(self._wait_run_async(run, timeout))
+        loop = self._bound_elsewhere()
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(self._wait_run_async(run, timeout), loop).result()
+            return
+        if not self._drive_until(lambda: run.terminal, timeout):
+            raise TimeoutError(
+                f"run {run.run_id} not finished within {timeout}s (state {run.state.name})"
+            )
 
     async def _wait_run_async(self, run: Run, timeout: float | None) -> None:
         if run.terminal:
@@ -600,31 +768,43 @@ class Worker:
         try:
             await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise TimeoutError(f"run {run.run_id} not finished within {timeout}s (state {run.state.name})") from None
+            raise TimeoutError(
+                f"run {run.run_id} not finished within {timeout}s (state {run.state.name})"
+            ) from None
 
     # -- introspection ------------------------------------------------------------------------------------
 
     def list_workers(self) -> list[dict[str, Any]]:
+        """One entry per child: kind, id, pid, liveness, pipeline depth and lane state."""
         out = []
-        lanes = self.manager.sub if self.manager is not None else []
-        for ep, lane in zip(self.endpoints, lanes or [None] * len(self.endpoints), strict=True):
-            out.append(
-                {
-                    "kind": "sub",
-                    "worker_id": ep.worker_id,
-                    "pid": ep.child.pid if ep.child else None,
-                    "alive": ep.child is not None and not ep.child.exited,
-                    "poisoned": ep.poison_reason,
-                    "busy": bool(lane.inflight) if lane is not None else False,
-                    "tasks_completed": ep.tasks_completed,
-                }
-            )
+        manager = self.manager
+        for kind, eps in (("chip", self.chip_endpoints), ("sub", self.sub_endpoints)):
+            for ep in eps:
+                lane = None
+                if manager is not None:
+                    lane = (manager.next_level.get(ep.worker_id) if kind == "chip"
+                            else manager.get_worker_by_id(WorkerType.SUB, ep.worker_id))
+                out.append(
+                    {
+                        "kind": kind,
+                        "worker_id": ep.worker_id,
+                        "pid": ep.child.pid if ep.child else None,
+                        "alive": ep.child is not None and not ep.child.exited,
+                        "poisoned": ep.poison_reason,
+                        "pipeline_depth": ep.mailbox.pipeline_depth() if kind == "chip" else 1,
+                        "task_frames": ep.caps.task_frame_count,
+                        "active": lane is not None and lane.active is not None,
+                        "staged": lane is not None and lane.staged is not None,
+                        "busy": bool(lane.inflight) if lane is not None else False,
+                        "tasks_completed": ep.tasks_completed,
+                    }
+                )
         return out
 
     def ping(self, worker_index: int, timeout: float | None = 5.0) -> int:
         """Round-trip a PING control to one SUB worker; returns its pid."""
         self._check_ready("ping")
-        ep = self.endpoints[worker_index]
+        ep = self.sub_endpoints[worker_index]
 
         async def go() -> int:
             return (await ep.control(ControlOp.PING, timeout=timeout)).result0
@@ -645,78 +825,94 @@ class Worker:
             self.state = WorkerState.CLOSED
             self._release_memory()
             return
-        loop = self._loop
-        if loop is not None and not self._loop_owned and loop.is_running():
-            self._drive(self.close_async(budget))
+        loop = self._bound_elsewhere()
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(self.close_async(budget), loop).result()
             return
-        loop = self._private_loop()
         with self._drive_lock:
-            loop.run_until_complete(self.close_async(budget))
-            self._close_private_loop()
+            deadline = time.monotonic() + budget
+            sched = self.scheduler
+            assert sched is not None
+            self.state = WorkerState.CLOSED
+            sched.admission.closed = True
+            runs = [r for r in sched.admission.runs() if not r.terminal]
+            self._drive_until(lambda: all(r.terminal for r in runs), budget / 2)
+            self._cancel_all()
+            self._stop_sync(deadline)
+            if self._aux_loop is not None:
+                self._aux_loop.close()
+                self._aux_loop = None
 
     async def close_async(self, timeout: float | None = None) -> None:
-        """The stop sequence, on the bound loop."""
+        """The stop sequence from the bound loop: drain, cancel, stop, reap, release."""
         if self.state is WorkerState.CLOSED:
+            return
+        if self.state is not WorkerState.READY:
+            self.state = WorkerState.CLOSED
+            self._release_memory()
             return
         budget = self.close_timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         sched = self.scheduler
-        assert sched is not None and self.manager is not None
-        if self._loop is None:
-            self._bind(asyncio.get_running_loop())
+        assert sched is not None
         self.state = WorkerState.CLOSED
         sched.admission.closed = True
-        # 1. let admitted runs finish within half the budget, then cancel the rest.
-        runs = sched.admission.runs()
-        drain_deadline = time.monotonic() + budget / 2
-        while any(not r.terminal for r in runs) and time.monotonic() < drain_deadline:
-            await asyncio.sleep(0.002)
+        pending = [r for r in sched.admission.runs() if not r.terminal]
+        if pending and self._loop is not None:
+            waits = [asyncio.ensure_future(self._wait_run_async(r, None)) for r in pending]
+            _, not_done = await asyncio.wait(waits, timeout=budget / 2)
+            for t in not_done:
+                t.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        self._cancel_all()
+        if self._loop is not None:
+            sched.stop()
+            with contextlib.suppress(Exception):
+                await sched.wait_stopped()
+            sched.detach()
+            self._loop = None
+        self._stop_sync(deadline)
+
+    def _cancel_all(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
         for r in sched.admission.runs():
             if not r.terminal:
-                r.cancelled = True
                 r.record_error(None, _cancel_failure())
-                sched.cancel(r, record=False)
-                if not getattr(r, "build_started", True):
-                    sched.finish_building(r)
-        # 2. stop lanes; keep progressing until every frame is terminal.
-        self.manager.stop_workers()
+                self._cancel_now(r)
+
+    def _stop_sync(self, deadline: float) -> None:
+        """Stop lanes, progress until every frame is terminal, reap, release memory."""
+        sched = self.scheduler
+        manager = self.manager
+        assert sched is not None and manager is not None
+        self._loop = None
+        manager.stop_workers()
         while sched.busy() and time.monotonic() < deadline:
             for mb in self.mailboxes:
                 mb.request_shutdown()
-            sched.wake()
-            await asyncio.sleep(0.002)
-        sched.stop()
-        with contextlib.suppress(Exception):
-            await sched.wait_stopped()
-        sched.detach()
-        # 3. reap every child under one shared deadline.
+            self._drive_until(lambda: not sched.busy(), min(0.05, max(0.0, deadline - time.monotonic())))
         for mb in self.mailboxes:
             mb.request_shutdown()
-        killed = reap_all(self.children, max(0.5, deadline - time.monotonic()))
-        for msg in killed:
+        for msg in reap_all(self.children, max(0.5, deadline - time.monotonic())):
             log.warning("close: %s", msg)
+        sched.round()  # poisoned endpoints release their withheld completions now
         for r in sched.admission.runs():
             if not r.terminal:
                 r.record_error(None, _cancel_failure())
                 r.building = False
                 r.remaining = 0
                 sched._maybe_finish_run(r)
-        self.manager.stop()
+        manager.stop()
         for c in self.children:
             c.close()
+        self._poll = None
+        self._pidfd_child.clear()
         for mb in self.mailboxes:
             mb.close()
         if self.doorbell is not None:
             self.doorbell.close()
         self._release_memory()
-
-    def _close_private_loop(self) -> None:
-        if self._loop is not None and self._loop_owned:
-            loop = self._loop
-            with contextlib.suppress(Exception):
-                loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-        self._loop = None
 
     def __enter__(self) -> Worker:
         if self.state is WorkerState.NEW:

@@ -45,9 +45,9 @@ from simpler_daemon.mailbox import (
     CTRL_PAYLOAD_CAPACITY,
     ERR_SHUTDOWN,
     OFF_ACCEPTED,
-    OFF_DISPOSITION,
     OFF_ARGS,
     OFF_DIGEST,
+    OFF_DISPOSITION,
     OFF_ERRMSG,
     OFF_ERROR,
     OFF_RESERVED,
@@ -152,7 +152,8 @@ class LocalMailboxEndpoint:
     def frame_for(self, d: WorkerDispatch) -> _Frame:
         if len(self._frames) == 1:
             return self._frames[0]
-        return self._frames[d.task_slot.lease_slot & 1]
+        index: int = d.task_slot.lease_slot & 1
+        return self._frames[index]
 
     def submit_progress(self, d: WorkerDispatch) -> None:
         """Publish one dispatch. Raises ``EndpointError`` naming the reason on refusal."""
@@ -195,7 +196,8 @@ class LocalMailboxEndpoint:
         fr.dispatch = d
         fr.staged = False
         fr.accepted = False
-        fr.activate = not d.prepare_only
+        # Activation is implied by TASK_READY; only a staged successor needs ACTIVATE.
+        fr.activate = False
         self._owned += 1
 
     def activate_progress(self, dispatch_id: int) -> bool:
@@ -223,7 +225,7 @@ class LocalMailboxEndpoint:
             if d is None:
                 continue
             st = _mb.load32(buf, fr.off)
-            if st == _TASK_DONE or st == _TASK_FAILED:
+            if st in (_TASK_DONE, _TASK_FAILED):
                 self._complete(fr, d, out)
             elif st in _IN_FLIGHT:
                 if st == _FRAME_STAGED:
@@ -238,14 +240,14 @@ class LocalMailboxEndpoint:
                     out.append(EndpointEvent(EventKind.ACCEPTED, d))
             else:
                 self.poison(f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}")
-        if self._owned and self.poison_reason is None and self.child is not None:
-            if self.child.sample(time.monotonic()):
-                self.poison(f"child {self.child.describe()}")
+        child = self.child
+        if self._owned and self.poison_reason is None and child is not None and child.sample(time.monotonic()):
+            self.poison(f"child {child.describe()}")
         if self.poison_reason is not None:
             self._drain_poisoned(out)
 
     def _complete(self, fr: _Frame, d: WorkerDispatch, out: list[EndpointEvent]) -> None:
-        (state, error, message, accepted, disposition, proto, run_id, slot_id, gen, did) = (
+        (state, error, message, _accepted, disposition, proto, run_id, slot_id, gen, did) = (
             _mb.read_result(self.buf, fr.off)
         )
         slot = d.task_slot

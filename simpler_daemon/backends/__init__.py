@@ -1,0 +1,1 @@
+"""Chip backends: the seam where a device runtime plugs into a chip child."""

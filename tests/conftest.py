@@ -1,0 +1,61 @@
+"""Shared fixtures: leak guards (no child process, no /dev/shm file, no unobserved loop
+exception outlives a test) and the event-loop choice (SIMPLER_LOOP=asyncio|uvloop)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from simpler_daemon.testing import child_pids, shm_files
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_children() -> Iterator[None]:
+    """Fail a test that leaves a child process or a /dev/shm file of ours behind."""
+    shm_before = shm_files()
+    yield
+    gc.collect()
+    from simpler_daemon.testing import poll_for
+
+    poll_for(lambda: not child_pids(), timeout=10.0, message="child processes outlived the test")
+    leaked = shm_files() - shm_before
+    assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Run async tests under uvloop unless SIMPLER_LOOP=asyncio."""
+    if os.environ.get("SIMPLER_LOOP", "uvloop") == "asyncio":
+        return {"asyncio": asyncio.new_event_loop}
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
+
+
+class _Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def fail_on_unobserved_loop_exception() -> Iterator[None]:
+    """An exception that reached an event loop's default handler (logged by the
+    ``asyncio`` logger: 'Task exception was never retrieved', a failing callback)
+    fails the test, under asyncio and uvloop alike."""
+    rec = _Recorder()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(rec)
+    try:
+        yield
+        gc.collect()
+    finally:
+        logger.removeHandler(rec)
+    assert not rec.records, f"unobserved exception in the event loop: {rec.records[0].getMessage()}"
