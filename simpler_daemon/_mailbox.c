@@ -18,6 +18,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <sched.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
@@ -893,8 +894,14 @@ mb_child_wait(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
             if (r >= 0) {
                 break;
             }
-            if ((it & 63) == 0 && monotonic_ns() >= deadline) {
-                break;
+            if ((it & 63) == 0) {
+                if (monotonic_ns() >= deadline) {
+                    break;
+                }
+                /* On a machine with more runnable processes than cores (a
+                 * busy parent plus spinning children), hand the core back so
+                 * the parent can publish the next task; a no-op when idle. */
+                sched_yield();
             }
         }
     }

@@ -84,6 +84,9 @@ class Scheduler(SubmitSink):
         self._stall_since: float | None = None
         self._stall_warned = False
         self._in_round = False
+        self._suspect: set[WorkerThread] = set()
+        #: Called once for a lane whose child died and whose frames are all terminal.
+        self.on_lane_dead: Callable[[WorkerThread], None] | None = None
         self.on_admit: Callable[[Run], None] | None = None
         self.on_task_event: Callable[[TaskSlot, str, WorkerCompletion | None], None] | None = None
         self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "rounds": 0, "parks": 0}
@@ -255,6 +258,8 @@ class Scheduler(SubmitSink):
         head = self.admission.head
         if head is not None and self._dispatch(head):
             progressed = True
+        if self._suspect:
+            self._check_dead_lanes()
         return progressed
 
     def _claim(self, slot: TaskSlot) -> bool:
@@ -421,6 +426,10 @@ class Scheduler(SubmitSink):
             self.stats["completed"] += 1
         else:
             self.stats["failed"] += 1
+            if c.outcome is Outcome.ENDPOINT_FAILURE:
+                lane = self._lane_of(c)
+                if lane is not None:
+                    self._suspect.add(lane)
             if slot.failure is None:
                 ep = getattr(self._lane_of(c), "endpoint", None)
                 child = getattr(ep, "child", None)
@@ -542,8 +551,36 @@ class Scheduler(SubmitSink):
     def _on_child_exit(self, child: Any) -> None:
         if self._loop is not None and child.pidfd is not None:
             self._loop.remove_reader(child.pidfd)
-        child.poll()
+        self.child_exited(child)
         self.wake()
+
+    def watch_child(self, child: Any) -> None:
+        """Observe a (replacement) child's exit through its pidfd on the bound loop."""
+        if self._loop is not None and child.pidfd is not None:
+            self._loop.add_reader(child.pidfd, self._on_child_exit, child)
+
+    def child_exited(self, child: Any) -> None:
+        """A child died: poison its endpoint now, so an idle dead lane is never dispatched to."""
+        child.poll()
+        reason = f"child {child.describe()}"
+        for lane in self._lanes:
+            ep = lane.endpoint
+            if getattr(ep, "child", None) is child:
+                if not ep.poisoned and hasattr(ep, "poison"):
+                    ep.poison(reason)
+                self._suspect.add(lane)
+
+    def _check_dead_lanes(self) -> None:
+        """Report a lane whose endpoint is poisoned, drained and whose child has exited."""
+        for lane in list(self._suspect):
+            ep = lane.endpoint
+            child = getattr(ep, "child", None)
+            if not ep.poisoned:
+                self._suspect.discard(lane)
+            elif lane.inflight == 0 and (child is None or child.poll()):
+                self._suspect.discard(lane)
+                if self.on_lane_dead is not None and not self._stopped:
+                    self.on_lane_dead(lane)
 
     async def run(self) -> None:
         """Progress rounds until stopped; spin briefly, then park on the doorbell."""

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from simpler_daemon import _mailbox as _mb
-from simpler_daemon.args import CallConfig, TaskArgs
+from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, TaskArgs
 from simpler_daemon.callables import (
     CallableHandle,
     CallableRegistry,
@@ -42,6 +42,7 @@ from simpler_daemon.callables import (
     spec_for_object,
 )
 from simpler_daemon.children.chip import ChipContext, run_chip_child
+from simpler_daemon.children.forkserver import ForkServer
 from simpler_daemon.children.loop import ChildContext, run_child
 from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
 from simpler_daemon.doorbell import Doorbell
@@ -56,7 +57,7 @@ from simpler_daemon.errors import (
 )
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox import BASE_FRAME, ControlOp, Mailbox, MailboxState
-from simpler_daemon.manager import WorkerManager, WorkerType
+from simpler_daemon.manager import WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.orchestrator import Orchestrator, Run, RunState
 from simpler_daemon.scheduler import Scheduler
 
@@ -142,6 +143,7 @@ class Worker:
         pipeline_depth: int | None = None,
         chip_pipeline_depth: int = 2,
         chip_trace_dir: str | None = None,
+        restart_children: bool = True,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -167,6 +169,12 @@ class Worker:
         self.pipeline_depth = pipeline_depth
         self.chip_pipeline_depth = chip_pipeline_depth
         self.chip_trace_dir = chip_trace_dir
+        self.restart_children = restart_children
+        self.forkserver: ForkServer | None = None
+        self._child_specs: dict[tuple[str, int], tuple[Any, Callable[[Any], int]]] = {}
+        self._dead_lanes: list[WorkerThread] = []
+        #: Replacement children started, by kind ("sub" / "chip").
+        self.restarts: dict[str, int] = {"sub": 0, "chip": 0}
         self.state = WorkerState.NEW
         self.heap = Heap(heap_bytes)
         self.registry = CallableRegistry()
@@ -220,27 +228,20 @@ class Worker:
         targets = self._targets_for(spec)
         if not self.registry.begin_register(spec, frozenset(range(len(targets)))):
             return spec.handle
-        if spec.handle.role == "chip":
-            assert spec.import_path is not None
-            op, payload = ControlOp.REGISTER_CHIP, spec.import_path.encode()
-        elif spec.import_path is not None:
-            op, payload = ControlOp.REGISTER_IMPORT, spec.import_path.encode()
-        else:
-            assert spec.payload is not None
-            op, payload = ControlOp.REGISTER_SERIALIZED, spec.payload
         done: list[LocalMailboxEndpoint] = []
         failures: dict[int, str] = {}
         for ep in targets:
             try:
-                await ep.control(op, spec.handle.digest, payload)
+                await self._register_on(ep, spec)
                 done.append(ep)
             except (ControlError, EndpointError) as exc:
                 failures[ep.worker_id] = str(exc)
         if failures:
             cleanup: dict[int, str] = {}
+            undo = ControlOp.UNREGISTER_CHIP if spec.handle.role == "chip" else ControlOp.UNREGISTER
             for ep in done:
                 try:
-                    await ep.control(ControlOp.UNREGISTER, spec.handle.digest)
+                    await ep.control(undo, spec.handle.digest)
                 except (ControlError, EndpointError) as exc:
                     cleanup[ep.worker_id] = str(exc)
             self.registry.abort_register(spec.handle.hashid)
@@ -303,10 +304,11 @@ class Worker:
         return spec_for_object(fn, kind)
 
     def _targets_for(self, spec: CallableSpec) -> list[LocalMailboxEndpoint]:
+        """Live endpoints of the spec's role (a dead one's replacement replays registrations)."""
         if spec.handle.role == "sub":
-            return list(self.sub_endpoints)
+            return [ep for ep in self.sub_endpoints if not ep.poisoned]
         if spec.handle.role == "chip":
-            return list(self.chip_endpoints)
+            return [ep for ep in self.chip_endpoints if not ep.poisoned]
         return []
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -341,6 +343,8 @@ class Worker:
             spin_s=self.scheduler_spin_s,
         )
         self.scheduler.on_admit = self._on_admit
+        if self.forkserver is not None:
+            self.scheduler.on_lane_dead = self._on_lane_dead
         self.state = WorkerState.READY
 
     def _start_children(self) -> None:
@@ -370,6 +374,7 @@ class Worker:
                 child = fork_child(lambda ctx=ctx: run_child(ctx), ctx.label)  # type: ignore[misc]
                 self.children.append(child)
                 starting.append(("sub", i, mb, child))
+                self._child_specs[("sub", i)] = (ctx, run_child)
             for j in range(self.num_chips):
                 mb = Mailbox()
                 self.mailboxes.append(mb)
@@ -392,7 +397,12 @@ class Worker:
                 child = fork_child(lambda c=chip_ctx: run_chip_child(c), chip_ctx.label)  # type: ignore[misc]
                 self.children.append(child)
                 starting.append(("chip", j, mb, child))
+                self._child_specs[("chip", j)] = (chip_ctx, run_chip_child)
             self._startup_barrier(starting, deadline)
+            if self.restart_children:
+                # Last fork of init: later replacements come from this single-threaded server.
+                self.forkserver = ForkServer(self._child_specs)
+                self.forkserver.start()
         except BaseException as exc:
             self._rollback_children(starting)
             if isinstance(exc, StartupError):
@@ -556,6 +566,8 @@ class Worker:
             while True:
                 if self._pending_builds:
                     self._run_pending_builds()
+                if self._dead_lanes:
+                    self._replace_dead_lanes_sync()
                 progressed = sched.round()
                 if done():
                     return True
@@ -587,7 +599,7 @@ class Worker:
                         poller.unregister(fd)
                         child = self._pidfd_child.pop(fd, None)
                         if child is not None:
-                            child.poll()
+                            sched.child_exited(child)
                 spin_until = time.monotonic() + spin_s
 
     def _poller(self) -> select.poll:
@@ -615,7 +627,7 @@ class Worker:
             raise TypeError(f"cannot submit a run: orchestration function {orch!r} is not callable")
         assert self.scheduler is not None
         run = Run()
-        run.orch = (orch, args, config or CallConfig())  # type: ignore[attr-defined]
+        run.orch = (orch, args, config or DEFAULT_CONFIG)  # type: ignore[attr-defined]
         run.build_started = False  # type: ignore[attr-defined]
         run.orch_exception = None  # type: ignore[attr-defined]
         self.scheduler.submit_run(run)
@@ -686,6 +698,8 @@ class Worker:
                 self.submit_async(orch, args, config), loop
             ).result()
         with self._drive_lock:
+            if self._dead_lanes:
+                self._replace_dead_lanes_sync()
             run = self._new_run(orch, args, config)
             if run.admitted:
                 self._pending_builds = [r for r in self._pending_builds if r is not run]
@@ -771,6 +785,116 @@ class Worker:
             raise TimeoutError(
                 f"run {run.run_id} not finished within {timeout}s (state {run.state.name})"
             ) from None
+
+    # -- replacing dead children ------------------------------------------------------------------
+
+    def _on_lane_dead(self, lane: WorkerThread) -> None:
+        if self.state is not WorkerState.READY:
+            return
+        if self._loop is not None:
+            self._loop.create_task(self._replace_async(lane))
+        else:
+            self._dead_lanes.append(lane)
+
+    def _replace_dead_lanes_sync(self) -> None:
+        lanes, self._dead_lanes = self._dead_lanes, []
+        for lane in lanes:
+            self._drive(self._replace_async(lane))
+
+    async def _replace_async(self, lane: WorkerThread) -> None:
+        """Fork a replacement through the fork server, replay registrations, re-enable the lane."""
+        assert self.forkserver is not None and self.scheduler is not None
+        kind = "chip" if lane.worker_type is WorkerType.NEXT_LEVEL else "sub"
+        old = lane.endpoint
+        assert isinstance(old, LocalMailboxEndpoint)
+        mb = old.mailbox
+        ctx, _ = self._child_specs[(kind, lane.worker_id)]
+        for attempt in range(1, 4):
+            if self.state is not WorkerState.READY:
+                return
+            _mb.write_bytes(mb.buf, 0, bytes(len(mb.buf)))  # every frame IDLE, shutdown word 0
+            try:
+                pid = self.forkserver.spawn(kind, lane.worker_id)
+            except StartupError as exc:
+                log.error("%s stays down: %s", old.label, exc)
+                return
+            child = ChildProcess(pid, old.label, foreign=True)
+            self.children.append(child)
+            error = await self._await_init(mb, child, time.monotonic() + self.startup_timeout)
+            if error is None:
+                break
+            log.warning("replacement %d of %s failed: %s", attempt, old.label, error)
+            child.signal_group(9)
+        else:
+            log.error("%s stays down after 3 failed replacements", old.label)
+            return
+        ep = LocalMailboxEndpoint(
+            lane.worker_id, mb, child, task_frame_count=old.caps.task_frame_count, label=old.label
+        )
+        role = "chip" if kind == "chip" else "sub"
+        inherited = {s.handle.hashid for s in ctx.specs}
+        replayed: set[str] = set()
+        try:
+            while True:
+                todo = [
+                    e.spec for e in self.registry.active()
+                    if e.spec.handle.role == role and e.spec.handle.hashid not in inherited | replayed
+                ]
+                if not todo:
+                    break
+                for spec in todo:
+                    await self._register_on(ep, spec)
+                    replayed.add(spec.handle.hashid)
+            active = {e.spec.handle.hashid for e in self.registry.active()}
+            op = ControlOp.UNREGISTER_CHIP if kind == "chip" else ControlOp.UNREGISTER
+            for spec in ctx.specs:
+                if spec.handle.hashid not in active:
+                    await ep.control(op, spec.handle.digest)
+        except (ControlError, EndpointError) as exc:
+            log.error("%s replacement could not replay registrations: %s", old.label, exc)
+            ep.request_stop()
+            return
+        # Swap: the lane becomes schedulable again only now.
+        lane.endpoint = ep
+        lane.active = lane.staged = None
+        lane.inflight = 0
+        eps = self.chip_endpoints if kind == "chip" else self.sub_endpoints
+        eps[eps.index(old)] = ep
+        self.restarts[kind] += 1
+        if self._loop is not None:
+            self.scheduler.watch_child(child)
+        elif self._poll is not None and child.pidfd is not None:
+            self._poll.register(child.pidfd, select.POLLIN)
+            self._pidfd_child[child.pidfd] = child
+        log.warning("%s replaced: %s -> pid %d", old.label, old.poison_reason, child.pid)
+        self.scheduler.wake()
+
+    async def _await_init(self, mb: Mailbox, child: ChildProcess, deadline: float) -> str | None:
+        delay = 0.0005
+        while True:
+            st = mb.state(BASE_FRAME)
+            if st == MailboxState.INIT_READY:
+                mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
+                _mb.wake_child(mb.buf)
+                return None
+            if st == MailboxState.INIT_FAILED:
+                return mb.error_text(BASE_FRAME)
+            if child.poll():
+                return f"{child.describe()} during init"
+            if time.monotonic() > deadline:
+                return f"not ready within {self.startup_timeout:.1f}s"
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    async def _register_on(self, ep: LocalMailboxEndpoint, spec: CallableSpec) -> None:
+        if spec.handle.role == "chip":
+            assert spec.import_path is not None
+            await ep.control(ControlOp.REGISTER_CHIP, spec.handle.digest, spec.import_path.encode())
+        elif spec.import_path is not None:
+            await ep.control(ControlOp.REGISTER_IMPORT, spec.handle.digest, spec.import_path.encode())
+        else:
+            assert spec.payload is not None
+            await ep.control(ControlOp.REGISTER_SERIALIZED, spec.handle.digest, spec.payload)
 
     # -- introspection ------------------------------------------------------------------------------------
 
@@ -894,8 +1018,14 @@ class Worker:
             self._drive_until(lambda: not sched.busy(), min(0.05, max(0.0, deadline - time.monotonic())))
         for mb in self.mailboxes:
             mb.request_shutdown()
-        for msg in reap_all(self.children, max(0.5, deadline - time.monotonic())):
+        server = self.forkserver.process if self.forkserver is not None else None
+        workers = [c for c in self.children if c is not server]
+        for msg in reap_all(workers, max(0.5, deadline - time.monotonic())):
             log.warning("close: %s", msg)
+        if self.forkserver is not None and server is not None:
+            self.forkserver.close()
+            reap_all([server], max(0.5, deadline - time.monotonic()))
+            server.close()
         sched.round()  # poisoned endpoints release their withheld completions now
         for r in sched.admission.runs():
             if not r.terminal:

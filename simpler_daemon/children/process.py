@@ -15,6 +15,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -45,11 +46,14 @@ def describe_status(status: int) -> str:
 class ChildProcess:
     """A forked child as its parent sees it."""
 
-    __slots__ = ("_next_sample", "label", "pid", "pidfd", "status")
+    __slots__ = ("_next_sample", "foreign", "label", "pid", "pidfd", "status")
 
-    def __init__(self, pid: int, label: str) -> None:
+    def __init__(self, pid: int, label: str, *, foreign: bool = False) -> None:
         self.pid = pid
         self.label = label
+        #: Not our child (forked by the fork server): exit is seen through the
+        #: pidfd, and the fork server reaps it.
+        self.foreign = foreign
         self.status: int | None = None
         self._next_sample = 0.0
         try:
@@ -63,6 +67,12 @@ class ChildProcess:
 
     def poll(self) -> bool:
         """Reap without blocking; True once the child has exited."""
+        if self.status is None and self.foreign:
+            fd = self.pidfd
+            if fd is None or select.select([fd], [], [], 0)[0]:
+                self.status = -1  # exited; its status belongs to the fork server
+                self._close_pidfd()
+            return self.status is not None
         if self.status is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -107,6 +117,8 @@ class ChildProcess:
     def describe(self) -> str:
         if self.status is None:
             return f"{self.label} (pid {self.pid}) running"
+        if self.status == -1:
+            return f"{self.label} (pid {self.pid}) exited"
         return f"{self.label} (pid {self.pid}) {describe_status(self.status)}"
 
     def _close_pidfd(self) -> None:
