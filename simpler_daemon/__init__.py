@@ -1,6 +1,6 @@
 """simpler-daemon: pre-forked worker pools scheduled through shared-memory mailboxes."""
 
-from simpler_daemon.args import CallConfig, TaskArgs, Tag
+from simpler_daemon.args import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle
 from simpler_daemon.errors import (
     ConfigError,

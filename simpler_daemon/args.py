@@ -141,8 +141,9 @@ class TaskArgs:
             )
         if len(self.tensors) >= MAX_TENSORS:
             raise ValueError(f"cannot add tensor: a task takes at most {MAX_TENSORS} tensors")
+        t = Tag(tag)  # validate before appending: a failed add leaves the args unchanged
         self.tensors.append(array)
-        self.tags.append(Tag(tag))
+        self.tags.append(t)
         return self
 
     def add_scalar(self, value: int) -> TaskArgs:
@@ -260,7 +261,7 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
     need = _HEADER.size + t * TENSOR_DESC_SIZE + 8 * s
     if t < 0 or s < 0 or need > len(blob):
         raise ValueError(f"malformed args blob: T={t} S={s} needs {need} bytes, got {len(blob)}")
-    descs = []
+    descs: list[TensorDesc] = []
     off = _HEADER.size
     for _ in range(t):
         f = _DESC.unpack_from(blob, off)

@@ -78,6 +78,7 @@ class Heap:
         self._by_start: dict[int, Buffer] = {}
         self._next_id = 1
         self._generation = 0
+        self._touched = 0  # end of the highest range ever allocated; beyond it pages are fresh zeros
         self.closed = False
         self.owner_pid = os.getpid()
 
@@ -112,6 +113,9 @@ class Heap:
                 f"cannot allocate {nbytes} bytes on the shared heap: {self.free_bytes()} of "
                 f"{self.size} bytes free, largest block {self.largest_free()}"
             )
+        if off < self._touched:  # reused memory: never hand out a previous buffer's bytes
+            self._base[off : min(off + nbytes, self._touched)] = 0
+        self._touched = max(self._touched, off + length)
         self._generation += 1
         buf = Buffer(self._next_id, self._generation, off, nbytes, shp, dt.str)
         self._next_id += 1
@@ -122,7 +126,10 @@ class Heap:
 
     def array(self, buf: Buffer) -> np.ndarray[Any, Any]:
         dt = np.dtype(buf.dtype)
-        return np.ndarray(buf.shape, dtype=dt, buffer=self.mmap, offset=buf.offset)
+        # View through ``_base`` (which holds a buffer export on the mmap), not the mmap itself:
+        # numpy keeps no export for ``buffer=mmap``, so ``close()`` would unmap under a live
+        # array and reading it afterwards would segfault.
+        return np.ndarray(buf.shape, dtype=dt, buffer=self._base, offset=buf.offset)
 
     def free(self, target: int | np.ndarray[Any, Any] | Buffer) -> None:
         """Free a buffer; its memory returns to the pool once no slot pins it.
@@ -307,7 +314,7 @@ class Heap:
 
 def sweep_stale_heaps(directory: str = SHM_DIR) -> list[str]:
     """Remove named heaps whose creating process no longer exists."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:

@@ -151,16 +151,25 @@ class MailboxLoop:
             if bst == CONTROL_REQUEST:
                 self.handle_control()
                 continue
-            if _mb.child_wait(buf, watch, (bst, st, 0), spin_ns, park) < 0 and parent:
-                if os.getppid() != parent:
-                    return 0
+            idle = _mb.child_wait(buf, watch, (bst, st, 0), spin_ns, park) < 0
+            if idle and parent and os.getppid() != parent:
+                return 0
         self.shutdown()
         return 0
 
     def run_task(self) -> None:
         buf = self.buf
         frame = self.frame
-        (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
+        try:
+            (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
+        except ValueError as exc:  # a malformed blob header fails the task, not the child
+            write_failure(
+                buf, frame, TASK_DONE, ERR_BAD_ARGS,
+                format_exception(f"{self.ctx.error_prefix}: bad args", exc),
+            )
+            self.tasks_done += 1
+            self.ctx.doorbell.ring_if_parked()
+            return
         fn = self.table.resolve(digest)
         if fn is None:
             write_failure(buf, frame, TASK_DONE, ERR_NOT_REGISTERED, not_registered_message(digest))

@@ -242,6 +242,11 @@ class LocalMailboxEndpoint:
                 self.poison(f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}")
         child = self.child
         if self._owned and self.poison_reason is None and child is not None and child.sample(time.monotonic()):
+            # A frame the child finished before it exited is a result, not a casualty.
+            for fr in self._frames:
+                d = fr.dispatch
+                if d is not None and self.poison_reason is None and _mb.load32(buf, fr.off) in (_TASK_DONE, _TASK_FAILED):
+                    self._complete(fr, d, out)
             self.poison(f"child {child.describe()}")
         if self.poison_reason is not None:
             self._drain_poisoned(out)
