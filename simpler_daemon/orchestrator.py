@@ -218,8 +218,9 @@ class Run:
         if self.error is not None:
             return
         if slot is None:
-            self.error = TaskError(f"run {self.run_id} failed: {failure.message}", run_id=self.run_id,
-                                   outcome=failure.outcome.name, remote_text=failure.message)
+            run_cls = RunCancelled if self.cancelled else TaskError
+            self.error = run_cls(f"run {self.run_id} failed: {failure.message}", run_id=self.run_id,
+                                 outcome=failure.outcome.name, remote_text=failure.message)
             return
         where = failure.worker_label or (
             f"worker {failure.worker_id}" if failure.worker_id is not None else "no worker"

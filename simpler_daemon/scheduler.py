@@ -229,7 +229,8 @@ class Scheduler(SubmitSink):
 
     def _on_staged(self, d: WorkerDispatch, disposition: int) -> None:
         slot = d.task_slot
-        if self.on_task_event is not None:
+        # An active dispatch passes through FRAME_STAGED too; only a successor is "staged".
+        if self.on_task_event is not None and d.prepare_only:
             self.on_task_event(slot, "staged", None)
 
     # -- one round -----------------------------------------------------------------------------------

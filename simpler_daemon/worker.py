@@ -356,6 +356,7 @@ class Worker:
         }
         deadline = time.monotonic() + self.startup_timeout
         starting: list[tuple[str, int, Mailbox, ChildProcess]] = []
+        self._ready_pids: set[int] = set()  # passed the barrier; the rest are still starting
         try:
             for i in range(self.num_sub_workers):
                 mb = Mailbox()
@@ -430,6 +431,7 @@ class Worker:
                     mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
                     _mb.wake_child(mb.buf)
                     pending.remove(entry)
+                    self._ready_pids.add(child.pid)
                 elif st == MailboxState.INIT_FAILED:
                     raise StartupError(
                         f"cannot start worker: {child.label} (pid {child.pid}) failed to "
@@ -454,7 +456,9 @@ class Worker:
         for _, _, mb, child in starting:
             if child.poll():
                 continue
-            if mb.state(BASE_FRAME) not in (MailboxState.IDLE, MailboxState.INIT_READY):
+            # A starting child's base frame is IDLE too (before INIT_READY): only the
+            # barrier knows which children are ready.
+            if child.pid not in self._ready_pids and mb.state(BASE_FRAME) != MailboxState.INIT_READY:
                 child.signal_group(signal.SIGTERM)
             mb.request_shutdown()
         reap_all(self.children, 2.0)
@@ -730,6 +734,9 @@ class Worker:
         run = handle.run if isinstance(handle, RunHandle) else handle
         sched = self.scheduler
         assert sched is not None
+        if self._loop is not None and asyncio._get_running_loop() is self._loop:
+            self._cancel_now(run)  # on the bound loop: cancelling never blocks
+            return
         loop = self._bound_elsewhere()
         if loop is not None:
             loop.call_soon_threadsafe(self._cancel_now, run)
@@ -1002,6 +1009,7 @@ class Worker:
         assert sched is not None
         for r in sched.admission.runs():
             if not r.terminal:
+                r.cancelled = True  # so its error is a RunCancelled, as for handle.cancel()
                 r.record_error(None, _cancel_failure())
                 self._cancel_now(r)
 
