@@ -341,6 +341,15 @@ class Scheduler(SubmitSink):
                             lane2 = cand
                             break
                     if lane2 is None:
+                        if self._sub_capacity() == 0:
+                            sq.popleft()
+                            self._fail_slot(slot, FailureInfo(
+                                Outcome.ENDPOINT_FAILURE,
+                                "no live SUB worker is left and none is being replaced",
+                            ))
+                            self._maybe_finish_run(slot.run)
+                            did = True
+                            continue
                         break
                     sq.popleft()
                     self._claim(slot)
@@ -349,11 +358,13 @@ class Scheduler(SubmitSink):
                     did = True
                     continue
                 idle = [cand for cand in subs if cand.idle()]
-                if len(subs) < n:
+                capacity = self._sub_capacity()
+                if capacity < n:
                     sq.popleft()
                     self._fail_slot(slot, FailureInfo(
                         Outcome.SKIPPED,
-                        f"SUB group of {n} members needs {n} distinct SUB workers, the pool has {len(subs)}",
+                        f"SUB group of {n} members needs {n} distinct SUB workers, "
+                        f"the pool has {capacity} that can run",
                     ))
                     self._maybe_finish_run(slot.run)
                     continue
@@ -366,6 +377,14 @@ class Scheduler(SubmitSink):
                     self._send(idle[i], WorkerDispatch(slot, i))
                 did = True
         return did
+
+    def _sub_capacity(self) -> int:
+        """SUB workers that can still run a task: live ones, or all of them while dead
+        ones are being replaced."""
+        subs = self.manager.sub
+        if self.on_lane_dead is not None:
+            return len(subs)
+        return sum(1 for lane in subs if not lane.endpoint.poisoned and not lane.stopping)
 
     def _stage_successor(self, succ: Run) -> bool:
         rid = succ.run_id
