@@ -41,8 +41,10 @@ lint: $(TEST_STAMP) build
 	$(VENV)/bin/ruff format --check simpler_daemon tests benchmarks
 	$(VENV)/bin/mypy
 
+# The whole suite under uvloop, then every async test again under plain asyncio.
 test: $(TEST_STAMP) build lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+	SIMPLER_LOOP=asyncio $(PY) -m pytest -q -m asyncio $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP) build
 	$(PY) -m benchmarks $(BENCH_ARGS)

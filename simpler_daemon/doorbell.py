@@ -1,15 +1,22 @@
 """The parent's doorbell: how a child wakes a parked Scheduler.
 
-An eventfd plus one shared word, both created before fork::
+An eventfd plus a shared page, both created before fork::
+
+    page + 0  parked     i32  1 while the Scheduler sleeps on the eventfd
+    page + 8  completed  i32  bumped by every child after it publishes a terminal state
 
     parent (Scheduler)                         child
-    parked = 1  (seq_cst store)                store terminal state (seq_cst)
-    re-poll every lane  --- nothing? --->      if parked: eventfd_write(1)
+    spin: wait for `completed` to move         store terminal state (seq_cst)
+      (one word, in C, GIL released)           completed += 1
+    parked = 1  (seq_cst store)                if parked: eventfd_write(1)
+    re-poll every lane  --- nothing? --->
     await eventfd readable; parked = 0
 
 Because both sides store before they load (Dekker), either the Scheduler's
 re-poll sees the state or the child sees ``parked`` and rings: no lost wake-up,
-and no syscall on the hot path while the Scheduler is spinning.
+and no syscall on the hot path while the Scheduler is spinning. The
+``completed`` word lets a spinning Scheduler watch every lane at once instead
+of re-polling each mailbox.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ import mmap
 import os
 
 from simpler_daemon import _mailbox as _mb
+
+OFF_PARKED = 0
+OFF_COMPLETED = 8
 
 
 class Doorbell:
@@ -30,10 +40,18 @@ class Doorbell:
 
     # parent side
     def park(self) -> None:
-        _mb.store32(self.buf, 0, 1)
+        _mb.store32(self.buf, OFF_PARKED, 1)
 
     def unpark(self) -> None:
-        _mb.store32(self.buf, 0, 0)
+        _mb.store32(self.buf, OFF_PARKED, 0)
+
+    def completed(self) -> int:
+        """How many terminal publications children have announced (wraps)."""
+        return _mb.load32(self.buf, OFF_COMPLETED)
+
+    def spin(self, seen: int, spins: int) -> bool:
+        """Spin in C (GIL released) until ``completed`` moves past ``seen``; False on budget."""
+        return _mb.spin_wait(self.buf, (OFF_COMPLETED,), (seen,), spins) >= 0
 
     def drain(self) -> None:
         try:
@@ -47,7 +65,9 @@ class Doorbell:
 
     # child side
     def ring_if_parked(self) -> None:
-        if _mb.load32(self.buf, 0):
+        """Announce a terminal publication; wake the Scheduler only if it sleeps."""
+        _mb.fetch_add32(self.buf, OFF_COMPLETED, 1)
+        if _mb.load32(self.buf, OFF_PARKED):
             try:
                 os.eventfd_write(self.fd, 1)
             except OSError:  # parent gone or fd closed: nothing to wake

@@ -84,6 +84,7 @@ class Scheduler(SubmitSink):
         self._stall_since: float | None = None
         self._stall_warned = False
         self._in_round = False
+        self._poked = False
         self._suspect: set[WorkerThread] = set()
         #: Called once for a lane whose child died and whose frames are all terminal.
         self.on_lane_dead: Callable[[WorkerThread], None] | None = None
@@ -538,7 +539,8 @@ class Scheduler(SubmitSink):
         return any(per.get(rid) for per in self.singles.values())
 
     def wake(self) -> None:
-        """Wake a parked coroutine (same thread)."""
+        """Wake a parked or spinning coroutine (same thread)."""
+        self._poked = True
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)
@@ -610,12 +612,22 @@ class Scheduler(SubmitSink):
         last_progress = time.monotonic()
         try:
             while not self._stopped:
+                seen = doorbell.completed()
+                self._poked = False
                 if self.round():
                     last_progress = time.monotonic()
                     await asyncio.sleep(0)
                     continue
                 if self.busy() and time.monotonic() - last_progress < spin_s:
-                    await asyncio.sleep(0)
+                    # Yield to the loop until a child announces a completion or a
+                    # submitter pokes us; no mailbox is re-polled meanwhile. This is the
+                    # bounded spin of the spin-then-park design, so an Event would be wrong.
+                    while (  # noqa: ASYNC110
+                        doorbell.completed() == seen
+                        and not self._poked
+                        and time.monotonic() - last_progress < spin_s
+                    ):
+                        await asyncio.sleep(0)
                     continue
                 # Park: flag first, then one more round (Dekker), then sleep.
                 self._wake = loop.create_future()
