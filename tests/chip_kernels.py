@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -41,3 +42,57 @@ def slow_prepare(args: Any, config: Any) -> None:
 
 
 slow_prepare.sim_prepare_s = 0.005  # type: ignore[attr-defined]
+
+
+# -- kernels added for tests/test_chip.py and tests/test_chip_loop.py ------------------------------
+
+#: How long a gated kernel waits for its release before failing (seconds).
+GATE_WAIT_S = 20.0
+
+#: Set by a test before it forks a chip child: the mailbox whose task-frame state
+#: ``frame_state`` copies (module globals are inherited through fork).
+OBSERVED_MAILBOX: Any = None
+
+
+def noop(args: Any, config: Any) -> None:
+    """Complete at once."""
+
+
+def gate(args: Any, config: Any) -> None:
+    """Mark started (word 0), wait for release (word 1), then mark finished (word 2).
+
+    ``tensors[0]`` is a uint64 vector of at least 3 words on the shared heap. The
+    wait has a deadline, so a broken engine fails the task instead of hanging.
+    """
+    words = args.tensors[0]
+    words[0] = 1
+    deadline = time.monotonic() + GATE_WAIT_S
+    while words[1] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("gate was never released")
+        time.sleep(0.0002)
+    words[2] = 1
+
+
+def record_pid(args: Any, config: Any) -> None:
+    """tensors[0][0] = the pid of the chip child running this kernel."""
+    args.tensors[0][0] = os.getpid()
+
+
+def frame_state(args: Any, config: Any) -> None:
+    """tensors[0][0] = the state word of task frame ``scalars[0]`` of ``OBSERVED_MAILBOX``.
+
+    Runs on the device thread, i.e. after the launch boundary: what it sees is
+    the state the chip child published before launching.
+    """
+    from simpler_daemon import _mailbox as _mb
+    from simpler_daemon.mailbox import TASK_FRAMES
+
+    args.tensors[0][0] = _mb.load32(OBSERVED_MAILBOX.buf, TASK_FRAMES[args.scalars[0]])
+
+
+def fail_poll(args: Any, config: Any) -> None:
+    pass
+
+
+fail_poll.sim_fail = "poll"  # type: ignore[attr-defined]

@@ -217,6 +217,9 @@ class ChipLoop(MailboxLoop):
             disposition = Disposition.PREPARED
         _mb.store32(buf, fr.off + OFF_DISPOSITION, int(disposition))
         _mb.store32(buf, fr.off, FRAME_STAGED)
+        if not fr.activated:
+            # The parent may already hold a sticky activation for this frame.
+            self.ctx.doorbell.ring_if_parked()
         return True
 
     def may_prepare(self, fr: _Frame) -> bool:
@@ -316,6 +319,8 @@ class ChipLoop(MailboxLoop):
         self.publish(fr, TASK_FAILED, code, message)
 
     def publish(self, fr: _Frame, state: int, error: int, message: str) -> None:
+        if len(self.frames) == 1:
+            state = TASK_DONE  # single-frame path: failure is error != 0, never TASK_FAILED
         if error:
             write_failure(self.buf, fr.off, state, error, message)
         else:
