@@ -88,7 +88,7 @@ def test_daemon_unit_settings() -> None:
         "RuntimeDirectory": "simpler-daemon",
         "RuntimeDirectoryMode": "0750",
         "Restart": "on-failure",
-        "RestartPreventExitStatus": "3",
+        "RestartPreventExitStatus": "2 3",
         "User": "simpler",
         "Group": "simpler",
         "NoNewPrivileges": "yes",

@@ -1,0 +1,752 @@
+"""Python clients of the daemon's gRPC API: ``Client`` (blocking) and ``AsyncClient``.
+
+::
+
+    from simpler_daemon.client import Client, sub_task, tensor
+
+    with Client() as c:                                   # the default socket
+        add = c.register("simpler_daemon.examples.tasks:add")
+        a, b = c.alloc_array(np.ones(8, "float32")), c.alloc_array(np.arange(8, dtype="float32"))
+        out = c.alloc_buffer((8,), "float32").buffer_id
+        run_id = c.submit([sub_task(add, [tensor(a, "input", (8,), "float32"),
+                                          tensor(b, "input", (8,), "float32"),
+                                          tensor(out, "output", (8,), "float32")])])
+        c.wait(run_id, timeout=10)                        # TaskError if the run failed
+        print(c.read_array(out, (8,), "float32"))
+
+Targets: a Unix socket path (``/run/simpler-daemon/daemon.sock`` or
+``unix:/path``), or ``host:port`` over TLS with a bearer token. ``wait`` raises
+``TaskError`` (``RunCancelled`` for a cancelled run) and ``TimeoutError``;
+every other failure is the ``grpc.RpcError`` with the daemon's status and a
+message naming the offending field.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any, Final
+
+import grpc
+import numpy as np
+
+from simpler_daemon.args import Tag
+from simpler_daemon.errors import RunCancelled, TaskError
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
+
+__all__ = [
+    "CLIENT_ID_METADATA",
+    "AsyncClient",
+    "Client",
+    "call_config",
+    "default_target",
+    "make_args",
+    "raise_for_status",
+    "sub_task",
+    "task",
+    "tensor",
+]
+
+#: Metadata key carrying a client's identity for the daemon's per-client limits.
+CLIENT_ID_METADATA: Final = "x-simpler-client"
+#: Environment variables read when no target / token is given.
+ENV_TARGET: Final = "SIMPLER_DAEMON_SOCKET"
+ENV_TOKEN: Final = "SIMPLER_DAEMON_TOKEN"
+WRITE_CHUNK: Final = 1 << 20
+DEFAULT_TIMEOUT: Final = 30.0
+TERMINAL_STATES: Final = frozenset(
+    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
+)
+
+_TAGS: Final[dict[str, int]] = {
+    "input": pb.TAG_INPUT,
+    "output": pb.TAG_OUTPUT,
+    "inout": pb.TAG_INOUT,
+    "output_existing": pb.TAG_OUTPUT_EXISTING,
+    "no_dep": pb.TAG_NO_DEP,
+}
+_ENGINE_TAGS: Final[dict[Tag, int]] = {
+    Tag.INPUT: pb.TAG_INPUT,
+    Tag.OUTPUT: pb.TAG_OUTPUT,
+    Tag.INOUT: pb.TAG_INOUT,
+    Tag.OUTPUT_EXISTING: pb.TAG_OUTPUT_EXISTING,
+    Tag.NO_DEP: pb.TAG_NO_DEP,
+}
+_TASK_KINDS: Final[dict[str, int]] = {
+    "sub": pb.TASK_KIND_SUB,
+    "sub_group": pb.TASK_KIND_SUB_GROUP,
+    "next_level": pb.TASK_KIND_NEXT_LEVEL,
+    "next_level_group": pb.TASK_KIND_NEXT_LEVEL_GROUP,
+}
+_CALLABLE_KINDS: Final[dict[str, pb.CallableKind]] = {
+    "sub": pb.CALLABLE_KIND_SUB,
+    "orchestration": pb.CALLABLE_KIND_ORCHESTRATION,
+    "chip": pb.CALLABLE_KIND_CHIP,
+}
+
+
+# --------------------------------------------------------------------------- building requests
+
+
+def _tag(tag: str | int | Tag) -> int:
+    if isinstance(tag, Tag):
+        return _ENGINE_TAGS[tag]
+    if isinstance(tag, str):
+        key = tag.strip().lower().removeprefix("tag_")
+        if key not in _TAGS:
+            raise ValueError(f"unknown tag {tag!r} (choose one of {', '.join(_TAGS)})")
+        return _TAGS[key]
+    return int(tag)
+
+
+def tensor(
+    buffer_id: int,
+    tag: str | int | Tag,
+    shape: Sequence[int],
+    dtype: str | np.dtype[Any] | type,
+    *,
+    byte_offset: int = 0,
+    strides: Sequence[int] | None = None,
+    generation: int = 0,
+) -> pb.TensorRef:
+    """A ``TensorRef``: a view of ``shape``/``dtype`` at ``byte_offset`` in a buffer.
+
+    ``tag`` is ``"input"``, ``"output"``, ``"inout"``, ``"output_existing"``,
+    ``"no_dep"`` (or a ``simpler_daemon.Tag``).
+    """
+    return pb.TensorRef(
+        buffer_id=buffer_id,
+        generation=generation,
+        byte_offset=byte_offset,
+        shape=[int(d) for d in shape],
+        dtype=np.dtype(dtype).name,
+        strides=[int(s) for s in strides or ()],
+        tag=_tag(tag),  # type: ignore[arg-type]
+    )
+
+
+def make_args(tensors: Iterable[pb.TensorRef] = (), scalars: Iterable[int] = ()) -> pb.Args:
+    """The arguments of one call: tensors and u64 scalars, in order."""
+    return pb.Args(tensors=list(tensors), scalars=[int(s) for s in scalars])
+
+
+def call_config(
+    *,
+    deadline_ms: int = 0,
+    threads: int = 0,
+    enable_profile: bool = False,
+    enable_dump_args: bool = False,
+    output_prefix: str = "",
+) -> pb.CallConfig:
+    return pb.CallConfig(
+        deadline_ms=deadline_ms,
+        threads=threads,
+        enable_profile=enable_profile,
+        enable_dump_args=enable_dump_args,
+        output_prefix=output_prefix,
+    )
+
+
+def task(
+    kind: str | int,
+    hashid: str,
+    members: Sequence[pb.Args],
+    *,
+    workers: Sequence[int] = (),
+    config: pb.CallConfig | None = None,
+) -> pb.Task:
+    """A ``Task``: ``kind`` is ``"sub"``, ``"sub_group"``, ``"next_level"`` or
+    ``"next_level_group"``; one ``Args`` per member; NEXT_LEVEL targets in ``workers``."""
+    if isinstance(kind, str):
+        if kind.lower() not in _TASK_KINDS:
+            raise ValueError(f"unknown task kind {kind!r} (choose one of {', '.join(_TASK_KINDS)})")
+        kind = _TASK_KINDS[kind.lower()]
+    out = pb.Task(kind=kind, hashid=hashid, members=list(members), workers=list(workers))  # type: ignore[arg-type]
+    if config is not None:
+        out.config.CopyFrom(config)
+    return out
+
+
+def sub_task(
+    hashid: str,
+    tensors: Iterable[pb.TensorRef] = (),
+    scalars: Iterable[int] = (),
+    config: pb.CallConfig | None = None,
+) -> pb.Task:
+    """One SUB call of ``hashid``."""
+    return task("sub", hashid, [make_args(tensors, scalars)], config=config)
+
+
+def raise_for_status(status: pb.RunStatus) -> pb.RunStatus:
+    """Return a COMPLETED status; raise ``TaskError`` / ``RunCancelled`` for a failed one."""
+    if status.state == pb.RUN_STATE_COMPLETED:
+        return status
+    if status.state not in TERMINAL_STATES:
+        raise TimeoutError(
+            f"run {status.run_id} is still {pb.RunState.Name(status.state).removeprefix('RUN_STATE_')}"
+        )
+    err = status.error
+    cls = RunCancelled if status.state == pb.RUN_STATE_CANCELLED else TaskError
+    raise cls(
+        err.message or f"run {status.run_id} {pb.RunState.Name(status.state)}",
+        run_id=status.run_id,
+        worker_id=err.worker_id if err.HasField("worker_id") else None,
+        hashid=err.hashid or None,
+        dispatch_id=err.dispatch_id or None,
+        outcome=err.outcome or "TASK_FAILURE",
+        remote_text=err.remote_text,
+    )
+
+
+def default_target() -> str:
+    """``$SIMPLER_DAEMON_SOCKET``, else the socket of the default configuration."""
+    env = os.environ.get(ENV_TARGET)
+    if env:
+        return env
+    from simpler_daemon.server.config import DaemonConfig, resolve
+
+    return resolve(DaemonConfig()).grpc.unix_socket
+
+
+def _address(target: str) -> tuple[str, bool]:
+    """``(grpc address, is_tcp)`` for a socket path, ``unix:`` URI or ``host:port``."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return target, False
+    if "/" in target or target.endswith(".sock"):
+        return "unix:" + os.path.abspath(target), False
+    return target, True
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+class _Base:
+    def __init__(
+        self,
+        target: str | None,
+        *,
+        token: str | None,
+        token_file: str | None,
+        root_certificates: str | bytes | None,
+        client_cert: str | None,
+        client_key: str | None,
+        server_name: str | None,
+        timeout: float | None,
+        client_id: str | None,
+    ) -> None:
+        self.target = target or default_target()
+        self.address, self.tcp = _address(self.target)
+        self.timeout = timeout
+        self.client_id = client_id or uuid.uuid4().hex[:16]
+        self.metadata: tuple[tuple[str, str], ...] = ((CLIENT_ID_METADATA, self.client_id),)
+        self.options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.enable_http_proxy", 0),
+        ]
+        self.credentials: Any = None
+        if self.tcp:
+            if token is None and token_file:
+                token = (_read(token_file) or b"").decode().strip()
+            token = token if token is not None else os.environ.get(ENV_TOKEN)
+            roots = (
+                _read(root_certificates)
+                if isinstance(root_certificates, str)
+                else root_certificates
+            )
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=roots,
+                private_key=_read(client_key),
+                certificate_chain=_read(client_cert),
+            )
+            if token:
+                # Plain metadata rather than call credentials: grpc runs a credentials
+                # plugin on its own C threads, which would leave threads in the caller
+                # (and a process with threads must not fork a Worker).
+                self.metadata += (("authorization", f"Bearer {token}"),)
+            self.credentials = creds
+            if server_name:
+                self.options.append(("grpc.ssl_target_name_override", server_name))
+        self._chunk: int | None = None
+
+    def _write_requests(
+        self, buffer_id: int, data: Any, offset: int, generation: int, chunk: int
+    ) -> Iterator[pb.WriteBufferRequest]:
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        yield pb.WriteBufferRequest(
+            target=pb.WriteBufferTarget(buffer_id=buffer_id, generation=generation, offset=offset)
+        )
+        for start in range(0, len(view), chunk):
+            yield pb.WriteBufferRequest(data=bytes(view[start : start + chunk]))
+
+    def _chunk_for(self, max_message: int, chunk: int | None) -> int:
+        limit = max(1, max_message - 1024)
+        return min(chunk or WRITE_CHUNK, limit)
+
+
+def _array_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+
+class Client(_Base):
+    """Blocking client; one channel, closed by :meth:`close` (or ``with``).
+
+    ``target``: socket path, ``unix:`` URI, or ``host:port`` (TLS; ``token`` or
+    ``token_file`` for the bearer token, ``root_certificates`` for a private CA,
+    ``client_cert``/``client_key`` for mutual TLS, ``server_name`` to override
+    the name checked against the certificate). ``timeout`` is the default
+    deadline of unary calls (None = no deadline).
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        root_certificates: str | bytes | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        server_name: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        client_id: str | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            token=token,
+            token_file=token_file,
+            root_certificates=root_certificates,
+            client_cert=client_cert,
+            client_key=client_key,
+            server_name=server_name,
+            timeout=timeout,
+            client_id=client_id,
+        )
+        if self.credentials is not None:
+            self.channel = grpc.secure_channel(self.address, self.credentials, self.options)
+        else:
+            self.channel = grpc.insecure_channel(self.address, self.options)
+        self.stub = pb_grpc.DaemonStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+
+    # -- info -----------------------------------------------------------------------
+
+    def get_info(self) -> pb.GetInfoResponse:
+        return self._call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
+
+    def list_workers(self) -> list[pb.WorkerInfo]:
+        return list(self._call(self.stub.ListWorkers, pb.ListWorkersRequest()).workers)
+
+    # -- callables ---------------------------------------------------------------------
+
+    def register_callable(
+        self, import_path: str, kind: str = "sub", workers: Sequence[int] = ()
+    ) -> pb.RegisterCallableResponse:
+        request = pb.RegisterCallableRequest(
+            import_path=import_path,
+            kind=_CALLABLE_KINDS.get(kind, pb.CALLABLE_KIND_UNSPECIFIED),
+            workers=list(workers),
+        )
+        return self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
+
+    def register(self, import_path: str, kind: str = "sub") -> str:
+        """Register ``module:qualname``; returns its hashid."""
+        return self.register_callable(import_path, kind).hashid
+
+    def unregister(self, hashid: str) -> int:
+        """Drop one reference; returns the references left."""
+        request = pb.UnregisterCallableRequest(hashid=hashid)
+        return int(self._call(self.stub.UnregisterCallable, request).refcount)
+
+    def list_callables(self) -> list[pb.CallableInfo]:
+        return list(self._call(self.stub.ListCallables, pb.ListCallablesRequest()).callables)
+
+    # -- buffers ----------------------------------------------------------------------
+
+    def alloc_buffer(
+        self, shape: Sequence[int], dtype: Any, label: str = ""
+    ) -> pb.AllocBufferResponse:
+        request = pb.AllocBufferRequest(
+            shape=[int(d) for d in shape], dtype=np.dtype(dtype).name, label=label
+        )
+        return self._call(self.stub.AllocBuffer, request)  # type: ignore[no-any-return]
+
+    def _max_chunk(self, chunk: int | None) -> int:
+        if self._chunk is None:
+            self._chunk = int(self.get_info().limits.max_message_bytes)
+        return self._chunk_for(self._chunk, chunk)
+
+    def write_buffer(
+        self,
+        buffer_id: int,
+        data: bytes | memoryview | np.ndarray[Any, Any],
+        *,
+        offset: int = 0,
+        generation: int = 0,
+        chunk_bytes: int | None = None,
+    ) -> int:
+        """Write ``data`` at ``offset``; returns the bytes written."""
+        payload = _array_bytes(data) if isinstance(data, np.ndarray) else data
+        chunk = self._max_chunk(chunk_bytes)
+        response = self.stub.WriteBuffer(
+            self._write_requests(buffer_id, payload, offset, generation, chunk),
+            timeout=self.timeout,
+            metadata=self.metadata,
+        )
+        return int(response.bytes_written)
+
+    def read_buffer(
+        self,
+        buffer_id: int,
+        *,
+        offset: int = 0,
+        length: int = 0,
+        generation: int = 0,
+        chunk_bytes: int = 0,
+    ) -> bytes:
+        """The bytes ``[offset, offset + length)`` (length 0 = to the end)."""
+        request = pb.ReadBufferRequest(
+            buffer_id=buffer_id,
+            generation=generation,
+            offset=offset,
+            length=length,
+            chunk_bytes=chunk_bytes,
+        )
+        stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
+        return b"".join(chunk.data for chunk in stream)
+
+    def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
+        """Free a buffer; True when its memory is released later (still referenced)."""
+        request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
+        return bool(self._call(self.stub.FreeBuffer, request).deferred)
+
+    def list_buffers(self) -> pb.ListBuffersResponse:
+        return self._call(self.stub.ListBuffers, pb.ListBuffersRequest())  # type: ignore[no-any-return]
+
+    def alloc_array(self, array: np.ndarray[Any, Any], label: str = "") -> int:
+        """Allocate a buffer shaped like ``array``, copy it in; returns the buffer id."""
+        arr = np.asarray(array)
+        buffer_id = int(self.alloc_buffer(arr.shape, arr.dtype, label).buffer_id)
+        if arr.nbytes:
+            self.write_buffer(buffer_id, arr)
+        return buffer_id
+
+    def read_array(self, buffer_id: int, shape: Sequence[int], dtype: Any) -> np.ndarray[Any, Any]:
+        """The buffer's first ``prod(shape)`` elements as a new array."""
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        data = self.read_buffer(buffer_id, length=count * dt.itemsize) if count else b""
+        return np.frombuffer(data, dtype=dt, count=count).reshape(tuple(shape)).copy()
+
+    # -- runs ---------------------------------------------------------------------------
+
+    def submit_run(
+        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
+    ) -> pb.SubmitRunResponse:
+        request = pb.SubmitRunRequest(
+            tasks=list(tasks), idempotency_key=idempotency_key, label=label
+        )
+        return self._call(self.stub.SubmitRun, request)  # type: ignore[no-any-return]
+
+    def submit(
+        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
+    ) -> int:
+        """Submit a run of ``tasks``; returns its run id."""
+        return int(self.submit_run(tasks, idempotency_key=idempotency_key, label=label).run_id)
+
+    def run_orchestration(
+        self,
+        hashid: str,
+        args: pb.Args | None = None,
+        config: pb.CallConfig | None = None,
+        *,
+        idempotency_key: str = "",
+        label: str = "",
+    ) -> int:
+        """Run a registered orchestration function in the daemon; returns the run id."""
+        request = pb.RunOrchestrationRequest(
+            hashid=hashid, idempotency_key=idempotency_key, label=label
+        )
+        if args is not None:
+            request.args.CopyFrom(args)
+        if config is not None:
+            request.config.CopyFrom(config)
+        return int(self._call(self.stub.RunOrchestration, request).run_id)
+
+    def watch(self, run_id: int, after_sequence: int = 0) -> Iterator[pb.RunEvent]:
+        """Events of a run: a SNAPSHOT, then every change until a terminal RUN_STATE."""
+        request = pb.WatchRunRequest(run_id=run_id, after_sequence=after_sequence)
+        call = self.stub.WatchRun(request, metadata=self.metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
+        """The run's status once terminal or after ``timeout`` seconds (no exception)."""
+        request = pb.WaitRunRequest(run_id=run_id)
+        if timeout is not None:
+            request.timeout_seconds = timeout
+        deadline = None if timeout is None else timeout + DEFAULT_TIMEOUT
+        return self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
+
+    def wait(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
+        """Wait for a run; raises ``TaskError``/``RunCancelled`` when it failed and
+        ``TimeoutError`` when it is still running after ``timeout`` seconds."""
+        return raise_for_status(self.wait_run(run_id, timeout))
+
+    def cancel(self, run_id: int, reason: str = "") -> pb.CancelRunResponse:
+        request = pb.CancelRunRequest(run_id=run_id, reason=reason)
+        return self._call(self.stub.CancelRun, request)  # type: ignore[no-any-return]
+
+    # -- operations ---------------------------------------------------------------------
+
+    def add_remote_worker(self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0) -> int:
+        request = pb.AddRemoteWorkerRequest(
+            endpoint=endpoint, num_sub_workers=num_sub_workers, num_chips=num_chips
+        )
+        return int(self._call(self.stub.AddRemoteWorker, request).worker_id)
+
+    def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
+        request = pb.DrainRequest(shutdown=shutdown)
+        if grace is not None:
+            request.grace_seconds = grace
+        timeout = None if grace is None else grace + DEFAULT_TIMEOUT
+        return self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+
+
+class AsyncClient(_Base):
+    """The same API for asyncio (``grpc.aio``); ``watch`` is an async iterator."""
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        root_certificates: str | bytes | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        server_name: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        client_id: str | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            token=token,
+            token_file=token_file,
+            root_certificates=root_certificates,
+            client_cert=client_cert,
+            client_key=client_key,
+            server_name=server_name,
+            timeout=timeout,
+            client_id=client_id,
+        )
+        if self.credentials is not None:
+            self.channel = grpc.aio.secure_channel(self.address, self.credentials, self.options)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.address, self.options)
+        self.stub = pb_grpc.DaemonStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+
+    async def get_info(self) -> pb.GetInfoResponse:
+        return await self._call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
+
+    async def list_workers(self) -> list[pb.WorkerInfo]:
+        return list((await self._call(self.stub.ListWorkers, pb.ListWorkersRequest())).workers)
+
+    async def register_callable(
+        self, import_path: str, kind: str = "sub", workers: Sequence[int] = ()
+    ) -> pb.RegisterCallableResponse:
+        request = pb.RegisterCallableRequest(
+            import_path=import_path,
+            kind=_CALLABLE_KINDS.get(kind, pb.CALLABLE_KIND_UNSPECIFIED),
+            workers=list(workers),
+        )
+        return await self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
+
+    async def register(self, import_path: str, kind: str = "sub") -> str:
+        return (await self.register_callable(import_path, kind)).hashid
+
+    async def unregister(self, hashid: str) -> int:
+        request = pb.UnregisterCallableRequest(hashid=hashid)
+        return int((await self._call(self.stub.UnregisterCallable, request)).refcount)
+
+    async def list_callables(self) -> list[pb.CallableInfo]:
+        response = await self._call(self.stub.ListCallables, pb.ListCallablesRequest())
+        return list(response.callables)
+
+    async def alloc_buffer(
+        self, shape: Sequence[int], dtype: Any, label: str = ""
+    ) -> pb.AllocBufferResponse:
+        request = pb.AllocBufferRequest(
+            shape=[int(d) for d in shape], dtype=np.dtype(dtype).name, label=label
+        )
+        return await self._call(self.stub.AllocBuffer, request)  # type: ignore[no-any-return]
+
+    async def _max_chunk(self, chunk: int | None) -> int:
+        if self._chunk is None:
+            self._chunk = int((await self.get_info()).limits.max_message_bytes)
+        return self._chunk_for(self._chunk, chunk)
+
+    async def write_buffer(
+        self,
+        buffer_id: int,
+        data: bytes | memoryview | np.ndarray[Any, Any],
+        *,
+        offset: int = 0,
+        generation: int = 0,
+        chunk_bytes: int | None = None,
+    ) -> int:
+        payload = _array_bytes(data) if isinstance(data, np.ndarray) else data
+        chunk = await self._max_chunk(chunk_bytes)
+        response = await self.stub.WriteBuffer(
+            self._write_requests(buffer_id, payload, offset, generation, chunk),
+            timeout=self.timeout,
+            metadata=self.metadata,
+        )
+        return int(response.bytes_written)
+
+    async def read_buffer(
+        self,
+        buffer_id: int,
+        *,
+        offset: int = 0,
+        length: int = 0,
+        generation: int = 0,
+        chunk_bytes: int = 0,
+    ) -> bytes:
+        request = pb.ReadBufferRequest(
+            buffer_id=buffer_id,
+            generation=generation,
+            offset=offset,
+            length=length,
+            chunk_bytes=chunk_bytes,
+        )
+        parts = [
+            chunk.data
+            async for chunk in self.stub.ReadBuffer(
+                request, timeout=self.timeout, metadata=self.metadata
+            )
+        ]
+        return b"".join(parts)
+
+    async def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
+        request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
+        return bool((await self._call(self.stub.FreeBuffer, request)).deferred)
+
+    async def list_buffers(self) -> pb.ListBuffersResponse:
+        return await self._call(self.stub.ListBuffers, pb.ListBuffersRequest())  # type: ignore[no-any-return]
+
+    async def alloc_array(self, array: np.ndarray[Any, Any], label: str = "") -> int:
+        arr = np.asarray(array)
+        buffer_id = int((await self.alloc_buffer(arr.shape, arr.dtype, label)).buffer_id)
+        if arr.nbytes:
+            await self.write_buffer(buffer_id, arr)
+        return buffer_id
+
+    async def read_array(
+        self, buffer_id: int, shape: Sequence[int], dtype: Any
+    ) -> np.ndarray[Any, Any]:
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        data = await self.read_buffer(buffer_id, length=count * dt.itemsize) if count else b""
+        return np.frombuffer(data, dtype=dt, count=count).reshape(tuple(shape)).copy()
+
+    async def submit_run(
+        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
+    ) -> pb.SubmitRunResponse:
+        request = pb.SubmitRunRequest(
+            tasks=list(tasks), idempotency_key=idempotency_key, label=label
+        )
+        return await self._call(self.stub.SubmitRun, request)  # type: ignore[no-any-return]
+
+    async def submit(
+        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
+    ) -> int:
+        response = await self.submit_run(tasks, idempotency_key=idempotency_key, label=label)
+        return int(response.run_id)
+
+    async def run_orchestration(
+        self,
+        hashid: str,
+        args: pb.Args | None = None,
+        config: pb.CallConfig | None = None,
+        *,
+        idempotency_key: str = "",
+        label: str = "",
+    ) -> int:
+        request = pb.RunOrchestrationRequest(
+            hashid=hashid, idempotency_key=idempotency_key, label=label
+        )
+        if args is not None:
+            request.args.CopyFrom(args)
+        if config is not None:
+            request.config.CopyFrom(config)
+        return int((await self._call(self.stub.RunOrchestration, request)).run_id)
+
+    async def watch(self, run_id: int, after_sequence: int = 0) -> AsyncIterator[pb.RunEvent]:
+        request = pb.WatchRunRequest(run_id=run_id, after_sequence=after_sequence)
+        call = self.stub.WatchRun(request, metadata=self.metadata)
+        try:
+            async for event in call:
+                yield event
+        finally:
+            call.cancel()
+
+    async def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
+        request = pb.WaitRunRequest(run_id=run_id)
+        if timeout is not None:
+            request.timeout_seconds = timeout
+        deadline = None if timeout is None else timeout + DEFAULT_TIMEOUT
+        return await self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
+
+    async def wait(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
+        return raise_for_status(await self.wait_run(run_id, timeout))
+
+    async def cancel(self, run_id: int, reason: str = "") -> pb.CancelRunResponse:
+        request = pb.CancelRunRequest(run_id=run_id, reason=reason)
+        return await self._call(self.stub.CancelRun, request)  # type: ignore[no-any-return]
+
+    async def add_remote_worker(
+        self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0
+    ) -> int:
+        request = pb.AddRemoteWorkerRequest(
+            endpoint=endpoint, num_sub_workers=num_sub_workers, num_chips=num_chips
+        )
+        return int((await self._call(self.stub.AddRemoteWorker, request)).worker_id)
+
+    async def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
+        request = pb.DrainRequest(shutdown=shutdown)
+        if grace is not None:
+            request.grace_seconds = grace
+        timeout = None if grace is None else grace + DEFAULT_TIMEOUT
+        return await self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]

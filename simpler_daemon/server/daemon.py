@@ -1,0 +1,584 @@
+"""The daemon process: the one place that composes the Worker, gRPC, health, metrics and systemd.
+
+::
+
+    main: load config -> Daemon(config)
+      prepare()  sweep stale heaps, runtime dir, credentials,
+                 Worker(...).register(preload...).init()          <- every fork happens here,
+                                                                     before any thread exists
+      serve()    (uvloop)  Worker.start_async -> DaemonService
+                 -> grpc.aio on the Unix socket (0660, group)   [+ TCP: TLS + bearer token]
+                 -> health SERVING, metrics listener -> READY=1, WATCHDOG=1 every ping period
+                 ... SIGTERM / SIGINT / Drain(shutdown) ...
+                 -> STOPPING=1, health NOT_SERVING, no new runs
+                 -> admitted runs get daemon.shutdown_grace, then are cancelled (watchers see it)
+                 -> Worker.close_async -> gRPC servers stop -> socket removed
+
+Signal handlers only record the request and wake the loop; a second SIGINT
+exits at once (children are SIGKILLed; they would die with the daemon anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import grp
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Final, TextIO
+
+from simpler_daemon.args import MAX_TENSORS
+from simpler_daemon.errors import ConfigError, StartupError
+from simpler_daemon.heap import sweep_stale_heaps
+from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
+from simpler_daemon.server.config import DaemonConfig, ServiceConfig, parse_host_port
+from simpler_daemon.server.notify import SystemdNotifier
+from simpler_daemon.worker import Worker
+
+__all__ = [
+    "EXIT_FORCED",
+    "MAX_SCALARS",
+    "SERVICE_NAME",
+    "Daemon",
+    "JsonFormatter",
+    "check_limits",
+    "configure_logging",
+]
+
+log = logging.getLogger("simpler_daemon.daemon")
+
+#: The gRPC service name (health checks and reflection).
+SERVICE_NAME: Final = "simpler.daemon.v1.Daemon"
+#: Scalars the mailbox args blob is guaranteed to hold (ARCHITECTURE section 4.1).
+MAX_SCALARS: Final = 128
+#: Exit status of a second SIGINT (128 + SIGINT, as a shell reports it).
+EXIT_FORCED: Final = 128 + signal.SIGINT
+#: Seconds open streams get to deliver their last events when the servers stop.
+STREAM_GRACE: Final = 2.0
+#: Seconds the Worker gets to stop its children once the runs are settled.
+CLOSE_TIMEOUT: Final = 10.0
+_GAUGE_PERIOD: Final = 1.0
+_HEALTH_SERVICE: Final = "grpc.health.v1.Health"
+
+
+# --------------------------------------------------------------------------- config checks
+
+
+def check_limits(config: DaemonConfig) -> None:
+    """``ConfigError`` when a task's tensor/scalar limits cannot fit the mailbox args blob."""
+    lim = config.limits
+    if lim.max_tensors_per_task > MAX_TENSORS:
+        raise ConfigError(
+            f"limits.max_tensors_per_task: {lim.max_tensors_per_task} tensors do not fit the "
+            f"mailbox args capacity ({MAX_TENSORS} tensors)",
+            key="limits.max_tensors_per_task",
+        )
+    if lim.max_scalars_per_task > MAX_SCALARS:
+        raise ConfigError(
+            f"limits.max_scalars_per_task: {lim.max_scalars_per_task} scalars exceed the "
+            f"{MAX_SCALARS} the mailbox guarantees",
+            key="limits.max_scalars_per_task",
+        )
+    need = 8 + lim.max_tensors_per_task * TENSOR_DESC_SIZE + 8 * lim.max_scalars_per_task
+    if need > MAILBOX_ARGS_CAPACITY:
+        raise ConfigError(
+            f"limits.max_tensors_per_task: {lim.max_tensors_per_task} tensors and "
+            f"{lim.max_scalars_per_task} scalars need {need} bytes, the mailbox args capacity "
+            f"is {MAILBOX_ARGS_CAPACITY} bytes",
+            key="limits.max_tensors_per_task",
+        )
+
+
+# --------------------------------------------------------------------------- logging
+
+_STANDARD_ATTRS: Final = frozenset(
+    logging.LogRecord("", 0, "", 0, "", None, None).__dict__.keys() | {"message", "asctime"}
+)
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, pid, extras, exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        out.update(_extras(record))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        extras = _extras(record)
+        if extras:
+            text += " " + " ".join(f"{k}={v!r}" for k, v in extras.items())
+        return text
+
+
+def configure_logging(service: ServiceConfig, stream: TextIO | None = None) -> None:
+    """Root logging for the daemon process: text or JSON lines on stderr, no thread."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if service.log_format == "json" else _TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(service.log_level.upper())
+
+
+# --------------------------------------------------------------------------- auth
+
+
+def _token_interceptor(token: bytes) -> Any:
+    """A server interceptor requiring ``authorization: Bearer <token>`` (health is exempt)."""
+    import grpc
+
+    expected = b"Bearer " + token
+
+    def deny(handler: Any, message: str) -> Any:
+        async def abort(_request: Any, context: Any) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+
+    class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+            if details.method.startswith(f"/{_HEALTH_SERVICE}/"):
+                return await continuation(details)
+            given = b""
+            for key, value in details.invocation_metadata or ():
+                if key == "authorization":
+                    given = value.encode() if isinstance(value, str) else bytes(value)
+                    break
+            handler = await continuation(details)
+            if handler is None:
+                return None
+            if not given:
+                return deny(handler, "missing bearer token: send 'authorization: Bearer <token>'")
+            if not hmac.compare_digest(given, expected):
+                log.warning("rejected a TCP call to %s: wrong bearer token", details.method)
+                return deny(handler, "wrong bearer token")
+            return handler
+
+    return TokenInterceptor()
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+class Daemon:
+    """One daemon process: ``prepare()`` (forks), then ``await serve()`` (threads, sockets).
+
+    ``announce(line)`` receives the human-facing start-up lines (the CLI prints
+    them). Raises ``ConfigError`` for a configuration the daemon cannot use and
+    ``StartupError`` when it cannot start.
+    """
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        notifier: SystemdNotifier | None = None,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
+        check_limits(config)
+        self.config = config
+        self.notifier = notifier if notifier is not None else SystemdNotifier(None)
+        self._announce = announce or (lambda _line: None)
+        self.worker: Worker | None = None
+        self.socket_path = config.grpc.unix_socket
+        self.tcp_port: int | None = None
+        self._token: bytes | None = None
+        self._tls: tuple[bytes, bytes, bytes | None] | None = None
+        self._gid: int | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_reason: str | None = None
+        self._socket_bound = False
+        self._servers: list[Any] = []
+        self._health: Any = None
+        self._service: Any = None
+        self._metrics: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- before any thread --------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Everything that must happen while the process is single-threaded: sweep stale
+        heaps, check the socket path, read credentials, build and ``init()`` the Worker."""
+        cfg = self.config
+        for name in sweep_stale_heaps():
+            log.info("removed stale heap /dev/shm/%s", name)
+        self._prepare_paths()
+        self._load_credentials()
+        workers = cfg.workers
+        try:
+            worker = Worker(
+                level=cfg.daemon.level,
+                num_sub_workers=workers.num_sub_workers,
+                num_chips=workers.num_chips,
+                chip_pipeline_depth=workers.chip_pipeline_depth,
+                heap_bytes=workers.heap_bytes,
+                startup_timeout=cfg.daemon.startup_timeout,
+                close_timeout=CLOSE_TIMEOUT,
+            )
+        except ValueError as exc:
+            raise StartupError(f"cannot start the daemon: {exc}") from exc
+        self.notifier.status(
+            f"starting {workers.num_sub_workers} SUB workers and {workers.num_chips} chips"
+        )
+        try:
+            for path in cfg.callables.preload:
+                worker.register(path)
+            worker.init()
+        except BaseException:
+            worker.close()
+            raise
+        self.worker = worker
+        log.info(
+            "worker pool ready: %d SUB workers, %d chips, heap %d bytes",
+            workers.num_sub_workers,
+            workers.num_chips,
+            worker.heap.size,
+        )
+
+    def _prepare_paths(self) -> None:
+        cfg = self.config
+        path = self.socket_path
+        for directory in {cfg.daemon.runtime_dir, os.path.dirname(path)}:
+            try:
+                os.makedirs(directory, mode=0o750, exist_ok=True)
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot create directory {directory}: {exc.strerror or exc}"
+                ) from exc
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise StartupError(f"cannot bind {path}: it exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError:
+            log.info("removing stale socket %s", path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        finally:
+            probe.close()
+        raise StartupError(f"cannot bind {path}: another process is serving on it")
+
+    def _load_credentials(self) -> None:
+        g = self.config.grpc
+
+        def read(key: str, path: str) -> bytes:
+            try:
+                with open(path, "rb") as fh:
+                    return fh.read()
+            except OSError as exc:
+                raise ConfigError(
+                    f"grpc.{key}: cannot read {path}: {exc.strerror or exc}", key=f"grpc.{key}"
+                ) from exc
+
+        if g.socket_group:
+            try:
+                self._gid = (
+                    int(g.socket_group)
+                    if g.socket_group.isdigit()
+                    else grp.getgrnam(g.socket_group).gr_gid
+                )
+            except KeyError as exc:
+                raise ConfigError(
+                    f"grpc.socket_group: no group named {g.socket_group!r}", key="grpc.socket_group"
+                ) from exc
+        if not g.tcp_listen:
+            return
+        token = read("token_file", g.token_file).strip()
+        if not token:
+            raise ConfigError(
+                f"grpc.token_file: {g.token_file} is empty; a TCP listener needs a bearer token",
+                key="grpc.token_file",
+            )
+        self._token = token
+        ca = read("tls_client_ca", g.tls_client_ca) if g.tls_client_ca else None
+        self._tls = (read("tls_key", g.tls_key), read("tls_cert", g.tls_cert), ca)
+
+    # -- the event loop ------------------------------------------------------------------
+
+    async def serve(self) -> int:
+        """Serve until SIGTERM, SIGINT or ``Drain(shutdown)``; returns the exit status (0).
+
+        Raises ``StartupError`` when a listener cannot be started (after cleaning up).
+        """
+        if self.worker is None:
+            raise StartupError("cannot serve: call prepare() first")
+        loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            try:
+                await self._start()
+            except StartupError:
+                self._stop_reason = "start-up failure"
+                raise
+            except Exception as exc:
+                self._stop_reason = "start-up failure"
+                raise StartupError(f"cannot start the daemon: {type(exc).__name__}: {exc}") from exc
+            await self._stop_event.wait()
+        finally:
+            await self._shutdown()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        return 0
+
+    def request_stop(self, reason: str) -> None:
+        """Begin a graceful stop (as SIGTERM does); later requests are ignored."""
+        if self._stop_reason is not None:
+            return
+        self._stop_reason = reason
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_reason is None:
+            log.info("%s received: stopping gracefully", name)
+            self.request_stop(name)
+        elif signum == signal.SIGINT:
+            self._exit_now("second SIGINT")
+        else:
+            log.info("%s received again: already stopping", name)
+
+    def _exit_now(self, why: str) -> None:
+        log.warning("%s: exiting at once without draining", why)
+        if self.worker is not None:
+            for child in self.worker.children:
+                child.signal_group(signal.SIGKILL)
+        if self._socket_bound:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
+        self.notifier.status(f"exited at once ({why})")
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        os._exit(EXIT_FORCED)
+
+    async def _start(self) -> None:
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+
+        from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2, daemon_pb2_grpc
+        from simpler_daemon.server.metrics import Metrics
+        from simpler_daemon.server.service import DaemonService
+
+        cfg = self.config
+        worker = self.worker
+        assert worker is not None
+        await worker.start_async()
+        if cfg.metrics.listen:
+            self._metrics = Metrics()
+        service = DaemonService(
+            worker,
+            cfg,
+            metrics=self._metrics,
+            request_shutdown=self.request_stop,
+            on_draining=self._not_serving,
+        )
+        service.start()
+        self._service = service
+        self._health = health.aio.HealthServicer()
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, not_serving)
+
+        max_msg = cfg.limits.max_message_bytes
+        options = [
+            ("grpc.max_receive_message_length", max_msg),
+            ("grpc.max_send_message_length", max_msg),
+            ("grpc.so_reuseport", 0),
+        ]
+        names = (
+            daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        )
+
+        def build(interceptors: list[Any]) -> Any:
+            server = grpc.aio.server(options=options, interceptors=interceptors)
+            daemon_pb2_grpc.add_DaemonServicer_to_server(service, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            reflection.enable_server_reflection(names, server)
+            return server
+
+        unix_server = build([])
+        path = self.socket_path
+        old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
+        try:
+            unix_server.add_insecure_port(f"unix:{path}")
+        except RuntimeError as exc:
+            raise StartupError(f"cannot bind the Unix socket {path}: {exc}") from exc
+        finally:
+            os.umask(old_umask)
+        self._servers.append(unix_server)
+        self._socket_bound = True
+
+        if cfg.grpc.tcp_listen:
+            assert self._tls is not None and self._token is not None
+            key, cert, ca = self._tls
+            creds = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+            )
+            tcp_server = build([_token_interceptor(self._token)])
+            try:
+                port = tcp_server.add_secure_port(cfg.grpc.tcp_listen, creds)
+            except RuntimeError as exc:
+                raise StartupError(f"cannot listen on {cfg.grpc.tcp_listen}: {exc}") from exc
+            if not port:
+                raise StartupError(f"cannot listen on {cfg.grpc.tcp_listen}: bind failed")
+            self._servers.append(tcp_server)
+            self.tcp_port = port
+
+        for server in self._servers:
+            await server.start()
+        os.chmod(path, cfg.grpc.socket_mode)
+        if self._gid is not None:
+            os.chown(path, -1, self._gid)
+        if self._metrics is not None:
+            host, port = parse_host_port(cfg.metrics.listen, key="metrics.listen")
+            await self._metrics.start(host, port)
+            self._tasks.append(asyncio.create_task(self._update_gauges(), name="metrics-gauges"))
+
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, serving)
+        self._announce(f"listening on unix:{path}")
+        if self.tcp_port is not None:
+            host, _ = parse_host_port(cfg.grpc.tcp_listen, key="grpc.tcp_listen")
+            shown = f"[{host}]" if ":" in host else host
+            mtls = " (mutual TLS)" if self._tls and self._tls[2] else " (TLS)"
+            self._announce(f"listening on tcp {shown}:{self.tcp_port}{mtls}")
+        status = (
+            f"serving on unix:{path}; {worker.num_sub_workers} SUB workers, "
+            f"{worker.num_chips} chips"
+        )
+        log.info("ready: %s", status)
+        self.notifier.ready(status)
+        period = self.notifier.ping_period()
+        if cfg.daemon.watchdog and period:
+            self._tasks.append(asyncio.create_task(self._watchdog(period), name="watchdog"))
+
+    async def _not_serving(self) -> None:
+        """Health turns NOT_SERVING: a drain began (load balancers stop sending work)."""
+        from grpc_health.v1 import health_pb2
+
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.notifier.status("draining: no new runs are admitted")
+
+    async def _watchdog(self, period: float) -> None:
+        """WATCHDOG=1 from the event loop: a wedged loop stops the pings."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(period)
+
+    async def _update_gauges(self) -> None:
+        worker, metrics = self.worker, self._metrics
+        assert worker is not None and metrics is not None
+        while True:
+            lanes: Counter[tuple[str, str]] = Counter()
+            for info in worker.list_workers():
+                state = (
+                    "failed"
+                    if info.get("poisoned") or not info.get("alive", True)
+                    else ("busy" if info.get("busy") else "idle")
+                )
+                lanes[(str(info.get("kind", "?")), state)] += 1
+            for kind in {k for k, _ in lanes} | {"sub"}:
+                for state in ("idle", "busy", "failed"):
+                    metrics.set_lanes(kind, state, lanes.get((kind, state), 0))
+            if worker.scheduler is not None:
+                metrics.set_queue_depth("ready", worker.scheduler.queued())
+            await asyncio.sleep(_GAUGE_PERIOD)
+
+    async def _shutdown(self) -> None:
+        reason = self._stop_reason or "stop"
+        grace = self.config.daemon.shutdown_grace
+        self.notifier.stopping(f"stopping ({reason})")
+        log.info("stopping (%s)", reason)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._health is not None:
+            with contextlib.suppress(Exception):
+                await self._health.enter_graceful_shutdown()
+        service = self._service
+        if service is not None:
+            service.begin_stopping()
+            active = service.active_runs
+            if active:
+                self.notifier.status(f"stopping: {active} runs get {grace:.0f}s to finish")
+            finished, cancelled = await service.drain(grace, reason=f"daemon stopping ({reason})")
+            if cancelled:
+                self.notifier.status(f"stopping: cancelled {cancelled} runs")
+                # Cancelled runs end once their running tasks do; watchers then see CANCELLED.
+                await service.wait_idle(CLOSE_TIMEOUT / 2)
+            log.info("runs: %d finished during shutdown, %d cancelled", finished, cancelled)
+        if self.worker is not None:
+            self.notifier.status("stopping: shutting down worker processes")
+            try:
+                await self.worker.close_async(CLOSE_TIMEOUT)
+            except Exception:
+                log.exception("closing the worker pool failed")
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await server.stop(STREAM_GRACE)
+        self._servers.clear()
+        if self._metrics is not None:
+            await self._metrics.close()
+        if self._socket_bound:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            self._socket_bound = False
+        self.notifier.status("stopped")
+        log.info("stopped")
