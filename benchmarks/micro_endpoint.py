@@ -79,8 +79,14 @@ def endpoint_roundtrips(n: int, *, park: bool) -> list[float]:
     mb = Mailbox()
     spec = spec_for_import("benchmarks.tasks:empty")
     ctx = ChildContext(
-        worker_id=0, label="sub worker 0", mailbox=mb, heap=heap, doorbell=doorbell,
-        specs=[spec], parent_pid=os.getpid(), spin_ns=0 if park else 200_000,
+        worker_id=0,
+        label="sub worker 0",
+        mailbox=mb,
+        heap=heap,
+        doorbell=doorbell,
+        specs=[spec],
+        parent_pid=os.getpid(),
+        spin_ns=0 if park else 200_000,
     )
     child = fork_child(lambda: run_child(ctx), ctx.label)
     try:
@@ -139,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         summarize("spin ping-pong (shared word)", spin_pingpong(opts.n)),
         summarize("endpoint round trip, spinning", endpoint_roundtrips(opts.n, park=False)),
-        summarize("endpoint round trip, parking", endpoint_roundtrips(max(500, opts.n // 10), park=True)),
+        summarize(
+            "endpoint round trip, parking", endpoint_roundtrips(max(500, opts.n // 10), park=True)
+        ),
     ]
     print("| path | median µs | p99 µs |\n| --- | --- | --- |")
     print("\n".join(rows))

@@ -1,0 +1,458 @@
+"""Turn the cells' figures into medians, ratios, target verdicts, JSON, Markdown and charts.
+
+The document (``doc``) built by ``__main__`` holds, per workload and system,
+the status and per-repetition figures. :func:`finalize` adds medians across
+repetitions, the ours/peer ratio of every metric against every peer of the same
+invocation, and one verdict per target (MET / MISSED / N/A).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workloads import (
+    LABELS,
+    PENDING_TARGETS,
+    TARGETS,
+    TIMES,
+    WORKLOADS,
+    Target,
+    median,
+)
+
+Doc = dict[str, Any]
+
+PACKAGES = (
+    "numpy",
+    "loky",
+    "ray",
+    "dask",
+    "distributed",
+    "matplotlib",
+    "uvloop",
+    "msgspec",
+    "cloudpickle",
+    "simpler-daemon",
+)
+
+
+# ------------------------------------------------------------------ machine facts
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu_model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
+    mem_kib = next(
+        (
+            int(line.split()[1])
+            for line in _read("/proc/meminfo").splitlines()
+            if line.startswith("MemTotal:")
+        ),
+        0,
+    )
+    load = _read("/proc/loadavg").split()[:3]
+    return {
+        "cpu_model": cpu_model,
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "kernel": f"{platform.system()} {platform.release()}",
+        "machine": platform.machine(),
+        "python": sys.version.split()[0],
+        "python_impl": platform.python_implementation(),
+        "loadavg_at_start": [float(x) for x in load],
+        "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")},
+    }
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["py-spy"] = "on PATH" if shutil.which("py-spy") else None
+    return versions
+
+
+def git_info(repo: Path) -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(
+                ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    return {"revision": git("rev-parse", "HEAD"), "dirty": bool(status) if status else None}
+
+
+# --------------------------------------------------------------------- aggregation
+
+
+def _ok(res: dict[str, Any] | None) -> bool:
+    return bool(res) and res.get("status") == "ok"
+
+
+def finalize(doc: Doc) -> Doc:
+    """Add medians (and min/max) across repetitions, ratios and target verdicts."""
+    for wid, wl in doc["workloads"].items():
+        spec = WORKLOADS[wid]
+        for res in wl.get("systems", {}).values():
+            if not _ok(res):
+                continue
+            for key in ("median", "min", "max"):
+                res[key] = {}
+            for metric in spec.metrics:
+                values = [rep[metric.key] for rep in res["reps"]]
+                res["median"][metric.key] = median(values)
+                res["min"][metric.key] = min(values)
+                res["max"][metric.key] = max(values)
+    doc["ratios"] = ratios(doc)
+    doc["targets"] = verdicts(doc)
+    return doc
+
+
+def value(doc: Doc, wid: str, system: str, metric: str) -> float | None:
+    res = doc["workloads"].get(wid, {}).get("systems", {}).get(system)
+    return res["median"][metric] if _ok(res) else None
+
+
+def ratios(doc: Doc) -> dict[str, Any]:
+    """``{workload: {metric: {ours_variant: {peer: ours/peer}}}}`` (None when either is missing)."""
+    out: dict[str, Any] = {}
+    for wid, wl in doc["workloads"].items():
+        spec = WORKLOADS[wid]
+        if not wl.get("measured"):
+            continue
+        for metric in spec.metrics:
+            for variant in spec.ours_variants:
+                ours = value(doc, wid, variant, metric.key)
+                row = out.setdefault(wid, {}).setdefault(metric.key, {}).setdefault(variant, {})
+                for peer in doc["peers"]:
+                    theirs = value(doc, wid, peer, metric.key)
+                    row[peer] = ours / theirs if ours is not None and theirs else None
+    return out
+
+
+def _verdict(doc: Doc, target: Target, variant: str) -> dict[str, Any]:
+    wid = target.workload
+    out: dict[str, Any] = {
+        "workload": wid,
+        "metric": target.metric,
+        "variant": variant,
+        "target": target.text,
+        "kind": target.kind,
+        "op": target.op,
+        "bound": target.bound,
+        "peer": target.peer,
+    }
+    ours_res = doc["workloads"][wid]["systems"].get(variant, {})
+    ours = value(doc, wid, variant, target.metric)
+    out["ours"] = ours
+    if ours is None:
+        reason = ours_res.get("reason", "")
+        return {**out, "verdict": "N/A", "why": f"{ours_res.get('status')}: {reason}"}
+    if target.kind == "absolute":
+        return {**out, "verdict": "MET" if target.holds(ours) else "MISSED", "why": ""}
+    assert target.peer is not None
+    ref = target.ref_workload or wid
+    theirs = value(doc, ref, target.peer, target.metric)
+    out["peer_value"] = theirs
+    if not theirs:
+        if ref not in doc["workloads"]:
+            return {**out, "verdict": "N/A", "why": f"{ref} not measured (--only)"}
+        peer_res = doc["workloads"][ref]["systems"].get(target.peer)
+        label = LABELS[target.peer]
+        why = (
+            f"peer missing: {label} {peer_res.get('status')}: {peer_res.get('reason', '')}"
+            if peer_res
+            else f"peer missing: {label} not run"
+        )
+        return {**out, "verdict": "N/A", "why": why}
+    ratio = ours / theirs
+    return {**out, "ratio": ratio, "verdict": "MET" if target.holds(ratio) else "MISSED", "why": ""}
+
+
+def verdicts(doc: Doc) -> list[dict[str, Any]]:
+    rows = []
+    for target in TARGETS:
+        if target.workload not in doc["workloads"]:
+            continue
+        for variant in WORKLOADS[target.workload].ours_variants:
+            rows.append(_verdict(doc, target, variant))
+    for wid, text in PENDING_TARGETS.items():
+        if wid in doc["workloads"]:
+            rows.append(
+                {"workload": wid, "target": text, "verdict": "N/A", "why": "not yet measured"}
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------ Markdown
+
+
+def num(v: float | None) -> str:
+    if v is None:
+        return "—"
+    a = abs(v)
+    if a >= 100:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+class _Notes:
+    """Footnotes for statuses with a reason, so the table stays narrow."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.items:
+            self.items.append(text)
+        return f"[{self.items.index(text) + 1}]"
+
+
+def _cell(doc: Doc, wid: str, system: str, metric: str, notes: _Notes) -> str:
+    res = doc["workloads"][wid]["systems"].get(system)
+    if res is None:
+        return "not run"
+    if _ok(res):
+        return num(res["median"][metric])
+    status = res.get("status", "?")
+    reason = res.get("reason", "")
+    if status == "n/a":
+        return "n/a"
+    return f"{status} {notes.ref(f'{status}: {reason}')}"
+
+
+def _row_label(wid: str, metric_label: str, variant: str, variants: tuple[str, ...]) -> str:
+    if len(variants) == 1:
+        return f"{wid} {metric_label}"
+    return f"{wid} {metric_label} ({'run_async' if variant == 'ours_async' else 'run'})"
+
+
+def markdown(doc: Doc) -> str:
+    notes = _Notes()
+    peers = doc["peers"]
+    verdict_of = {(v["workload"], v.get("metric"), v.get("variant")): v for v in doc["targets"]}
+    head = ["workload", "ours", *(LABELS[p] for p in peers), "ratio vs target peer"]
+    head += ["target", "verdict"]
+    lines = [
+        f"# simpler-daemon benchmarks — {doc['started_utc']}",
+        "",
+        _summary_line(doc),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for wid, wl in doc["workloads"].items():
+        spec = WORKLOADS[wid]
+        if not wl.get("measured"):
+            cells = [f"{wid} {spec.title}", "not yet measured"] + ["not yet measured"] * len(peers)
+            cells += ["—", PENDING_TARGETS.get(wid, "—"), "N/A (not yet measured)"]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        for metric in spec.metrics:
+            for variant in spec.ours_variants:
+                v = verdict_of.get((wid, metric.key, variant))
+                cells = [
+                    _row_label(wid, metric.label, variant, spec.ours_variants),
+                    _cell(doc, wid, variant, metric.key, notes),
+                    *(_cell(doc, wid, p, metric.key, notes) for p in peers),
+                ]
+                if v is None:
+                    cells += ["—", "—", "—"]
+                else:
+                    ratio = (
+                        f"{num(v['ratio'])} {TIMES} {LABELS[v['peer']]}" if "ratio" in v else "—"
+                    )
+                    verdict = v["verdict"]
+                    if v.get("why"):
+                        verdict += f" {notes.ref(v['why'])}"
+                    cells += [ratio, v["target"], verdict]
+                lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *_ratio_table(doc), "", *_params(doc)]
+    profile = doc.get("profile")
+    if profile:
+        files = ", ".join(profile.get("files", [])) or f"none ({profile.get('reason')})"
+        lines += ["", f"Profile of W2 on ours (--profile): {files}"]
+    if notes.items:
+        lines += ["", "Notes:", ""]
+        lines += [f"{i}. {text}" for i, text in enumerate(notes.items, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_line(doc: Doc) -> str:
+    m, g = doc["machine"], doc["git"]
+    rev = (g.get("revision") or "no commit")[:12] + (" (dirty)" if g.get("dirty") else "")
+    return (
+        f"{doc['mode']} run, {doc['repeat']} repetition(s), medians across repetitions; "
+        f"ratios are ours / peer from this invocation. Machine: {m['cpu_model']}, "
+        f"{m['nproc']} CPUs, {m['memory_gib']} GiB, {m['kernel']}, Python {m['python']}; "
+        f"git {rev}; wall {doc.get('wall_s', 0):.0f} s; load average (1 min) "
+        f"{m['loadavg_at_start'][0]:.2f} at start, {doc.get('loadavg_at_end', ['?'])[0]} at end."
+    )
+
+
+def _ratio_table(doc: Doc) -> list[str]:
+    peers = doc["peers"]
+    if not peers:
+        return ["No peer was run (--peers none): no ratios."]
+    lines = [
+        "Ratios ours / peer (< 1 is faster for µs and ms, > 1 is faster for tasks/s):",
+        "",
+        "| workload | " + " | ".join(LABELS[p] for p in peers) + " |",
+        "|---|" + "---|" * len(peers),
+    ]
+    for wid, by_metric in doc["ratios"].items():
+        spec = WORKLOADS[wid]
+        for metric in spec.metrics:
+            for variant, row in by_metric[metric.key].items():
+                label = _row_label(wid, metric.label, variant, spec.ours_variants)
+                lines.append(f"| {label} | " + " | ".join(num(row[p]) for p in peers) + " |")
+    return lines
+
+
+def _params(doc: Doc) -> list[str]:
+    lines = ["Workload sizes:", ""]
+    for wid, wl in doc["workloads"].items():
+        if wl.get("measured"):
+            params = ", ".join(f"{k}={v}" for k, v in wl["params"].items())
+            lines.append(f"- {wid}: {WORKLOADS[wid].title} ({params})")
+    return lines
+
+
+# -------------------------------------------------------------------------- charts
+
+
+def _systems(doc: Doc, wid: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(s, r) for s, r in doc["workloads"][wid]["systems"].items() if _ok(r)]
+
+
+def charts(doc: Doc, out: Path, stamp: str) -> list[Path]:
+    """PNG charts; an empty list (and a printed notice) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError as exc:
+        print(f"charts: skipped, matplotlib is not installed ({exc})")
+        return []
+    made: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out / f"{stamp}-{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    if "W1" in doc["workloads"] and _systems(doc, "W1"):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for system, res in _systems(doc, "W1"):
+            samples = sorted(s for rep in res["reps"] for s in rep["samples_us"])
+            ys = [(i + 1) / len(samples) for i in range(len(samples))]
+            ax.plot(
+                samples, ys, label=f"{LABELS[system]} (median {num(res['median']['median_us'])} µs)"
+            )
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("round trip, µs (log)")
+        ax.set_ylabel("fraction of runs")
+        ax.set_title("W1 — one empty task per run, latency CDF")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "w1_latency")
+
+    bars = {
+        "W2": ("tasks_per_s", "tasks/s", "W2 — empty tasks, throughput", None),
+        "W3": ("efficiency", "ideal wall / actual wall", "W3 — 500 µs spin tasks", 0.90),
+        "W4": ("tasks_per_s", "tasks/s", "W4 — dependent chain, throughput", None),
+        "W5": ("ms_per_task", "ms per task (log)", "W5 — read an 8 MiB array", None),
+        "W8": ("cpu_pct", "% of one core", "W8 — idle CPU", 1.0),
+    }
+    for wid, (metric, ylabel, title, line) in bars.items():
+        if wid not in doc["workloads"] or not _systems(doc, wid):
+            continue
+        systems = _systems(doc, wid)
+        names = [LABELS[s] for s, _ in systems]
+        mids = [r["median"][metric] for _, r in systems]
+        lo = [m - r["min"][metric] for m, (_, r) in zip(mids, systems, strict=True)]
+        hi = [r["max"][metric] - m for m, (_, r) in zip(mids, systems, strict=True)]
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        colors = ["tab:red" if s.startswith("ours") else "tab:blue" for s, _ in systems]
+        ax.bar(names, mids, yerr=[lo, hi], color=colors, capsize=4)
+        for i, m in enumerate(mids):
+            ax.annotate(num(m), (i, m), ha="center", va="bottom", fontsize=8)
+        if wid == "W5":
+            ax.set_yscale("log")
+        if line is not None:
+            ax.axhline(line, color="tab:green", linestyle="--", label=f"target {line}")
+            ax.legend(fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} (median, min to max over repetitions)")
+        ax.tick_params(axis="x", labelrotation=20)
+        save(fig, wid.lower() + "_" + metric)
+    return made
+
+
+# -------------------------------------------------------------------------- output
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write(doc: Doc, out: Path) -> tuple[Path, Path, list[Path]]:
+    """``<stamp>.json``, ``<stamp>.md``, charts, and their ``latest*`` copies."""
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = doc["timestamp"]
+    md = markdown(doc)
+    json_path, md_path = out / f"{stamp}.json", out / f"{stamp}.md"
+    pngs = charts(doc, out, stamp)
+    doc["files"] = [p.name for p in (json_path, md_path, *pngs)]
+    _write_atomic(json_path, json.dumps(doc, indent=1, default=str) + "\n")
+    _write_atomic(md_path, md)
+    shutil.copyfile(json_path, out / "latest.json")
+    shutil.copyfile(md_path, out / "latest.md")
+    for stale in out.glob("latest_*.png"):  # never leave a chart of an older run as "latest"
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    for png in pngs:
+        shutil.copyfile(png, out / f"latest_{png.name.split('-', 1)[1]}")
+    return json_path, md_path, pngs

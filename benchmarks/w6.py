@@ -1,0 +1,172 @@
+"""W6: W1 and W2 submitted through the daemon's gRPC API from a separate client process.
+
+::
+
+    this process (the client) --gRPC, Unix socket--> simpler-daemon serve (a subprocess)
+                                                        └─ 2 SUB workers (pre-forked)
+
+W1: one empty SUB task per run, ``SubmitRun`` then ``WaitRun``, ``n1`` times in
+sequence (round trip in µs). W2: one run of ``n2`` empty SUB tasks, submitted
+in one ``SubmitRun`` and awaited with ``WaitRun`` (tasks/s). The targets compare
+with Ray's W1 and our in-process W2 measured in the same invocation (see
+``workloads.TARGETS``).
+
+Run inside the suite (``python -m benchmarks --only W1,W2,W6``) or standalone::
+
+    python -m benchmarks.w6 [--smoke] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workloads import NUM_WORKERS, WORKLOADS, Result, latency_rep, ok, throughput_rep
+
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 30.0
+WARM_UP_RUNS = 20
+EMPTY = "simpler_daemon.examples.tasks:empty"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config(directory: Path, n2: int) -> str:
+    return f"""\
+[daemon]
+runtime_dir = "{directory / "run"}"
+shutdown_grace = 5.0
+log_level = "warning"
+watchdog = false
+
+[workers]
+num_sub_workers = {NUM_WORKERS}
+num_chips = 0
+heap_bytes = 16777216
+
+[limits]
+max_tasks_per_run = {max(n2, 100_000)}
+"""
+
+
+@contextlib.contextmanager
+def daemon(n2: int) -> Iterator[tuple[str, int]]:
+    """A ``simpler-daemon serve`` subprocess; yields ``(socket path, pid)``, stops it after."""
+    with tempfile.TemporaryDirectory(prefix="bench-w6-") as tmp:
+        directory = Path(tmp)
+        config = directory / "daemon.toml"
+        config.write_text(_config(directory, n2))
+        notify_path = str(directory / "notify.sock")
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(notify_path)
+        notify.settimeout(0.1)
+        env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
+        err = open(directory / "stderr.txt", "wb")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "simpler_daemon.server.main", "serve", "--config", str(config)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"simpler-daemon exited with {proc.returncode} before READY=1: "
+                        + (directory / "stderr.txt").read_text(errors="replace")[-500:]
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"simpler-daemon not ready within {READY_TIMEOUT:.0f} s")
+                try:
+                    if b"READY=1" in notify.recv(4096):
+                        break
+                except TimeoutError:
+                    continue
+            yield str(directory / "run" / "daemon.sock"), proc.pid
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            notify.close()
+            err.close()
+            if code != 0:
+                print(f"w6: simpler-daemon exited with {code}", file=sys.stderr)
+
+
+def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
+    """W6 on the engine: ``{"ours": result}``."""
+    from simpler_daemon.client import Client, sub_task
+    from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+
+    n1, n2 = p["n1"], p["n2"]
+    with daemon(n2) as (sock, pid), Client(sock, timeout=None) as c:
+        empty = c.register(EMPTY)
+        one = [sub_task(empty)]
+        many = [sub_task(empty)] * n2
+        clock = time.perf_counter_ns
+
+        def run_once(tasks: list[Any]) -> None:
+            status = c.wait_run(c.submit(tasks))
+            if status.state != pb.RUN_STATE_COMPLETED:
+                raise RuntimeError(f"cannot measure W6: run {status.run_id} {status.error.message}")
+
+        for _ in range(WARM_UP_RUNS):
+            run_once(one)
+        run_once(many[: max(1, n2 // 10)])
+        reps = []
+        for _ in range(repeat):
+            samples = []
+            for _ in range(n1):
+                t0 = clock()
+                run_once(one)
+                samples.append(clock() - t0)
+            rep = latency_rep(samples)
+            t0 = clock()
+            run_once(many)
+            rep.update(throughput_rep(n2, clock() - t0))
+            rep["n1"], rep["n2"] = n1, n2
+            reps.append(rep)
+    return {
+        "ours": ok(
+            reps,
+            api="simpler_daemon.client.Client: SubmitRun + WaitRun over the Unix socket",
+            daemon_pid=pid,
+            sub_workers=NUM_WORKERS,
+        )
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.w6", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("--smoke", action="store_true", help="small counts")
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args(argv)
+    params = WORKLOADS["W6"].params(args.smoke)
+    result = measure(params, args.repeat)["ours"]
+    for rep in result["reps"]:
+        rep.pop("samples_us", None)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

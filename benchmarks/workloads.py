@@ -1,0 +1,457 @@
+"""What is measured: the workloads of PERFORMANCE.md, their targets, and the timing loops.
+
+Everything here is data or a plain function. The loops for peers are written
+once against the small :class:`benchmarks.peers.Peer` interface (submit one
+task, wait for one or for many); :mod:`benchmarks.ours` has the engine's own
+loops, which go through ``Worker.run`` / ``Worker.run_async``.
+
+A *cell* is one workload measured on one system in one fresh subprocess (see
+``__main__``); it returns ``{system_key: result}`` where a result is either
+``{"status": "ok", "reps": [{metric: value, ...}, ...], "info": {...}}`` or
+``{"status": "skipped" | "unavailable" | "n/a", "reason": "..."}``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from benchmarks import tasks
+
+if TYPE_CHECKING:
+    from benchmarks.peers import Peer
+
+NUM_WORKERS = 2
+TIMES = "\N{MULTIPLICATION SIGN}"
+W5_ELEMENTS = 8 * 1024 * 1024 // 8  # 8 MiB of float64
+
+Result = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool
+
+
+@dataclass(frozen=True)
+class Workload:
+    id: str
+    title: str
+    metrics: tuple[Metric, ...]
+    full: dict[str, int] = field(default_factory=dict)
+    smoke: dict[str, int] = field(default_factory=dict)
+    # Peers this workload applies to; the others are reported "n/a" with `na_reason`.
+    peers: tuple[str, ...] = ("mp", "ppe", "loky", "ray", "dask")
+    na_reason: str = ""
+    # Engine variants measured: "ours" is Worker.run, "ours_async" is Worker.run_async.
+    ours_variants: tuple[str, ...] = ("ours",)
+    measured: bool = True
+
+    def params(self, smoke: bool) -> dict[str, int]:
+        return dict(self.smoke if smoke else self.full)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One line of the PERFORMANCE.md target table, as data.
+
+    ``kind="ratio"``: ours / ``peer`` (same invocation) ``op`` ``bound``.
+    ``kind="absolute"``: ours ``op`` ``bound`` in the metric's unit.
+    ``ref_workload``: take the peer's figure from that workload instead (W6 compares
+    with Ray's W1 and with our own in-process W2, ``peer="ours"``).
+    """
+
+    workload: str
+    metric: str
+    kind: Literal["ratio", "absolute"]
+    op: Literal["<=", ">="]
+    bound: float
+    peer: str | None = None
+    text: str = ""
+    ref_workload: str | None = None
+
+    def holds(self, value: float) -> bool:
+        return value <= self.bound if self.op == "<=" else value >= self.bound
+
+
+LATENCY = (
+    Metric("median_us", "median µs", "µs", higher_is_better=False),
+    Metric("p99_us", "p99 µs", "µs", higher_is_better=False),
+)
+THROUGHPUT = (Metric("tasks_per_s", "tasks/s", "tasks/s", higher_is_better=True),)
+
+WORKLOADS: dict[str, Workload] = {
+    w.id: w
+    for w in (
+        Workload(
+            "W1",
+            "one empty task per run, sequential round trips",
+            LATENCY,
+            full={"n": 2000},
+            smoke={"n": 200},
+            ours_variants=("ours", "ours_async"),
+        ),
+        Workload(
+            "W2",
+            "empty tasks, all submitted then all awaited",
+            THROUGHPUT,
+            full={"n": 20000},
+            smoke={"n": 2000},
+            ours_variants=("ours", "ours_async"),
+        ),
+        Workload(
+            "W3",
+            "tasks that each spin CPU",
+            (Metric("efficiency", "efficiency", "", higher_is_better=True),),
+            full={"n": 4000, "spin_us": 500},
+            smoke={"n": 200, "spin_us": 500},
+        ),
+        Workload(
+            "W4",
+            "a chain of dependent tasks",
+            THROUGHPUT,
+            full={"n": 2000},
+            smoke={"n": 200},
+            peers=("ray", "dask"),
+            na_reason="no task dependencies in this API",
+        ),
+        Workload(
+            "W5",
+            "tasks that each read an 8 MiB float64 array",
+            (Metric("ms_per_task", "ms/task", "ms", higher_is_better=False),),
+            full={"n": 100},
+            smoke={"n": 10},
+        ),
+        Workload(
+            "W6",
+            "W1 and W2 through the daemon's gRPC API from a separate client process",
+            (
+                Metric("median_us", "W1 median µs", "µs", higher_is_better=False),
+                Metric("p99_us", "W1 p99 µs", "µs", higher_is_better=False),
+                Metric("tasks_per_s", "W2 tasks/s", "tasks/s", higher_is_better=True),
+            ),
+            full={"n1": 2000, "n2": 20000},
+            smoke={"n1": 200, "n2": 2000},
+            peers=(),
+            na_reason="daemon API; the targets use Ray's W1 and our W2 of this invocation",
+        ),
+        Workload("W7", "W1 against a remote L3 worker over loopback TCP", (), measured=False),
+        Workload(
+            "W8",
+            "idle pool of 2 workers: CPU of the parent and every descendant",
+            (Metric("cpu_pct", "CPU % of a core", "%", higher_is_better=False),),
+            full={"seconds": 10},
+            smoke={"seconds": 2},
+            # ppe's and loky's idle workers block on a pipe read exactly like mp.Pool's
+            # (all measured 0.0 %); leaving them out saves a minute of a full run.
+            peers=("mp", "ray", "dask"),
+            na_reason="not measured: idle like mp.Pool (workers block on a pipe read)",
+        ),
+    )
+}
+
+TARGETS: tuple[Target, ...] = (
+    Target("W1", "median_us", "ratio", "<=", 0.2, "mp", f"median ≤ 0.2 {TIMES} mp.Pool"),
+    Target("W1", "p99_us", "ratio", "<=", 0.2, "mp", f"p99 ≤ 0.2 {TIMES} mp.Pool"),
+    Target("W2", "tasks_per_s", "ratio", ">=", 3.0, "mp", f"≥ 3 {TIMES} mp.Pool"),
+    Target("W3", "efficiency", "absolute", ">=", 0.90, None, "efficiency ≥ 0.90"),
+    Target("W4", "tasks_per_s", "ratio", ">=", 30.0, "ray", f"≥ 30 {TIMES} Ray"),
+    Target("W5", "ms_per_task", "ratio", "<=", 0.02, "ppe", f"≤ 0.02 {TIMES} ProcessPoolExecutor"),
+    Target("W8", "cpu_pct", "absolute", "<=", 1.0, None, "≤ 1 % of a core"),
+    Target(
+        "W6",
+        "median_us",
+        "ratio",
+        "<=",
+        0.3,
+        "ray",
+        f"W1 over gRPC ≤ 0.3 {TIMES} Ray's W1",
+        ref_workload="W1",
+    ),
+    Target(
+        "W6",
+        "tasks_per_s",
+        "ratio",
+        ">=",
+        0.5,
+        "ours",
+        f"W2 over gRPC ≥ 0.5 {TIMES} our in-process W2",
+        ref_workload="W2",
+    ),
+)
+
+# Targets of workloads not measured yet, printed so they are never silently dropped.
+PENDING_TARGETS: dict[str, str] = {
+    "W7": "median ≤ 250 µs",
+}
+
+PEER_KEYS: tuple[str, ...] = ("mp", "ppe", "loky", "ray", "dask")
+SMOKE_PEERS: tuple[str, ...] = ("mp", "ppe")
+
+LABELS: dict[str, str] = {
+    "ours": "ours",
+    "ours_async": "ours (async)",
+    "mp": "mp.Pool",
+    "ppe": "ProcessPoolExecutor",
+    "loky": "loky",
+    "ray": "Ray",
+    "dask": "Dask",
+}
+
+
+# --------------------------------------------------------------------- statistics
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of an already sorted list."""
+    if not sorted_values:
+        raise ValueError("cannot take a percentile of no samples")
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("cannot take the median of no values")
+    mid = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[mid]
+    return (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def latency_rep(samples_ns: list[int]) -> Result:
+    """Figures of one W1 repetition from its round trips in nanoseconds."""
+    us = sorted(s / 1000.0 for s in samples_ns)
+    return {
+        "median_us": median(us),
+        "p99_us": percentile(us, 99),
+        "p90_us": percentile(us, 90),
+        "mean_us": sum(us) / len(us),
+        "min_us": us[0],
+        "max_us": us[-1],
+        "n": len(us),
+        # Kept in run order for the CDF chart; rounded to keep the JSON small.
+        "samples_us": [round(s / 1000.0, 1) for s in samples_ns],
+    }
+
+
+def throughput_rep(n: int, wall_ns: int) -> Result:
+    wall_s = wall_ns / 1e9
+    return {"tasks_per_s": n / wall_s, "wall_s": wall_s, "n": n}
+
+
+def efficiency_rep(n: int, spin_us: int, wall_ns: int) -> Result:
+    ideal_s = n * spin_us / 1e6 / NUM_WORKERS
+    wall_s = wall_ns / 1e9
+    return {"efficiency": ideal_s / wall_s, "wall_s": wall_s, "ideal_s": ideal_s, "n": n}
+
+
+def per_task_rep(n: int, wall_ns: int) -> Result:
+    wall_s = wall_ns / 1e9
+    return {"ms_per_task": wall_s * 1000.0 / n, "wall_s": wall_s, "n": n}
+
+
+def ok(reps: list[Result], **info: Any) -> Result:
+    return {"status": "ok", "reps": reps, "info": info}
+
+
+# ------------------------------------------------------- CPU of a process tree (W8)
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields of /proc/<pid>/stat from field 3 (state) on, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    return data[data.rindex(b")") + 2 :].split()
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    ppid: int
+    session: int
+    ticks: int  # utime + stime, in clock ticks
+    state: str  # "R", "S", ..., "Z" for a zombie
+
+
+def process_table() -> dict[int, ProcInfo]:
+    """Every visible process, from /proc/<pid>/stat."""
+    table: dict[int, ProcInfo] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
+        if fields is None:
+            continue
+        # Field k of proc(5) is fields[k - 3]: state 3, ppid 4, session 6, utime 14, stime 15.
+        table[int(entry)] = ProcInfo(
+            ppid=int(fields[1]),
+            session=int(fields[3]),
+            ticks=int(fields[11]) + int(fields[12]),
+            state=fields[0].decode(),
+        )
+    return table
+
+
+def descendants(root: int, table: dict[int, ProcInfo] | None = None) -> list[int]:
+    """``root`` and every live process below it (found by ppid; no psutil)."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        if pid in table:
+            found.append(pid)
+        stack.extend(children.get(pid, ()))
+    return found
+
+
+def tree_ticks(root: int) -> dict[int, int]:
+    table = process_table()
+    return {pid: table[pid].ticks for pid in descendants(root, table)}
+
+
+def measure_idle_cpu(seconds: float, root: int | None = None) -> Result:
+    """CPU used by ``root`` (default: this process) and its descendants while idle.
+
+    utime+stime of every process of the tree, sampled before and after; a
+    process born during the window counts in full, one that exits during it
+    is not counted. Returned as % of one core.
+    """
+    root = os.getpid() if root is None else root
+    before = tree_ticks(root)
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    after = tree_ticks(root)
+    ticks = sum(t - before.get(pid, 0) for pid, t in after.items())
+    cpu_s = ticks / _CLK_TCK
+    return {
+        "cpu_pct": 100.0 * cpu_s / wall,
+        "cpu_s": cpu_s,
+        "window_s": wall,
+        "processes": len(after),
+        "exited": len(set(before) - set(after)),
+    }
+
+
+# ------------------------------------------------------------------ peer loops
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[int, Any]:
+    t0 = time.perf_counter_ns()
+    value = fn()
+    return time.perf_counter_ns() - t0, value
+
+
+def warm_up(peer: Peer, spin_us: int = 0) -> None:
+    """Start every worker and run a few tasks of each kind before timing."""
+    for _ in range(10):
+        peer.result(peer.submit(tasks.empty))
+    peer.results([peer.submit(tasks.empty) for _ in range(20)])
+    if spin_us:
+        peer.results([peer.submit(tasks.spin, spin_us) for _ in range(4)])
+
+
+def peer_w1(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    n = p["n"]
+    warm_up(peer)
+    reps = []
+    submit, result, empty, clock = peer.submit, peer.result, tasks.empty, time.perf_counter_ns
+    for _ in range(repeat):
+        samples = []
+        for _ in range(n):
+            t0 = clock()
+            result(submit(empty))
+            samples.append(clock() - t0)
+        reps.append(latency_rep(samples))
+    return ok(reps)
+
+
+def peer_w2(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    n = p["n"]
+    warm_up(peer)
+    reps = []
+    for _ in range(repeat):
+        wall, _ = _timed(lambda: peer.results([peer.submit(tasks.empty) for _ in range(n)]))
+        reps.append(throughput_rep(n, wall))
+    return ok(reps)
+
+
+def peer_w3(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    n, us = p["n"], p["spin_us"]
+    warm_up(peer, us)
+    reps = []
+    for _ in range(repeat):
+        wall, _ = _timed(lambda: peer.results([peer.submit(tasks.spin, us) for _ in range(n)]))
+        reps.append(efficiency_rep(n, us, wall))
+    return ok(reps)
+
+
+def peer_w4(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    n = p["n"]
+    warm_up(peer)
+    peer.result(peer.submit(tasks.incr, peer.submit(tasks.incr, 0)))
+
+    def chain() -> int:
+        handle = peer.submit(tasks.incr, 0)
+        for _ in range(n - 1):
+            handle = peer.submit(tasks.incr, handle)  # the previous result as the argument
+        return int(peer.result(handle))
+
+    reps = []
+    for _ in range(repeat):
+        wall, last = _timed(chain)
+        if last != n:
+            raise RuntimeError(f"cannot verify W4 chain: last value {last} != {n}")
+        reps.append(throughput_rep(n, wall))
+    return ok(reps)
+
+
+def peer_w5(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    import numpy as np
+
+    n = p["n"]
+    arr = np.ones(W5_ELEMENTS, dtype=np.float64)
+    expected = float(W5_ELEMENTS)
+    warm_up(peer)
+    peer.results([peer.submit(tasks.sum_array, arr, expected) for _ in range(2)])
+    reps = []
+    for _ in range(repeat):
+        wall, _ = _timed(
+            lambda: peer.results([peer.submit(tasks.sum_array, arr, expected) for _ in range(n)])
+        )
+        reps.append(per_task_rep(n, wall))
+    return ok(reps, array_mib=arr.nbytes / 2**20, passed_as="pickled argument")
+
+
+def peer_w8(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    warm_up(peer)
+    time.sleep(0.5)  # let the warm-up's bookkeeping settle before the window opens
+    reps = [measure_idle_cpu(p["seconds"]) for _ in range(repeat)]
+    return ok(reps)
+
+
+PEER_LOOPS: dict[str, Callable[[Peer, dict[str, int], int], Result]] = {
+    "W1": peer_w1,
+    "W2": peer_w2,
+    "W3": peer_w3,
+    "W4": peer_w4,
+    "W5": peer_w5,
+    "W8": peer_w8,
+}
