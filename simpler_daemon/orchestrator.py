@@ -253,6 +253,12 @@ class Run:
         return f"Run({self.run_id}, {self.state.name}, slots={len(self.slots)}, remaining={self.remaining})"
 
 
+#: What a slot's ``run`` points at once its run retired (see Scheduler._maybe_finish_run).
+RETIRED_RUN = Run()
+RETIRED_RUN.state = RunState.COMPLETED
+RETIRED_RUN.building = False
+
+
 class Admission:
     """Whole-run FIFO admission with ``depth`` generation-safe pipeline leases."""
 
@@ -408,9 +414,20 @@ class Orchestrator:
         for i, a in enumerate(args_list):
             if not isinstance(a, TaskArgs):
                 raise TypeError(f"cannot submit: args[{i}] must be TaskArgs, got {type(a).__name__}")
+            if not a.tensors:
+                blobs.append(encode_args((), a.scalars))
+                continue
             descs = [heap.describe(t).with_tag(tag) for t, tag in zip(a.tensors, a.tags, strict=True)]
             blobs.append(encode_args(descs, a.scalars))
             member_descs.append(descs)
+        if not member_descs:
+            # No tensors: no pins, no dependencies (the common case for pure SUB work).
+            slot = TaskSlot(self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs,
+                            targets, [])
+            run.slots.append(slot)
+            run.remaining += 1
+            self._sink.add_slot(slot)
+            return slot.index
         pins = sorted({d.buffer_id for descs in member_descs for d in descs})
         slot = TaskSlot(self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs, targets, pins)
         for b in pins:

@@ -32,6 +32,7 @@ from simpler_daemon.callables import CallableHandle, CallableRegistry
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
 from simpler_daemon.manager import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.orchestrator import (
+    RETIRED_RUN,
     Admission,
     FailureInfo,
     Run,
@@ -85,6 +86,7 @@ class Scheduler(SubmitSink):
         self._stall_warned = False
         self._in_round = False
         self._poked = False
+        self.latency_ewma = 0.0
         self._suspect: set[WorkerThread] = set()
         #: Called once for a lane whose child died and whose frames are all terminal.
         self.on_lane_dead: Callable[[WorkerThread], None] | None = None
@@ -185,6 +187,11 @@ class Scheduler(SubmitSink):
         self._promoted(self.admission.release(run))
         run.emit("run")
         run.fire_done()
+        # Break the run <-> slot cycle so a finished run is freed by reference
+        # counting: cyclic garbage per run would trigger the cyclic GC every few
+        # dozen runs, and its pauses dominate the latency tail.
+        for slot in run.slots:
+            slot.run = RETIRED_RUN
 
     def _promoted(self, admitted: list[Run]) -> None:
         if self.on_admit is not None:
@@ -275,8 +282,8 @@ class Scheduler(SubmitSink):
         did = False
         rid = head.run_id
         manager = self.manager
-        # 1. promote staged lanes of the head run
-        for lane in self._lanes:
+        # 1. promote staged lanes of the head run (only NEXT_LEVEL lanes can stage)
+        for lane in manager.next_level.values():
             st = lane.staged
             if st is not None and st.task_slot.run_id == rid:
                 lane.activate_prepared(rid)
@@ -415,6 +422,7 @@ class Scheduler(SubmitSink):
 
     def _send(self, lane: WorkerThread, d: WorkerDispatch) -> None:
         self.stats["dispatched"] += 1
+        d.issued_at = time.monotonic()
         lane.dispatch(d)
         if self.on_task_event is not None:
             self.on_task_event(d.task_slot, "dispatched", None)
@@ -443,6 +451,11 @@ class Scheduler(SubmitSink):
     def _handle_completion(self, c: WorkerCompletion) -> None:
         slot: TaskSlot = c.dispatch.task_slot
         run = slot.run
+        if run is RETIRED_RUN:
+            return  # a run force-finished by close(); nothing is waiting for this slot
+        if c.dispatch.issued_at:
+            # Smoothed dispatch-to-completion latency: decides whether spinning pays.
+            self.latency_ewma += 0.125 * (time.monotonic() - c.dispatch.issued_at - self.latency_ewma)
         if c.outcome is Outcome.SUCCESS:
             self.stats["completed"] += 1
         else:
@@ -529,6 +542,11 @@ class Scheduler(SubmitSink):
     def busy(self) -> bool:
         return bool(self.completions) or any(lane.inflight for lane in self._lanes)
 
+    def spin_budget(self) -> float:
+        """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
+        they typically run longer than that (spinning would only steal a core from them)."""
+        return self.spin_s if self.latency_ewma < self.spin_s else 0.0
+
     def has_dispatchable(self) -> bool:
         head = self.admission.head
         if head is None:
@@ -608,7 +626,6 @@ class Scheduler(SubmitSink):
         """Progress rounds until stopped; spin briefly, then park on the doorbell."""
         loop = asyncio.get_running_loop()
         doorbell = self.doorbell
-        spin_s = self.spin_s
         last_progress = time.monotonic()
         try:
             while not self._stopped:
@@ -618,6 +635,7 @@ class Scheduler(SubmitSink):
                     last_progress = time.monotonic()
                     await asyncio.sleep(0)
                     continue
+                spin_s = self.spin_budget()
                 if self.busy() and time.monotonic() - last_progress < spin_s:
                     # Yield to the loop until a child announces a completion or a
                     # submitter pokes us; no mailbox is re-polled meanwhile. This is the

@@ -563,7 +563,7 @@ class Worker:
         assert sched is not None and doorbell is not None
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        spin_s = self.scheduler_spin_s
+        spin_s = sched.spin_budget()
         spin_until = now + spin_s
         poller = self._poller()
         with self._drive_lock:
@@ -578,6 +578,7 @@ class Worker:
                     return True
                 now = time.monotonic()
                 if progressed:
+                    spin_s = sched.spin_budget()
                     spin_until = now + spin_s
                     continue
                 if deadline is not None and now >= deadline:

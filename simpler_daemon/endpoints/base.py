@@ -47,6 +47,8 @@ class WorkerDispatch:
     group_index: int = 0
     dispatch_id: int = 0
     prepare_only: bool = False
+    #: ``time.monotonic()`` when the Scheduler issued it (dispatch-to-completion latency).
+    issued_at: float = 0.0
 
 
 @dataclass(slots=True)
