@@ -288,9 +288,7 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
     return descs, scalars
 
 
-def decode_args(
-    blob: bytes, view: Callable[[TensorDesc], np.ndarray[Any, Any]]
-) -> TaskArgs:
+def decode_args(blob: bytes, view: Callable[[TensorDesc], np.ndarray[Any, Any]]) -> TaskArgs:
     """Rebuild a child-side :class:`TaskArgs`; ``view`` maps a descriptor to an array."""
     args = TaskArgs()
     if blob == _EMPTY_BLOB:

@@ -93,7 +93,8 @@ def verify_hashid(hashid: str, descriptor: bytes) -> None:
     actual = hashid_of(descriptor)
     if actual != hashid:
         raise RegistrationError(
-            "HASHID_DESCRIPTOR_MISMATCH", f"hashid {hashid} does not match its descriptor ({actual})"
+            "HASHID_DESCRIPTOR_MISMATCH",
+            f"hashid {hashid} does not match its descriptor ({actual})",
         )
 
 
@@ -107,7 +108,11 @@ def parse_import_path(target: str) -> tuple[str, str]:
             f"import path {target!r} must be 'module:qualname' with exactly one colon",
         )
     module, qualname = parts
-    if not module or module.startswith(".") or not all(_IDENT_RE.match(p) for p in module.split(".")):
+    if (
+        not module
+        or module.startswith(".")
+        or not all(_IDENT_RE.match(p) for p in module.split("."))
+    ):
         raise RegistrationError(
             "HASHID_FORMAT_INVALID",
             f"import path {target!r}: module {module!r} must be an absolute dotted name",
@@ -180,7 +185,9 @@ class CallableSpec:
 def spec_for_import(target: str, role: Role = "sub") -> CallableSpec:
     module, qualname = parse_import_path(target)
     desc = import_descriptor(module, qualname)
-    handle = CallableHandle(hashid_of(desc), CallableKind.PYTHON_IMPORT, f"{module}:{qualname}", role)
+    handle = CallableHandle(
+        hashid_of(desc), CallableKind.PYTHON_IMPORT, f"{module}:{qualname}", role
+    )
     return CallableSpec(handle, import_path=f"{module}:{qualname}")
 
 

@@ -47,9 +47,7 @@ class RegistrationError(SimplerError, ValueError):
     ``NOT_REGISTERED`` / ``CONTROL_FAILED`` for the remaining cases.
     """
 
-    def __init__(
-        self, code: str, message: str, failures: dict[int, str] | None = None
-    ) -> None:
+    def __init__(self, code: str, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.failures: dict[int, str] = dict(failures or {})

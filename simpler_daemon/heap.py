@@ -78,7 +78,9 @@ class Heap:
         self._by_start: dict[int, Buffer] = {}
         self._next_id = 1
         self._generation = 0
-        self._touched = 0  # end of the highest range ever allocated; beyond it pages are fresh zeros
+        self._touched = (
+            0  # end of the highest range ever allocated; beyond it pages are fresh zeros
+        )
         self.closed = False
         self.owner_pid = os.getpid()
 

@@ -81,7 +81,9 @@ class WorkerThread:
         self.on_accept: OnAccept = _unstarted
         self.on_staged: OnStaged | None = None
 
-    def start(self, on_complete: OnComplete, on_accept: OnAccept, on_staged: OnStaged | None = None) -> None:
+    def start(
+        self, on_complete: OnComplete, on_accept: OnAccept, on_staged: OnStaged | None = None
+    ) -> None:
         self.on_complete = on_complete
         self.on_accept = on_accept
         self.on_staged = on_staged
@@ -114,7 +116,10 @@ class WorkerThread:
         self._next_dispatch_id += 1
         d.prepare_only = False
         if self.active is not None:
-            self._reject(d, f"worker {self.worker_id} active lane is occupied by dispatch {self.active.dispatch_id}")
+            self._reject(
+                d,
+                f"worker {self.worker_id} active lane is occupied by dispatch {self.active.dispatch_id}",
+            )
             return
         self._submit(d, staged=False)
 
@@ -124,7 +129,9 @@ class WorkerThread:
         self._next_dispatch_id += 1
         d.prepare_only = True
         if not self.can_stage():
-            self._reject(d, f"worker {self.worker_id} cannot stage (lane occupied, single frame or stopping)")
+            self._reject(
+                d, f"worker {self.worker_id} cannot stage (lane occupied, single frame or stopping)"
+            )
             return
         self._submit(d, staged=True)
 
@@ -152,7 +159,9 @@ class WorkerThread:
     def _reject(self, d: WorkerDispatch, reason: str) -> None:
         self.on_accept(d)
         self.on_complete(
-            WorkerCompletion(d, self.worker_id, self.worker_type, Outcome.ENDPOINT_FAILURE, -1, reason)
+            WorkerCompletion(
+                d, self.worker_id, self.worker_type, Outcome.ENDPOINT_FAILURE, -1, reason
+            )
         )
 
     def activate_prepared(self, run_id: int) -> bool:
@@ -180,7 +189,9 @@ class WorkerThread:
             if ev.kind is EventKind.COMPLETED:
                 # Completion queued first, then capacity released.
                 self.on_complete(
-                    WorkerCompletion(d, self.worker_id, self.worker_type, ev.outcome, ev.error, ev.message)
+                    WorkerCompletion(
+                        d, self.worker_id, self.worker_type, ev.outcome, ev.error, ev.message
+                    )
                 )
                 if self.active is d:
                     self.active = None
@@ -215,7 +226,9 @@ class WorkerManager:
 
     # -- registration (before start) ------------------------------------------------------
 
-    def add_next_level_endpoint(self, endpoint: WorkerEndpoint, worker_id: int | None = None) -> int:
+    def add_next_level_endpoint(
+        self, endpoint: WorkerEndpoint, worker_id: int | None = None
+    ) -> int:
         self._check_not_started()
         wid = worker_id if worker_id is not None else len(self._next_level_entries)
         self._next_level_entries.append((wid, endpoint))
@@ -235,7 +248,9 @@ class WorkerManager:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, on_complete: OnComplete, on_accept: OnAccept, on_staged: OnStaged | None = None) -> None:
+    def start(
+        self, on_complete: OnComplete, on_accept: OnAccept, on_staged: OnStaged | None = None
+    ) -> None:
         """Create every lane. ``ValueError`` on a negative or duplicate worker id."""
         seen: set[int] = set()
         for wid, _ in self._next_level_entries:
@@ -282,7 +297,9 @@ class WorkerManager:
     def next_level_worker_ids(self) -> list[int]:
         return sorted(self.next_level)
 
-    def pick_idle_sub_excluding(self, exclude: list[WorkerThread] | tuple[WorkerThread, ...] = ()) -> WorkerThread | None:
+    def pick_idle_sub_excluding(
+        self, exclude: list[WorkerThread] | tuple[WorkerThread, ...] = ()
+    ) -> WorkerThread | None:
         for lane in self.sub:
             if lane.active is None and lane not in exclude and lane.idle():
                 return lane

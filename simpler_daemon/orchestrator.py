@@ -136,7 +136,9 @@ class TaskSlot:
         return self.kind in (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
 
     def __repr__(self) -> str:
-        return f"TaskSlot(run={self.run_id}, index={self.index}, {self.kind.name}, {self.state.name})"
+        return (
+            f"TaskSlot(run={self.run_id}, index={self.index}, {self.kind.name}, {self.state.name})"
+        )
 
 
 class TensorMap:
@@ -219,8 +221,12 @@ class Run:
             return
         if slot is None:
             run_cls = RunCancelled if self.cancelled else TaskError
-            self.error = run_cls(f"run {self.run_id} failed: {failure.message}", run_id=self.run_id,
-                                 outcome=failure.outcome.name, remote_text=failure.message)
+            self.error = run_cls(
+                f"run {self.run_id} failed: {failure.message}",
+                run_id=self.run_id,
+                outcome=failure.outcome.name,
+                remote_text=failure.message,
+            )
             return
         where = failure.worker_label or (
             f"worker {failure.worker_id}" if failure.worker_id is not None else "no worker"
@@ -315,7 +321,9 @@ class Admission:
         return self._admit()
 
     def lease_valid(self, lease_slot: int, generation: int) -> bool:
-        return any(r.lease_slot == lease_slot and r.lease_generation == generation for r in self.active)
+        return any(
+            r.lease_slot == lease_slot and r.lease_generation == generation for r in self.active
+        )
 
     def runs(self) -> list[Run]:
         return [*self.active, *self.waiting]
@@ -326,7 +334,9 @@ class SubmitSink:
 
     heap: Heap
 
-    def validate_handle(self, handle: Any, role: str, api: str) -> CallableHandle:  # pragma: no cover
+    def validate_handle(
+        self, handle: Any, role: str, api: str
+    ) -> CallableHandle:  # pragma: no cover
         raise NotImplementedError
 
     def validate_targets(self, targets: list[int], api: str) -> None:  # pragma: no cover
@@ -355,31 +365,49 @@ class Orchestrator:
     def run_id(self) -> int:
         return self.run.run_id
 
-    def submit_sub(self, handle: CallableHandle, args: TaskArgs | None = None,
-                   config: CallConfig | None = None) -> int:
+    def submit_sub(
+        self, handle: CallableHandle, args: TaskArgs | None = None, config: CallConfig | None = None
+    ) -> int:
         """Submit one SUB task; returns its index in the run."""
         h = self._sink.validate_handle(handle, "sub", "submit_sub")
         return self._submit(TaskKind.SUB, h, [args or TaskArgs()], config, [])
 
-    def submit_sub_group(self, handle: CallableHandle, args_list: list[TaskArgs],
-                         config: CallConfig | None = None) -> int:
+    def submit_sub_group(
+        self, handle: CallableHandle, args_list: list[TaskArgs], config: CallConfig | None = None
+    ) -> int:
         """Submit a SUB group: one member per args, each on a distinct SUB worker."""
         h = self._sink.validate_handle(handle, "sub", "submit_sub_group")
         if not isinstance(args_list, (list, tuple)) or not args_list:
-            raise ValueError("cannot submit_sub_group: args_list must be a non-empty list of TaskArgs")
+            raise ValueError(
+                "cannot submit_sub_group: args_list must be a non-empty list of TaskArgs"
+            )
         return self._submit(TaskKind.SUB_GROUP, h, list(args_list), config, [])
 
-    def submit_next_level(self, handle: CallableHandle, args: TaskArgs | None = None,
-                          config: CallConfig | None = None, *, worker: int) -> int:
+    def submit_next_level(
+        self,
+        handle: CallableHandle,
+        args: TaskArgs | None = None,
+        config: CallConfig | None = None,
+        *,
+        worker: int,
+    ) -> int:
         """Submit one NEXT_LEVEL task that runs only on ``worker``."""
         h = self._sink.validate_handle(handle, "chip", "submit_next_level")
         if isinstance(worker, bool) or not isinstance(worker, int):
-            raise TypeError(f"cannot submit_next_level: worker= must be an int, got {type(worker).__name__}")
+            raise TypeError(
+                f"cannot submit_next_level: worker= must be an int, got {type(worker).__name__}"
+            )
         self._sink.validate_targets([worker], "submit_next_level")
         return self._submit(TaskKind.NEXT_LEVEL, h, [args or TaskArgs()], config, [worker])
 
-    def submit_next_level_group(self, handle: CallableHandle, args_list: list[TaskArgs],
-                                config: CallConfig | None = None, *, workers: list[int]) -> int:
+    def submit_next_level_group(
+        self,
+        handle: CallableHandle,
+        args_list: list[TaskArgs],
+        config: CallConfig | None = None,
+        *,
+        workers: list[int],
+    ) -> int:
         """Submit a NEXT_LEVEL group: member i runs on ``workers[i]``, all launched together."""
         h = self._sink.validate_handle(handle, "chip", "submit_next_level_group")
         if not isinstance(args_list, (list, tuple)) or not args_list:
@@ -396,15 +424,23 @@ class Orchestrator:
         self._sink.validate_targets(targets, "submit_next_level_group")
         return self._submit(TaskKind.NEXT_LEVEL_GROUP, h, list(args_list), config, targets)
 
-    def _submit(self, kind: TaskKind, handle: CallableHandle, args_list: list[TaskArgs],
-                config: CallConfig | None, targets: list[int]) -> int:
+    def _submit(
+        self,
+        kind: TaskKind,
+        handle: CallableHandle,
+        args_list: list[TaskArgs],
+        config: CallConfig | None,
+        targets: list[int],
+    ) -> int:
         run = self.run
         if run.terminal or run.error is not None:
             if run.error is not None:
                 raise run.error
             raise WorkerClosedError(f"cannot submit into run {run.run_id}: it is {run.state.name}")
         if not run.building:
-            raise WorkerClosedError(f"cannot submit into run {run.run_id}: its orchestration returned")
+            raise WorkerClosedError(
+                f"cannot submit into run {run.run_id}: its orchestration returned"
+            )
         cfg = DEFAULT_CONFIG if config is None else config
         if not isinstance(cfg, CallConfig):
             raise TypeError(f"cannot submit: config must be a CallConfig, got {type(cfg).__name__}")
@@ -413,23 +449,38 @@ class Orchestrator:
         member_descs: list[list[TensorDesc]] = []
         for i, a in enumerate(args_list):
             if not isinstance(a, TaskArgs):
-                raise TypeError(f"cannot submit: args[{i}] must be TaskArgs, got {type(a).__name__}")
+                raise TypeError(
+                    f"cannot submit: args[{i}] must be TaskArgs, got {type(a).__name__}"
+                )
             if not a.tensors:
                 blobs.append(encode_args((), a.scalars))
                 continue
-            descs = [heap.describe(t).with_tag(tag) for t, tag in zip(a.tensors, a.tags, strict=True)]
+            descs = [
+                heap.describe(t).with_tag(tag) for t, tag in zip(a.tensors, a.tags, strict=True)
+            ]
             blobs.append(encode_args(descs, a.scalars))
             member_descs.append(descs)
         if not member_descs:
             # No tensors: no pins, no dependencies (the common case for pure SUB work).
-            slot = TaskSlot(self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs,
-                            targets, [])
+            slot = TaskSlot(
+                self._sink.next_slot_id(),
+                run,
+                len(run.slots),
+                kind,
+                handle,
+                cfg,
+                blobs,
+                targets,
+                [],
+            )
             run.slots.append(slot)
             run.remaining += 1
             self._sink.add_slot(slot)
             return slot.index
         pins = sorted({d.buffer_id for descs in member_descs for d in descs})
-        slot = TaskSlot(self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs, targets, pins)
+        slot = TaskSlot(
+            self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs, targets, pins
+        )
         for b in pins:
             heap.pin(b)
         # Dependencies: producers first (INPUT/INOUT), then become the writer.

@@ -110,9 +110,13 @@ class Scheduler(SubmitSink):
             )
         entry = self.registry.lookup(handle.hashid)
         if entry is None or entry.state != "active":
-            raise ValueError(f"cannot {api}: callable {handle.name} ({handle.hashid}) is not registered")
+            raise ValueError(
+                f"cannot {api}: callable {handle.name} ({handle.hashid}) is not registered"
+            )
         if role == "sub" and handle.role != "sub":
-            raise ValueError(f"cannot {api}: {handle.name} is registered as {handle.role}, not as a SUB callable")
+            raise ValueError(
+                f"cannot {api}: {handle.name} is registered as {handle.role}, not as a SUB callable"
+            )
         if role == "chip" and handle.role == "orchestration":
             raise ValueError(f"cannot {api}: {handle.name} is an orchestration function")
         return handle
@@ -160,8 +164,10 @@ class Scheduler(SubmitSink):
         self.wake()
 
     def fail_building(self, run: Run, exc: BaseException) -> None:
-        run.record_error(None, FailureInfo(Outcome.TASK_FAILURE,
-                                           f"orchestration raised {type(exc).__name__}: {exc}"))
+        run.record_error(
+            None,
+            FailureInfo(Outcome.TASK_FAILURE, f"orchestration raised {type(exc).__name__}: {exc}"),
+        )
         self.cancel(run, record=False)
         self.finish_building(run)
 
@@ -351,10 +357,13 @@ class Scheduler(SubmitSink):
                     if lane2 is None:
                         if self._sub_capacity() == 0:
                             sq.popleft()
-                            self._fail_slot(slot, FailureInfo(
-                                Outcome.ENDPOINT_FAILURE,
-                                "no live SUB worker is left and none is being replaced",
-                            ))
+                            self._fail_slot(
+                                slot,
+                                FailureInfo(
+                                    Outcome.ENDPOINT_FAILURE,
+                                    "no live SUB worker is left and none is being replaced",
+                                ),
+                            )
                             self._maybe_finish_run(slot.run)
                             did = True
                             continue
@@ -369,11 +378,14 @@ class Scheduler(SubmitSink):
                 capacity = self._sub_capacity()
                 if capacity < n:
                     sq.popleft()
-                    self._fail_slot(slot, FailureInfo(
-                        Outcome.SKIPPED,
-                        f"SUB group of {n} members needs {n} distinct SUB workers, "
-                        f"the pool has {capacity} that can run",
-                    ))
+                    self._fail_slot(
+                        slot,
+                        FailureInfo(
+                            Outcome.SKIPPED,
+                            f"SUB group of {n} members needs {n} distinct SUB workers, "
+                            f"the pool has {capacity} that can run",
+                        ),
+                    )
                     self._maybe_finish_run(slot.run)
                     continue
                 if len(idle) < n:
@@ -443,7 +455,11 @@ class Scheduler(SubmitSink):
             self._stall_warned = True
             log.warning(
                 "group task %d of run %d on workers %s blocked for %.1fs while a reserved "
-                "target idles with queued singles", g.index, g.run_id, g.targets, now - self._stall_since,
+                "target idles with queued singles",
+                g.index,
+                g.run_id,
+                g.targets,
+                now - self._stall_since,
             )
 
     # -- completions ------------------------------------------------------------------------------------
@@ -455,7 +471,9 @@ class Scheduler(SubmitSink):
             return  # a run force-finished by close(); nothing is waiting for this slot
         if c.dispatch.issued_at:
             # Smoothed dispatch-to-completion latency: decides whether spinning pays.
-            self.latency_ewma += 0.125 * (time.monotonic() - c.dispatch.issued_at - self.latency_ewma)
+            self.latency_ewma += 0.125 * (
+                time.monotonic() - c.dispatch.issued_at - self.latency_ewma
+            )
         if c.outcome is Outcome.SUCCESS:
             self.stats["completed"] += 1
         else:
@@ -469,8 +487,12 @@ class Scheduler(SubmitSink):
                 child = getattr(ep, "child", None)
                 label = "sub worker" if c.worker_type is WorkerType.SUB else "worker"
                 slot.failure = FailureInfo(
-                    c.outcome, c.message, c.worker_id, c.dispatch.dispatch_id,
-                    getattr(child, "pid", None), f"{label} {c.worker_id}",
+                    c.outcome,
+                    c.message,
+                    c.worker_id,
+                    c.dispatch.dispatch_id,
+                    getattr(child, "pid", None),
+                    f"{label} {c.worker_id}",
                 )
         if self.on_task_event is not None:
             self.on_task_event(slot, "completed", c)
@@ -504,8 +526,9 @@ class Scheduler(SubmitSink):
         slot.consumers = []
         run.emit("task", slot)
 
-    def _fail_slot(self, slot: TaskSlot, failure: FailureInfo, *, record: bool = True,
-                   running: bool = False) -> None:
+    def _fail_slot(
+        self, slot: TaskSlot, failure: FailureInfo, *, record: bool = True, running: bool = False
+    ) -> None:
         """Fail a slot and, recursively, every consumer that has not started."""
         stack = [(slot, failure)]
         first = True
@@ -526,8 +549,14 @@ class Scheduler(SubmitSink):
             run.emit("task", s)
             for consumer in s.consumers:
                 if consumer.state in (SlotState.PENDING, SlotState.READY):
-                    stack.append((consumer, FailureInfo(
-                        Outcome.SKIPPED, f"producer task {s.index} ({s.handle.name}) failed")))
+                    stack.append(
+                        (
+                            consumer,
+                            FailureInfo(
+                                Outcome.SKIPPED, f"producer task {s.index} ({s.handle.name}) failed"
+                            ),
+                        )
+                    )
             s.consumers = []
             first = False
 

@@ -149,8 +149,14 @@ class Worker:
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
         if num_sub_workers is None:
             num_sub_workers = os.cpu_count() or 1
-        if isinstance(num_sub_workers, bool) or not isinstance(num_sub_workers, int) or num_sub_workers < 0:
-            raise ValueError(f"cannot create Worker: num_sub_workers={num_sub_workers!r} must be an int >= 0")
+        if (
+            isinstance(num_sub_workers, bool)
+            or not isinstance(num_sub_workers, int)
+            or num_sub_workers < 0
+        ):
+            raise ValueError(
+                f"cannot create Worker: num_sub_workers={num_sub_workers!r} must be an int >= 0"
+            )
         if isinstance(num_chips, bool) or not isinstance(num_chips, int) or num_chips < 0:
             raise ValueError(f"cannot create Worker: num_chips={num_chips!r} must be an int >= 0")
         if chip_pipeline_depth not in (1, 2):
@@ -221,7 +227,9 @@ class Worker:
             return spec.handle
         return self._drive(self.register_async(fn, kind))  # type: ignore[no-any-return]
 
-    async def register_async(self, fn: Callable[..., Any] | str, kind: Kind = "sub") -> CallableHandle:
+    async def register_async(
+        self, fn: Callable[..., Any] | str, kind: Kind = "sub"
+    ) -> CallableHandle:
         """``register`` after ``init`` without blocking the event loop."""
         self._check_ready("register")
         spec = self._spec(fn, kind)
@@ -254,7 +262,9 @@ class Worker:
                     {**failures, **cleanup},
                 )
             raise RegistrationError(
-                "REGISTER_PARTIAL_FAILURE", f"cannot register {spec.handle.name}: {detail}", failures
+                "REGISTER_PARTIAL_FAILURE",
+                f"cannot register {spec.handle.name}: {detail}",
+                failures,
             )
         self.registry.commit_register(spec.handle.hashid)
         return spec.handle
@@ -263,7 +273,9 @@ class Worker:
         """Drop one reference; the last one removes the callable from every child."""
         self._check_usable("unregister")
         if not isinstance(handle, CallableHandle):
-            raise TypeError(f"cannot unregister: expected a CallableHandle, got {type(handle).__name__}")
+            raise TypeError(
+                f"cannot unregister: expected a CallableHandle, got {type(handle).__name__}"
+            )
         if self.state is WorkerState.NEW:
             if self.registry.begin_unregister(handle.hashid) is not None:
                 self.registry.finish_unregister(handle.hashid)
@@ -294,10 +306,14 @@ class Worker:
 
     def _spec(self, fn: Callable[..., Any] | str, kind: Kind) -> CallableSpec:
         if kind not in ("sub", "chip", "orchestration"):
-            raise ValueError(f"cannot register: kind={kind!r} must be 'sub', 'chip' or 'orchestration'")
+            raise ValueError(
+                f"cannot register: kind={kind!r} must be 'sub', 'chip' or 'orchestration'"
+            )
         if kind == "chip":
             if not isinstance(fn, str):
-                raise TypeError("cannot register a chip kernel: pass its import path 'pkg.mod:kernel'")
+                raise TypeError(
+                    "cannot register a chip kernel: pass its import path 'pkg.mod:kernel'"
+                )
             return spec_for_chip(fn)
         if isinstance(fn, str):
             return spec_for_import(fn, kind)
@@ -380,7 +396,9 @@ class Worker:
                 mb = Mailbox()
                 self.mailboxes.append(mb)
                 trace = (
-                    os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl") if self.chip_trace_dir else None
+                    os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl")
+                    if self.chip_trace_dir
+                    else None
                 )
                 chip_ctx = ChipContext(
                     worker_id=j,
@@ -415,7 +433,9 @@ class Worker:
             else:
                 frames = 2 if mb.pipeline_depth() >= 2 else 1
                 self.chip_endpoints.append(
-                    LocalMailboxEndpoint(index, mb, child, task_frame_count=frames, label=child.label)
+                    LocalMailboxEndpoint(
+                        index, mb, child, task_frame_count=frames, label=child.label
+                    )
                 )
 
     def _startup_barrier(
@@ -458,7 +478,10 @@ class Worker:
                 continue
             # A starting child's base frame is IDLE too (before INIT_READY): only the
             # barrier knows which children are ready.
-            if child.pid not in self._ready_pids and mb.state(BASE_FRAME) != MailboxState.INIT_READY:
+            if (
+                child.pid not in self._ready_pids
+                and mb.state(BASE_FRAME) != MailboxState.INIT_READY
+            ):
                 child.signal_group(signal.SIGTERM)
             mb.request_shutdown()
         reap_all(self.children, 2.0)
@@ -729,7 +752,9 @@ class Worker:
             self._build(run)
         return RunHandle(self, run)
 
-    async def run_async(self, orch: Orch, args: Any = None, config: CallConfig | None = None) -> None:
+    async def run_async(
+        self, orch: Orch, args: Any = None, config: CallConfig | None = None
+    ) -> None:
         """Event-loop native ``run``: awaits completion, raises ``TaskError`` on failure."""
         handle = await self.submit_async(orch, args, config)
         await handle.wait_async()
@@ -849,8 +874,10 @@ class Worker:
         try:
             while True:
                 todo = [
-                    e.spec for e in self.registry.active()
-                    if e.spec.handle.role == role and e.spec.handle.hashid not in inherited | replayed
+                    e.spec
+                    for e in self.registry.active()
+                    if e.spec.handle.role == role
+                    and e.spec.handle.hashid not in inherited | replayed
                 ]
                 if not todo:
                     break
@@ -903,7 +930,9 @@ class Worker:
             assert spec.import_path is not None
             await ep.control(ControlOp.REGISTER_CHIP, spec.handle.digest, spec.import_path.encode())
         elif spec.import_path is not None:
-            await ep.control(ControlOp.REGISTER_IMPORT, spec.handle.digest, spec.import_path.encode())
+            await ep.control(
+                ControlOp.REGISTER_IMPORT, spec.handle.digest, spec.import_path.encode()
+            )
         else:
             assert spec.payload is not None
             await ep.control(ControlOp.REGISTER_SERIALIZED, spec.handle.digest, spec.payload)
@@ -918,8 +947,11 @@ class Worker:
             for ep in eps:
                 lane = None
                 if manager is not None:
-                    lane = (manager.next_level.get(ep.worker_id) if kind == "chip"
-                            else manager.get_worker_by_id(WorkerType.SUB, ep.worker_id))
+                    lane = (
+                        manager.next_level.get(ep.worker_id)
+                        if kind == "chip"
+                        else manager.get_worker_by_id(WorkerType.SUB, ep.worker_id)
+                    )
                 out.append(
                     {
                         "kind": kind,
@@ -1028,7 +1060,9 @@ class Worker:
         while sched.busy() and time.monotonic() < deadline:
             for mb in self.mailboxes:
                 mb.request_shutdown()
-            self._drive_until(lambda: not sched.busy(), min(0.05, max(0.0, deadline - time.monotonic())))
+            self._drive_until(
+                lambda: not sched.busy(), min(0.05, max(0.0, deadline - time.monotonic()))
+            )
         for mb in self.mailboxes:
             mb.request_shutdown()
         server = self.forkserver.process if self.forkserver is not None else None
@@ -1075,7 +1109,9 @@ class Worker:
         await self.close_async()
 
     def __del__(self) -> None:
-        if getattr(self, "state", None) is WorkerState.READY and os.getpid() == getattr(self, "_pid", -1):
+        if getattr(self, "state", None) is WorkerState.READY and os.getpid() == getattr(
+            self, "_pid", -1
+        ):
             # Last resort: never leave children behind.
             for mb in getattr(self, "mailboxes", []):
                 with contextlib.suppress(Exception):

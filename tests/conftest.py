@@ -27,7 +27,9 @@ def no_leaked_children() -> Iterator[None]:
     assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
 
 
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Run async tests under uvloop unless SIMPLER_LOOP=asyncio."""
     if os.environ.get("SIMPLER_LOOP", "uvloop") == "asyncio":
         return {"asyncio": asyncio.new_event_loop}

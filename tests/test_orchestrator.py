@@ -152,7 +152,9 @@ def test_tensor_map_full_overwrite_replaces_the_writer_and_empty_ranges_are_igno
 # -- dependencies on slots ------------------------------------------------------------------------
 
 
-def test_input_after_output_on_the_same_buffer_depends_on_the_writer(sink: Sink, heap: Heap) -> None:
+def test_input_after_output_on_the_same_buffer_depends_on_the_writer(
+    sink: Sink, heap: Heap
+) -> None:
     x = heap.alloc((16,), "float64")
     o = orch(sink)
     o.submit_sub(SUB, args((x, Tag.OUTPUT)))
@@ -174,7 +176,9 @@ def test_input_after_output_on_the_same_buffer_depends_on_the_writer(sink: Sink,
         (slice(0, 16, 2), slice(1, 16, 2), True),  # interleaved: byte ranges overlap (conservative)
     ],
 )
-def test_views_conflict_by_byte_range(sink: Sink, heap: Heap, write: slice, read: slice, dependent: bool) -> None:
+def test_views_conflict_by_byte_range(
+    sink: Sink, heap: Heap, write: slice, read: slice, dependent: bool
+) -> None:
     x = heap.alloc((16,), "float64")
     o = orch(sink)
     o.submit_sub(SUB, args((x[write], Tag.OUTPUT)))
@@ -223,7 +227,9 @@ def test_inout_depends_and_becomes_the_writer(sink: Sink, heap: Heap) -> None:
     assert deps_of(o, 2) == {1}
 
 
-def test_output_and_output_existing_become_writers_without_depending(sink: Sink, heap: Heap) -> None:
+def test_output_and_output_existing_become_writers_without_depending(
+    sink: Sink, heap: Heap
+) -> None:
     x = heap.alloc((16,), "float64")
     o = orch(sink)
     o.submit_sub(SUB, args((x, Tag.OUTPUT)))  # 0
@@ -233,7 +239,9 @@ def test_output_and_output_existing_become_writers_without_depending(sink: Sink,
     assert deps_of(o, 2) == {1}
 
 
-def test_a_reader_of_two_disjoint_writers_waits_for_both_and_counts_each_once(sink: Sink, heap: Heap) -> None:
+def test_a_reader_of_two_disjoint_writers_waits_for_both_and_counts_each_once(
+    sink: Sink, heap: Heap
+) -> None:
     x = heap.alloc((16,), "float64")
     o = orch(sink)
     o.submit_sub(SUB, args((x[:8], Tag.OUTPUT)))  # 0
@@ -244,7 +252,9 @@ def test_a_reader_of_two_disjoint_writers_waits_for_both_and_counts_each_once(si
     assert slot_of(o, 0).consumers.count(slot_of(o, 2)) == 1
 
 
-def test_a_task_reading_and_writing_its_own_range_does_not_depend_on_itself(sink: Sink, heap: Heap) -> None:
+def test_a_task_reading_and_writing_its_own_range_does_not_depend_on_itself(
+    sink: Sink, heap: Heap
+) -> None:
     x = heap.alloc((16,), "float64")
     o = orch(sink)
     o.submit_sub(SUB, args((x, Tag.OUTPUT), (x, Tag.INPUT)))
@@ -280,13 +290,17 @@ def test_a_task_whose_producer_already_failed_is_failed_at_submit(sink: Sink, he
     assert slot_of(o, 1) not in sink.added
 
 
-def test_group_members_union_their_dependencies_and_write_as_one_slot(sink: Sink, heap: Heap) -> None:
+def test_group_members_union_their_dependencies_and_write_as_one_slot(
+    sink: Sink, heap: Heap
+) -> None:
     x = heap.alloc((16,), "float64")
     y = heap.alloc((16,), "float64")
     o = orch(sink)
     o.submit_sub(SUB, args((x, Tag.OUTPUT)))  # 0
     o.submit_sub(SUB, args((y, Tag.OUTPUT)))  # 1
-    g = o.submit_sub_group(SUB, [args((x, Tag.INPUT), (y[:8], Tag.OUTPUT)), args((y[:8], Tag.INPUT))])
+    g = o.submit_sub_group(
+        SUB, [args((x, Tag.INPUT), (y[:8], Tag.OUTPUT)), args((y[:8], Tag.INPUT))]
+    )
     o.submit_sub(SUB, args((y, Tag.INPUT)))  # 3 <- group (first half) and 1 (second half)
     gs = slot_of(o, g)
     assert gs.kind is TaskKind.SUB_GROUP and gs.group_size == 2 and len(gs.blobs) == 2
@@ -401,7 +415,9 @@ def test_run_first_error_wins_and_names_the_task(sink: Sink) -> None:
     o.submit_sub(SUB)
     o.submit_sub(SUB)
     run = o.run
-    run.record_error(slot_of(o, 1), FailureInfo(Outcome.TASK_FAILURE, "first\ntraceback", 1, 5, 777))
+    run.record_error(
+        slot_of(o, 1), FailureInfo(Outcome.TASK_FAILURE, "first\ntraceback", 1, 5, 777)
+    )
     run.record_error(slot_of(o, 0), FailureInfo(Outcome.ENDPOINT_FAILURE, "second", 0, 1, 888))
     err = run.error
     assert isinstance(err, TaskError) and not isinstance(err, RunCancelled)

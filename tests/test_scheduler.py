@@ -84,7 +84,9 @@ class MemEndpoint:
         self.stopping = True
 
     # test side
-    def complete(self, d: WorkerDispatch, outcome: Outcome = Outcome.SUCCESS, message: str = "") -> None:
+    def complete(
+        self, d: WorkerDispatch, outcome: Outcome = Outcome.SUCCESS, message: str = ""
+    ) -> None:
         del self.live[d.dispatch_id]
         error = 0 if outcome is Outcome.SUCCESS else 1
         self._events.append(EndpointEvent(EventKind.COMPLETED, d, outcome, error, message))
@@ -93,7 +95,9 @@ class MemEndpoint:
 class Harness:
     """A Scheduler over in-memory lanes, with naming helpers for tables."""
 
-    def __init__(self, next_level: tuple[int, ...] = (0, 1), subs: int = 0, frames: int = 1) -> None:
+    def __init__(
+        self, next_level: tuple[int, ...] = (0, 1), subs: int = 0, frames: int = 1
+    ) -> None:
         self.heap = Heap(1 << 20)
         self.doorbell = Doorbell()
         self.registry = CallableRegistry()
@@ -135,12 +139,21 @@ class Harness:
         self.names[slot.slot_id] = name
         return slot
 
-    def nl(self, o: Orchestrator, name: str, worker: int, a: TaskArgs | None = None,
-           config: CallConfig | None = None) -> TaskSlot:
-        return self._name(o, o.submit_next_level(self.chip, a or TaskArgs(), config, worker=worker), name)
+    def nl(
+        self,
+        o: Orchestrator,
+        name: str,
+        worker: int,
+        a: TaskArgs | None = None,
+        config: CallConfig | None = None,
+    ) -> TaskSlot:
+        return self._name(
+            o, o.submit_next_level(self.chip, a or TaskArgs(), config, worker=worker), name
+        )
 
-    def group(self, o: Orchestrator, name: str, workers: list[int],
-              members: list[TaskArgs] | None = None) -> TaskSlot:
+    def group(
+        self, o: Orchestrator, name: str, workers: list[int], members: list[TaskArgs] | None = None
+    ) -> TaskSlot:
         members = members or [TaskArgs() for _ in workers]
         return self._name(o, o.submit_next_level_group(self.chip, members, workers=workers), name)
 
@@ -167,7 +180,7 @@ class Harness:
         """Publications made since the last call, per worker (empty workers omitted)."""
         out: dict[str, list[str]] = {}
         for key, ep in self.eps.items():
-            new = ep.attempts[self._seen[key]:]
+            new = ep.attempts[self._seen[key] :]
             self._seen[key] = len(ep.attempts)
             if new:
                 out[key] = [self.label(d) + ("" if ok else "(refused)") for d, ok in new]
@@ -181,7 +194,9 @@ class Harness:
         raise AssertionError(f"no live dispatch {label!r}; live: {self.live()}")
 
     def live(self) -> dict[str, list[str]]:
-        return {k: [self.label(d) for d in ep.live.values()] for k, ep in self.eps.items() if ep.live}
+        return {
+            k: [self.label(d) for d in ep.live.values()] for k, ep in self.eps.items() if ep.live
+        }
 
     def release(self, *events: str) -> None:
         for ev in events:
@@ -203,9 +218,13 @@ class Harness:
         for lane in sched.manager.lanes:
             ep = lane.endpoint
             assert isinstance(ep, MemEndpoint)
-            assert lane.inflight == ep.owned(), f"{ep.label}: lane inflight {lane.inflight} != owned {ep.owned()}"
+            assert lane.inflight == ep.owned(), (
+                f"{ep.label}: lane inflight {lane.inflight} != owned {ep.owned()}"
+            )
             ids = {d.dispatch_id for d in (lane.active, lane.staged) if d is not None}
-            assert ids == set(ep.live), f"{ep.label}: lane holds {ids}, endpoint owns {set(ep.live)}"
+            assert ids == set(ep.live), (
+                f"{ep.label}: lane holds {ids}, endpoint owns {set(ep.live)}"
+            )
             live_slots.update(id(d.task_slot) for d in ep.live.values())
         pending_completion = {id(c.dispatch.task_slot) for c in sched.completions}
         queued: set[int] = set()
@@ -219,7 +238,9 @@ class Harness:
         every_slot = {id(s) for run in self.runs for s in run.slots}
         assert queued <= every_slot
         for run in self.runs:
-            open_slots = [s for s in run.slots if s.state not in (SlotState.COMPLETED, SlotState.FAILED)]
+            open_slots = [
+                s for s in run.slots if s.state not in (SlotState.COMPLETED, SlotState.FAILED)
+            ]
             assert run.remaining == len(open_slots), f"{run}: remaining != open slots {open_slots}"
             running = [s for s in run.slots if s.state is SlotState.RUNNING]
             assert run.counts["running"] == len(running), f"{run}: counts {run.counts}"
@@ -227,16 +248,22 @@ class Harness:
                 assert not open_slots, f"terminal {run} has open slots {open_slots}"
                 assert run not in sched.admission.runs()
                 assert not any(id(s) in queued for s in run.slots)
-                assert run.state is (RunState.FAILED if run.error is not None else RunState.COMPLETED)
+                assert run.state is (
+                    RunState.FAILED if run.error is not None else RunState.COMPLETED
+                )
             for s in open_slots:
                 if s.state is SlotState.RUNNING:
-                    assert id(s) in live_slots or id(s) in pending_completion, f"{s} running nowhere"
+                    assert id(s) in live_slots or id(s) in pending_completion, (
+                        f"{s} running nowhere"
+                    )
                 elif s.state is SlotState.READY:
                     assert id(s) in queued, f"{s} READY but in no queue"
                 else:
                     producers = [p for p in run.slots if s in p.consumers]
                     assert s.deps == len(producers) > 0, f"{s} PENDING on {producers}"
-                    assert all(p.state not in (SlotState.COMPLETED, SlotState.FAILED) for p in producers)
+                    assert all(
+                        p.state not in (SlotState.COMPLETED, SlotState.FAILED) for p in producers
+                    )
 
 
 @pytest.fixture
@@ -283,14 +310,16 @@ def test_next_level_single_runs_only_on_its_target_and_is_never_stolen(make: Any
     h.nl(o, "a2", 0)
     h.done_building(o)
     assert h.take() == {"nl0": ["a0"]}
-    h.play([
-        # released   dispatched (worker 1 idles throughout)
-        ([],         {}),
-        ([],         {}),
-        (["a0"],     {"nl0": ["a1"]}),
-        (["a1"],     {"nl0": ["a2"]}),
-        (["a2"],     {}),
-    ])
+    h.play(
+        [
+            # released   dispatched (worker 1 idles throughout)
+            ([], {}),
+            ([], {}),
+            (["a0"], {"nl0": ["a1"]}),
+            (["a1"], {"nl0": ["a2"]}),
+            (["a2"], {}),
+        ]
+    )
     assert h.eps["nl1"].attempts == []
     assert o.run.state is RunState.COMPLETED
 
@@ -303,11 +332,13 @@ def test_dispatch_ids_are_per_lane_and_increase_from_one(make: Any) -> None:
         h.nl(o, f"b{i}", 1)
     h.done_building(o)
     assert h.take() == {"nl0": ["a0"], "nl1": ["b0"]}
-    h.play([
-        (["a0", "b0"], {"nl0": ["a1"], "nl1": ["b1"]}),
-        (["a1", "b1"], {"nl0": ["a2"], "nl1": ["b2"]}),
-        (["a2", "b2"], {}),
-    ])
+    h.play(
+        [
+            (["a0", "b0"], {"nl0": ["a1"], "nl1": ["b1"]}),
+            (["a1", "b1"], {"nl0": ["a2"], "nl1": ["b2"]}),
+            (["a2", "b2"], {}),
+        ]
+    )
     for key in ("nl0", "nl1"):
         assert [d.dispatch_id for d, _ in h.eps[key].attempts] == [1, 2, 3]
 
@@ -324,17 +355,19 @@ def test_group_launches_all_or_nothing_and_is_not_overtaken_by_a_later_single(ma
     h.nl(o, "s3", 0)  # queued behind the group for one of its targets
     h.done_building(o)
     assert h.take() == {"nl0": ["s0"], "nl1": ["s1"]}
-    h.play([
-        # worker 0 idles first: the group cannot launch, and s3 waits behind it
-        (["s0"],   {}),
-        ([],       {}),
-        # both targets idle: every member launches in the same round (member i on workers[i])
-        (["s1"],   {"nl1": ["g[0]"], "nl0": ["g[1]"]}),
-        # the group has launched, so worker 0 is free for s3 once its member is done
-        (["g[1]"], {"nl0": ["s3"]}),
-        (["g[0]"], {}),
-        (["s3"],   {}),
-    ])
+    h.play(
+        [
+            # worker 0 idles first: the group cannot launch, and s3 waits behind it
+            (["s0"], {}),
+            ([], {}),
+            # both targets idle: every member launches in the same round (member i on workers[i])
+            (["s1"], {"nl1": ["g[0]"], "nl0": ["g[1]"]}),
+            # the group has launched, so worker 0 is free for s3 once its member is done
+            (["g[1]"], {"nl0": ["s3"]}),
+            (["g[0]"], {}),
+            (["s3"], {}),
+        ]
+    )
     assert o.run.state is RunState.COMPLETED
 
 
@@ -348,17 +381,19 @@ def test_a_later_group_reserves_nothing_and_groups_launch_in_fifo_order(make: An
     h.nl(o, "s4", 1)  # reserved by the head group: waits
     h.done_building(o)
     assert h.take() == {"nl0": ["s0"], "nl2": ["s3"]}
-    h.play([
-        (["s0"],          {"nl0": ["g1[0]"], "nl1": ["g1[1]"]}),
-        # worker 2 idles, but g2 needs worker 1 too: nothing launches
-        (["s3"],          {}),
-        # g1 launched, so g2 is the head now: it launches once workers 1 and 2 idle,
-        # ahead of s4 (queued for worker 1 behind it)
-        (["g1[1]"],       {"nl1": ["g2[0]"], "nl2": ["g2[1]"]}),
-        (["g1[0]"],       {}),
-        (["g2[0]"],       {"nl1": ["s4"]}),
-        (["g2[1]", "s4"], {}),
-    ])
+    h.play(
+        [
+            (["s0"], {"nl0": ["g1[0]"], "nl1": ["g1[1]"]}),
+            # worker 2 idles, but g2 needs worker 1 too: nothing launches
+            (["s3"], {}),
+            # g1 launched, so g2 is the head now: it launches once workers 1 and 2 idle,
+            # ahead of s4 (queued for worker 1 behind it)
+            (["g1[1]"], {"nl1": ["g2[0]"], "nl2": ["g2[1]"]}),
+            (["g1[0]"], {}),
+            (["g2[0]"], {"nl1": ["s4"]}),
+            (["g2[1]", "s4"], {}),
+        ]
+    )
     assert o.run.state is RunState.COMPLETED
 
 
@@ -370,31 +405,39 @@ def test_a_blocked_group_head_keeps_later_groups_waiting_even_on_idle_workers(ma
     h.group(o, "g2", [2])
     h.done_building(o)
     assert h.take() == {"nl0": ["s0"]}
-    h.play([
-        ([],     {}),
-        (["s0"], {"nl0": ["g1[0]"], "nl1": ["g1[1]"], "nl2": ["g2[0]"]}),
-        (["g1[0]", "g1[1]", "g2[0]"], {}),
-    ])
+    h.play(
+        [
+            ([], {}),
+            (["s0"], {"nl0": ["g1[0]"], "nl1": ["g1[1]"], "nl2": ["g2[0]"]}),
+            (["g1[0]", "g1[1]", "g2[0]"], {}),
+        ]
+    )
 
 
 def test_group_yields_one_aggregate_completion_once_every_member_is_terminal(make: Any) -> None:
     h = make()
     x = h.heap.alloc((8,), "float32")
     o = h.run()
-    g = h.group(o, "g", [0, 1], [tensor_args((x[:4], Tag.OUTPUT)), tensor_args((x[4:], Tag.OUTPUT))])
+    g = h.group(
+        o, "g", [0, 1], [tensor_args((x[:4], Tag.OUTPUT)), tensor_args((x[4:], Tag.OUTPUT))]
+    )
     h.nl(o, "c", 0, tensor_args((x, Tag.INPUT)))
     h.done_building(o)
     assert h.take() == {"nl0": ["g[0]"], "nl1": ["g[1]"]}
-    h.play([
-        # worker 0 is idle, but its consumer waits for the whole group
-        (["g[0]"], {}),
-    ])
+    h.play(
+        [
+            # worker 0 is idle, but its consumer waits for the whole group
+            (["g[0]"], {}),
+        ]
+    )
     assert g.state is SlotState.RUNNING and slot_state(h, "c") is SlotState.PENDING
     assert o.run.counts["done"] == 0
-    h.play([
-        (["g[1]"], {"nl0": ["c"]}),
-        (["c"],    {}),
-    ])
+    h.play(
+        [
+            (["g[1]"], {"nl0": ["c"]}),
+            (["c"], {}),
+        ]
+    )
     assert g.state is SlotState.COMPLETED
     assert o.run.counts == {"done": 2, "failed": 0, "running": 0, "skipped": 0}
     assert o.run.state is RunState.COMPLETED
@@ -409,11 +452,13 @@ def test_group_first_failing_member_error_wins_and_poisons_its_consumer(make: An
     h.nl(o, "d", 0)  # independent
     h.done_building(o)
     assert h.take() == {"nl0": ["g[0]"], "nl1": ["g[1]"]}
-    h.play([
-        (["g[1]!member one failed"], {}),
-        (["g[0]!member zero failed"], {"nl0": ["d"]}),  # c never runs; d still does
-        (["d"], {}),
-    ])
+    h.play(
+        [
+            (["g[1]!member one failed"], {}),
+            (["g[0]!member zero failed"], {"nl0": ["d"]}),  # c never runs; d still does
+            (["d"], {}),
+        ]
+    )
     assert g.state is SlotState.FAILED and slot_state(h, "c") is SlotState.FAILED
     assert slot_state(h, "d") is SlotState.COMPLETED
     assert [h.label(d) for d, _ in h.eps["nl1"].attempts] == ["g[1]"]
@@ -453,19 +498,23 @@ def test_only_the_head_run_partition_dispatches(make: Any) -> None:
     h.done_building(a)
     assert h.take() == {"nl0": ["a0"]}
     assert b.run.state is RunState.PREPARED
-    h.play([
-        ([],     {}),
-        (["a0"], {"nl1": ["b0"]}),  # A completes, B becomes the head in the same round
-    ])
+    h.play(
+        [
+            ([], {}),
+            (["a0"], {"nl1": ["b0"]}),  # A completes, B becomes the head in the same round
+        ]
+    )
     assert a.run.state is RunState.COMPLETED and b.run.state is RunState.EXECUTING
     assert h.admitted == [a.run, b.run, c.run]  # A's lease went to C
     h.nl(c, "c0", 0)  # C is the successor now: worker 0 idles, c0 waits
     h.done_building(c)
-    h.play([
-        ([],     {}),
-        (["b0"], {"nl0": ["c0"]}),
-        (["c0"], {}),
-    ])
+    h.play(
+        [
+            ([], {}),
+            (["b0"], {"nl0": ["c0"]}),
+            (["c0"], {}),
+        ]
+    )
     assert [r.state for r in h.runs] == [RunState.COMPLETED] * 3
 
 
@@ -480,23 +529,29 @@ def test_two_frame_lane_stages_one_single_of_the_successor_and_promotes_it(make:
     h.done_building(b)
     h.done_building(a)
     assert h.take() == {"nl0": ["a0"]}
-    h.play([
-        # one single of the prepared successor is staged (prepare_only), no more
-        ([],     {"nl0": ["b0+staged"]}),
-        ([],     {}),
-    ])
+    h.play(
+        [
+            # one single of the prepared successor is staged (prepare_only), no more
+            ([], {"nl0": ["b0+staged"]}),
+            ([], {}),
+        ]
+    )
     b0 = h.find("b0+staged")[1]
-    h.play([
-        # A completes: B is the head; its staged dispatch is promoted (no new publication)
-        (["a0"], {"nl1": ["b2"]}),
-    ])
+    h.play(
+        [
+            # A completes: B is the head; its staged dispatch is promoted (no new publication)
+            (["a0"], {"nl1": ["b2"]}),
+        ]
+    )
     assert h.eps["nl0"].activated == [b0.dispatch_id]
     lane0 = h.sched.manager.next_level[0]
     assert lane0.active is b0 and lane0.staged is None
-    h.play([
-        (["b0+staged"], {"nl0": ["b1"]}),
-        (["b1", "b2"],  {}),
-    ])
+    h.play(
+        [
+            (["b0+staged"], {"nl0": ["b1"]}),
+            (["b1", "b2"], {}),
+        ]
+    )
     assert [r.state for r in h.runs] == [RunState.COMPLETED] * 2
 
 
@@ -509,11 +564,13 @@ def test_a_diagnostic_task_is_never_staged(make: Any) -> None:
     h.done_building(a)
     h.done_building(b)
     assert h.take() == {"nl0": ["a0"]}
-    h.play([
-        ([],     {}),
-        (["a0"], {"nl0": ["b0"]}),
-        (["b0"], {}),
-    ])
+    h.play(
+        [
+            ([], {}),
+            (["a0"], {"nl0": ["b0"]}),
+            (["b0"], {}),
+        ]
+    )
 
 
 def test_zero_task_run_completes_and_releases_its_lease(make: Any) -> None:
@@ -604,12 +661,17 @@ def test_failure_skips_consumers_recursively(make: Any) -> None:
     h.nl(o, "i", 1)
     h.done_building(o)
     assert h.take() == {"nl0": ["p"], "nl1": ["i"]}
-    h.play([
-        (["p!producer broke"], {}),
-        (["i"], {}),
-    ])
+    h.play(
+        [
+            (["p!producer broke"], {}),
+            (["i"], {}),
+        ]
+    )
     assert [slot_state(h, n) for n in ("p", "c1", "c2", "i")] == [
-        SlotState.FAILED, SlotState.FAILED, SlotState.FAILED, SlotState.COMPLETED,
+        SlotState.FAILED,
+        SlotState.FAILED,
+        SlotState.FAILED,
+        SlotState.COMPLETED,
     ]
     assert o.run.counts == {"done": 1, "failed": 1, "running": 0, "skipped": 2}
     assert o.run.error is not None and o.run.error.remote_text == "producer broke"
@@ -672,11 +734,13 @@ def test_sub_tasks_run_on_any_idle_sub_worker(make: Any) -> None:
         h.sub(o, f"s{i}")
     h.done_building(o)
     assert h.take() == {"sub0": ["s0"], "sub1": ["s1"]}
-    h.play([
-        (["s1"], {"sub1": ["s2"]}),
-        (["s0"], {"sub0": ["s3"]}),
-        (["s2", "s3"], {}),
-    ])
+    h.play(
+        [
+            (["s1"], {"sub1": ["s2"]}),
+            (["s0"], {"sub0": ["s3"]}),
+            (["s2", "s3"], {}),
+        ]
+    )
 
 
 def test_sub_group_needs_that_many_distinct_idle_sub_workers(make: Any) -> None:
@@ -687,12 +751,14 @@ def test_sub_group_needs_that_many_distinct_idle_sub_workers(make: Any) -> None:
     h.sub(o, "s2")  # behind the group in the SUB FIFO
     h.done_building(o)
     assert h.take() == {"sub0": ["s0"]}
-    h.play([
-        ([],          {}),  # one SUB worker idles: the group waits, s2 behind it too
-        (["s0"],      {"sub0": ["g[0]"], "sub1": ["g[1]"]}),
-        (["g[1]"],    {"sub1": ["s2"]}),
-        (["g[0]", "s2"], {}),
-    ])
+    h.play(
+        [
+            ([], {}),  # one SUB worker idles: the group waits, s2 behind it too
+            (["s0"], {"sub0": ["g[0]"], "sub1": ["g[1]"]}),
+            (["g[1]"], {"sub1": ["s2"]}),
+            (["g[0]", "s2"], {}),
+        ]
+    )
     assert o.run.state is RunState.COMPLETED
 
 
@@ -724,7 +790,9 @@ def test_handles_are_validated_against_the_registry(make: Any) -> None:
     unknown = spec_for_import("tests.tasks:noop").handle
     with pytest.raises(ValueError, match="is not registered"):
         o.submit_sub(unknown)
-    with pytest.raises(ValueError, match=r"worker=5 is not a registered NEXT_LEVEL worker \(known: \[0, 1\]\)"):
+    with pytest.raises(
+        ValueError, match=r"worker=5 is not a registered NEXT_LEVEL worker \(known: \[0, 1\]\)"
+    ):
         o.submit_next_level(h.chip, TaskArgs(), worker=5)
     h.done_building(o)
     assert o.run.state is RunState.COMPLETED
@@ -733,8 +801,9 @@ def test_handles_are_validated_against_the_registry(make: Any) -> None:
 # -- stall warning ---------------------------------------------------------------------------------
 
 
-def test_a_blocked_group_head_warns_once_per_episode(make: Any, monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_a_blocked_group_head_warns_once_per_episode(
+    make: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     now = [100.0]
     monkeypatch.setattr(scheduler_mod, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     caplog.set_level(logging.WARNING, logger="simpler_daemon.scheduler")
@@ -759,9 +828,11 @@ def test_a_blocked_group_head_warns_once_per_episode(make: Any, monkeypatch: pyt
     now[0] += 10.0
     h.sched.round()
     assert warnings() == 1  # one per episode
-    h.play([
-        (["s1"], {"nl0": ["g[0]"], "nl1": ["g[1]"]}),
-        (["g[0]", "g[1]"], {"nl0": ["s0"]}),
-        (["s0"], {}),
-    ])
+    h.play(
+        [
+            (["s1"], {"nl0": ["g[0]"], "nl1": ["g[1]"]}),
+            (["g[0]", "g[1]"], {"nl0": ["s0"]}),
+            (["s0"], {}),
+        ]
+    )
     assert warnings() == 1

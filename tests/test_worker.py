@@ -34,8 +34,19 @@ from tests import tasks
 pytestmark = pytest.mark.integration
 
 TASKS = (
-    "fill", "consume", "marked_fill", "marked_consume", "rendezvous", "record_pid",
-    "record_pid_rendezvous", "fail", "wait_flag", "sleep_ms", "chain_step", "noop", "add_one",
+    "fill",
+    "consume",
+    "marked_fill",
+    "marked_consume",
+    "rendezvous",
+    "record_pid",
+    "record_pid_rendezvous",
+    "fail",
+    "wait_flag",
+    "sleep_ms",
+    "chain_step",
+    "noop",
+    "add_one",
 )
 
 
@@ -44,7 +55,9 @@ class Pool:
 
     def __init__(self, n: int = 2) -> None:
         self.w = Worker(num_sub_workers=n)
-        self.h: dict[str, CallableHandle] = {name: self.w.register(getattr(tasks, name)) for name in TASKS}
+        self.h: dict[str, CallableHandle] = {
+            name: self.w.register(getattr(tasks, name)) for name in TASKS
+        }
         self.w.init()
 
     def pids(self) -> set[int]:
@@ -106,9 +119,19 @@ def test_producer_and_consumer_are_ordered_by_tags(pool: Pool) -> None:
         for i in range(pairs):
             # the consumer is submitted right behind its producer; with two idle workers it
             # would start at once unless it waited for the producer
-            o.submit_sub(h["marked_fill"], targs((xs[i], Tag.OUTPUT), (marks, Tag.NO_DEP), scalars=(10 + i, 2 * i)))
-            o.submit_sub(h["marked_consume"], targs((xs[i], Tag.INPUT), (ys[i], Tag.OUTPUT), (marks, Tag.NO_DEP),
-                                                   scalars=(2 * i + 1,)))
+            o.submit_sub(
+                h["marked_fill"],
+                targs((xs[i], Tag.OUTPUT), (marks, Tag.NO_DEP), scalars=(10 + i, 2 * i)),
+            )
+            o.submit_sub(
+                h["marked_consume"],
+                targs(
+                    (xs[i], Tag.INPUT),
+                    (ys[i], Tag.OUTPUT),
+                    (marks, Tag.NO_DEP),
+                    scalars=(2 * i + 1,),
+                ),
+            )
 
     w.run(orch)
     for i in range(pairs):
@@ -126,8 +149,14 @@ def test_two_disjoint_writers_run_concurrently(pool: Pool) -> None:
     def orch(o: Any, args: Any, config: Any) -> None:
         # each writer waits (with a deadline that fails it) until the other has arrived:
         # only possible when both run at once
-        o.submit_sub(h["rendezvous"], targs((flags, Tag.NO_DEP), (out[:8], Tag.OUTPUT), scalars=(0, 1, 20_000)))
-        o.submit_sub(h["rendezvous"], targs((flags, Tag.NO_DEP), (out[8:], Tag.OUTPUT), scalars=(1, 0, 20_000)))
+        o.submit_sub(
+            h["rendezvous"],
+            targs((flags, Tag.NO_DEP), (out[:8], Tag.OUTPUT), scalars=(0, 1, 20_000)),
+        )
+        o.submit_sub(
+            h["rendezvous"],
+            targs((flags, Tag.NO_DEP), (out[8:], Tag.OUTPUT), scalars=(1, 0, 20_000)),
+        )
 
     w.run(orch)
     assert (out[:8] == 1).all() and (out[8:] == 2).all()
@@ -139,8 +168,10 @@ def test_a_sub_group_of_two_runs_on_two_distinct_workers(pool: Pool) -> None:
     pids = w.alloc((2,), "int64")
 
     def orch(o: Any, args: Any, config: Any) -> None:
-        o.submit_sub_group(h["record_pid_rendezvous"],
-                           [targs((pids, Tag.NO_DEP), scalars=(i, 2)) for i in range(2)])
+        o.submit_sub_group(
+            h["record_pid_rendezvous"],
+            [targs((pids, Tag.NO_DEP), scalars=(i, 2)) for i in range(2)],
+        )
 
     w.run(orch)
     assert len(set(pids)) == 2 and set(pids) == pool.pids()
@@ -165,7 +196,9 @@ def orch_noop(handle: CallableHandle, n: int = 1) -> Any:
     return orch
 
 
-def test_a_failing_producer_poisons_its_consumers_but_independent_tasks_complete(pool: Pool) -> None:
+def test_a_failing_producer_poisons_its_consumers_but_independent_tasks_complete(
+    pool: Pool,
+) -> None:
     w, h = pool.w, pool.h
     who = w.alloc((1,), "int64")
     gate = w.alloc((1,), "int64")
@@ -177,7 +210,9 @@ def test_a_failing_producer_poisons_its_consumers_but_independent_tasks_complete
     def orch(o: Any, args: Any, config: Any) -> None:
         # the producer fails only once the gate opens, i.e. after every task is submitted
         # (a submit into an already-failed run would re-raise instead)
-        o.submit_sub(h["fail"], targs((who, Tag.OUTPUT), (gate, Tag.NO_DEP), (x, Tag.OUTPUT), scalars=(42,)))
+        o.submit_sub(
+            h["fail"], targs((who, Tag.OUTPUT), (gate, Tag.NO_DEP), (x, Tag.OUTPUT), scalars=(42,))
+        )
         o.submit_sub(h["consume"], targs((x, Tag.INPUT), (marker, Tag.OUTPUT), scalars=(5,)))
         o.submit_sub(h["consume"], targs((marker, Tag.INPUT), (marker2, Tag.OUTPUT), scalars=(9,)))
         for i, t in enumerate(ind):
@@ -230,7 +265,10 @@ def test_submitting_into_a_run_that_already_failed_reraises(pool: Pool) -> None:
     with pytest.raises(TaskError) as info:
         w.run(orch)
     assert len(seen) == 2 and seen[0] is seen[1] is info.value
-    assert info.value.outcome == "TASK_FAILURE" and "producer exploded on purpose (7)" in info.value.remote_text
+    assert (
+        info.value.outcome == "TASK_FAILURE"
+        and "producer exploded on purpose (7)" in info.value.remote_text
+    )
     w.run(orch_noop(h["noop"]))
 
 
@@ -242,8 +280,12 @@ def test_cancel_fails_unstarted_tasks_and_running_ones_finish(pool: Pool) -> Non
     markers = [w.alloc((4,), "float64") for _ in range(3)]
 
     def orch(o: Any, args: Any, config: Any) -> None:
-        o.submit_sub(h["wait_flag"], targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), (x, Tag.OUTPUT),
-                                           scalars=(0, 0, 30_000)))
+        o.submit_sub(
+            h["wait_flag"],
+            targs(
+                (flags, Tag.NO_DEP), (started, Tag.NO_DEP), (x, Tag.OUTPUT), scalars=(0, 0, 30_000)
+            ),
+        )
         for m in markers:
             o.submit_sub(h["consume"], targs((x, Tag.INPUT), (m, Tag.OUTPUT), scalars=(3,)))
 
@@ -269,7 +311,10 @@ def test_cancel_of_queued_runs_never_runs_them(pool: Pool) -> None:
     built: list[int] = []
 
     def head(o: Any, args: Any, config: Any) -> None:
-        o.submit_sub(h["wait_flag"], targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 30_000)))
+        o.submit_sub(
+            h["wait_flag"],
+            targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 30_000)),
+        )
 
     def queued(o: Any, args: Any, config: Any) -> None:
         built.append(o.run_id)
@@ -300,7 +345,10 @@ def test_submit_wait_done_and_result(pool: Pool) -> None:
     started = w.alloc((1,), "int64")
 
     def orch(o: Any, args: Any, config: Any) -> None:
-        o.submit_sub(h["wait_flag"], targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 30_000)))
+        o.submit_sub(
+            h["wait_flag"],
+            targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 30_000)),
+        )
 
     handle = w.submit(orch)
     assert not handle.done()
@@ -425,7 +473,10 @@ def test_register_twice_returns_the_same_handle_and_unregister_is_refcounted(poo
 def test_unregister_then_submitting_it_fails_clearly(pool: Pool) -> None:
     w, h = pool.w, pool.h
     w.unregister(h["add_one"])
-    with pytest.raises(ValueError, match=r"cannot submit_sub: callable tests\.tasks:add_one \(sha256:[0-9a-f]{64}\) is not registered"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot submit_sub: callable tests\.tasks:add_one \(sha256:[0-9a-f]{64}\) is not registered",
+    ):
         w.run(lambda o, a, c: o.submit_sub(h["add_one"]))
     with pytest.raises(TypeError, match="expected a CallableHandle"):
         w.unregister("tests.tasks:add_one")  # type: ignore[arg-type]
@@ -454,7 +505,9 @@ def test_argument_validation(pool: Pool) -> None:
     with pytest.raises(ValueError, match=r"worker=99 is not a registered NEXT_LEVEL worker"):
         w.run(lambda o, a, c: o.submit_next_level(k, TaskArgs(), worker=99))
     with pytest.raises(ValueError, match="not distinct"):
-        w.run(lambda o, a, c: o.submit_next_level_group(k, [TaskArgs(), TaskArgs()], workers=[0, 0]))
+        w.run(
+            lambda o, a, c: o.submit_next_level_group(k, [TaskArgs(), TaskArgs()], workers=[0, 0])
+        )
     with pytest.raises(ValueError, match="2 workers for 1 args"):
         w.run(lambda o, a, c: o.submit_next_level_group(k, [TaskArgs()], workers=[0, 1]))
     with pytest.raises(TypeError, match="not callable"):
@@ -464,7 +517,9 @@ def test_argument_validation(pool: Pool) -> None:
     with pytest.raises(TypeError, match="import path"):
         w.register(tasks.kernel, kind="chip")
     with pytest.raises(ValueError, match="not on the shared heap"):
-        w.run(lambda o, a, c: o.submit_sub(h["noop"], TaskArgs().add_tensor(np.zeros(3), Tag.INPUT)))
+        w.run(
+            lambda o, a, c: o.submit_sub(h["noop"], TaskArgs().add_tensor(np.zeros(3), Tag.INPUT))
+        )
     w.run(orch_noop(h["noop"], 3))  # none of that hurt the worker
 
 
@@ -521,7 +576,11 @@ def test_context_manager_starts_and_closes() -> None:
     with w as started:
         assert started is w and w.state is WorkerState.READY
         pids = w.alloc((2,), "int64")
-        w.run(lambda o, a, c: [o.submit_sub(h, targs((pids, Tag.NO_DEP), scalars=(i,))) for i in range(2)])
+        w.run(
+            lambda o, a, c: [
+                o.submit_sub(h, targs((pids, Tag.NO_DEP), scalars=(i,))) for i in range(2)
+            ]
+        )
         assert all(pids != 0)
     assert w.state is WorkerState.CLOSED
     # results stay readable after close: the mapping lives as long as the arrays do

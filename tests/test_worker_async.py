@@ -90,8 +90,12 @@ async def test_submit_async_wait_async_done_and_result() -> None:
     async with started() as (w, h):
         flags = w.alloc((1,), "int64")
         begun = w.alloc((1,), "int64")
-        handle = await w.submit_async(lambda o, a, c: o.submit_sub(
-            h["wait_flag"], targs((flags, Tag.NO_DEP), (begun, Tag.NO_DEP), scalars=(0, 0, 30_000))))
+        handle = await w.submit_async(
+            lambda o, a, c: o.submit_sub(
+                h["wait_flag"],
+                targs((flags, Tag.NO_DEP), (begun, Tag.NO_DEP), scalars=(0, 0, 30_000)),
+            )
+        )
         assert not handle.done()
         with pytest.raises(asyncio.InvalidStateError):
             handle.result()
@@ -114,15 +118,17 @@ async def test_concurrent_runs_are_admitted_fifo_and_only_the_head_dispatches() 
         def orch(o: Any, k: int, config: Any) -> None:
             for j in range(per_run):  # independent tasks: both workers run them at once
                 row = k * per_run + j
-                o.submit_sub(h["marked_fill"], targs((outs[row], Tag.OUTPUT), (marks, Tag.NO_DEP),
-                                                     scalars=(row + 1, row)))
+                o.submit_sub(
+                    h["marked_fill"],
+                    targs((outs[row], Tag.OUTPUT), (marks, Tag.NO_DEP), scalars=(row + 1, row)),
+                )
 
         await asyncio.gather(*(w.run_async(orch, k) for k in range(nruns)))
         for row, out in enumerate(outs):
             assert (out == row + 1).all()
         for k in range(nruns - 1):
-            this_run = marks[k * per_run:(k + 1) * per_run]
-            next_run = marks[(k + 1) * per_run:(k + 2) * per_run]
+            this_run = marks[k * per_run : (k + 1) * per_run]
+            next_run = marks[(k + 1) * per_run : (k + 2) * per_run]
             # every task of run k+1 started after every task of run k ended
             assert next_run[:, 1].min() >= this_run[:, 2].max() > 0
 
@@ -133,7 +139,7 @@ async def test_many_runs_in_flight_at_once_all_complete() -> None:
         out = w.alloc((64,), "int64")
 
         def orch(o: Any, i: int, config: Any) -> None:
-            o.submit_sub(h["fill"], targs((out[i:i + 1], Tag.OUTPUT), scalars=(i + 100,)))
+            o.submit_sub(h["fill"], targs((out[i : i + 1], Tag.OUTPUT), scalars=(i + 100,)))
 
         handles = [await w.submit_async(orch, i) for i in range(64)]
         await asyncio.gather(*(hd.wait_async(timeout=60) for hd in handles))
@@ -163,7 +169,9 @@ async def test_submitting_into_a_failed_run_reraises_and_run_async_raises_it() -
 
         async def orch(o: Any, args: Any, config: Any) -> None:
             o.submit_sub(h["fail"], targs(scalars=(3,)))
-            await apoll(lambda: o.run.error is not None, message="the failure never reached the run")
+            await apoll(
+                lambda: o.run.error is not None, message="the failure never reached the run"
+            )
             try:
                 o.submit_sub(h["fill"], targs((marker, Tag.OUTPUT), scalars=(1,)))
             except TaskError as exc:
@@ -175,7 +183,9 @@ async def test_submitting_into_a_failed_run_reraises_and_run_async_raises_it() -
         assert seen == [info.value]
         err = info.value
         assert err.outcome == "TASK_FAILURE" and err.hashid == h["fail"].hashid
-        assert "producer exploded on purpose (3)" in err.remote_text and "Traceback" in err.remote_text
+        assert (
+            "producer exploded on purpose (3)" in err.remote_text and "Traceback" in err.remote_text
+        )
         assert err.worker_id in (0, 1) and err.pid is not None and err.dispatch_id is not None
         assert marker[0] == 0
         await w.run_async(lambda o, a, c: o.submit_sub(h["noop"]))  # the worker is fine
@@ -184,6 +194,7 @@ async def test_submitting_into_a_failed_run_reraises_and_run_async_raises_it() -
 @pytest.mark.asyncio
 async def test_an_orchestration_exception_propagates_from_run_async() -> None:
     async with started() as (w, _h):
+
         class Boom(Exception):
             pass
 
@@ -205,8 +216,15 @@ async def test_cancel_from_the_loop_fails_unstarted_tasks() -> None:
         markers = [w.alloc((4,), "float64") for _ in range(2)]
 
         def orch(o: Any, args: Any, config: Any) -> None:
-            o.submit_sub(h["wait_flag"], targs((flags, Tag.NO_DEP), (begun, Tag.NO_DEP), (x, Tag.OUTPUT),
-                                               scalars=(0, 0, 30_000)))
+            o.submit_sub(
+                h["wait_flag"],
+                targs(
+                    (flags, Tag.NO_DEP),
+                    (begun, Tag.NO_DEP),
+                    (x, Tag.OUTPUT),
+                    scalars=(0, 0, 30_000),
+                ),
+            )
             for m in markers:
                 o.submit_sub(h["consume"], targs((x, Tag.INPUT), (m, Tag.OUTPUT), scalars=(1,)))
 
@@ -252,7 +270,9 @@ async def test_the_blocking_api_works_from_another_thread_while_bound() -> None:
         t = threading.Thread(target=worker_thread)
         t.start()
         try:
-            await apoll(lambda: not t.is_alive(), timeout=60, message="the blocking run never returned")
+            await apoll(
+                lambda: not t.is_alive(), timeout=60, message="the blocking run never returned"
+            )
         finally:
             t.join(timeout=60)
         assert result == [None]
@@ -266,8 +286,12 @@ async def test_register_and_unregister_async_after_start() -> None:
         by_path = await w.register_async("tests.tasks:set_flag")
         x = w.alloc((4,), "float64")
         flags = w.alloc((2,), "int64")
-        await w.run_async(lambda o, a, c: (o.submit_sub(add_one, targs((x, Tag.INOUT))),
-                                           o.submit_sub(by_path, targs((flags, Tag.OUTPUT), scalars=(0,)))))
+        await w.run_async(
+            lambda o, a, c: (
+                o.submit_sub(add_one, targs((x, Tag.INOUT))),
+                o.submit_sub(by_path, targs((flags, Tag.OUTPUT), scalars=(0,))),
+            )
+        )
         assert (x == 1).all() and flags[0] == 1
         await w.unregister_async(add_one)
         with pytest.raises(ValueError, match="is not registered"):
@@ -298,8 +322,11 @@ async def test_close_async_with_a_wedged_run_cancels_it_and_leaves_no_process() 
     w.init()
     flags = w.alloc((1,), "int64")
     begun = w.alloc((1,), "int64")
-    handle = await w.submit_async(lambda o, a, c: o.submit_sub(
-        h["wait_flag"], targs((flags, Tag.NO_DEP), (begun, Tag.NO_DEP), scalars=(0, 0, 60_000))))
+    handle = await w.submit_async(
+        lambda o, a, c: o.submit_sub(
+            h["wait_flag"], targs((flags, Tag.NO_DEP), (begun, Tag.NO_DEP), scalars=(0, 0, 60_000))
+        )
+    )
     second = await w.submit_async(lambda o, a, c: o.submit_sub(h["noop"]))
     await apoll(lambda: begun[0] != 0)
     await w.close_async(timeout=1.0)

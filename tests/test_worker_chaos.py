@@ -72,7 +72,11 @@ def assert_healthy_without(pool: Pool, dead_pid: int, n: int = 6) -> None:
     """A run of ``n`` SUB tasks completes, none of them on the dead worker."""
     w, h = pool.w, pool.h
     pids = w.alloc((n,), "int64")
-    w.run(lambda o, a, c: [o.submit_sub(h["record_pid"], targs((pids, Tag.NO_DEP), scalars=(i,))) for i in range(n)])
+    w.run(
+        lambda o, a, c: [
+            o.submit_sub(h["record_pid"], targs((pids, Tag.NO_DEP), scalars=(i,))) for i in range(n)
+        ]
+    )
     ran_on = {int(p) for p in pids}
     assert 0 not in ran_on and dead_pid not in ran_on
     assert ran_on <= pool.live_pids()
@@ -88,8 +92,12 @@ def test_sigkill_of_a_worker_during_a_run_fails_it_with_an_endpoint_failure(pool
     ind = [w.alloc((4,), "float64") for _ in range(3)]
 
     def orch(o: Any, args: Any, config: Any) -> None:
-        o.submit_sub(h["wait_flag"], targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), (x, Tag.OUTPUT),
-                                           scalars=(0, 0, 60_000)))
+        o.submit_sub(
+            h["wait_flag"],
+            targs(
+                (flags, Tag.NO_DEP), (started, Tag.NO_DEP), (x, Tag.OUTPUT), scalars=(0, 0, 60_000)
+            ),
+        )
         o.submit_sub(h["consume"], targs((x, Tag.INPUT), (marker, Tag.OUTPUT), scalars=(1,)))
         for i, t in enumerate(ind):
             o.submit_sub(h["fill"], targs((t, Tag.OUTPUT), scalars=(i + 1,)))
@@ -122,10 +130,14 @@ def test_sigkill_of_a_worker_during_a_run_fails_it_with_an_endpoint_failure(pool
     [(0, "killed by SIGKILL"), (1, "exited with code 3"), (2, "killed by SIGSEGV")],
     ids=["sigkill-self", "os-exit", "segfault"],
 )
-def test_a_child_dying_inside_a_task_is_an_endpoint_failure_naming_it(pool: Pool, mode: int, death: str) -> None:
+def test_a_child_dying_inside_a_task_is_an_endpoint_failure_naming_it(
+    pool: Pool, mode: int, death: str
+) -> None:
     w, h = pool.w, pool.h
     who = w.alloc((1,), "int64")
-    ids = {i["pid"]: i["worker_id"] for i in pool.sub_info()}  # before the death (and any replacement)
+    ids = {
+        i["pid"]: i["worker_id"] for i in pool.sub_info()
+    }  # before the death (and any replacement)
     with pytest.raises(TaskError) as info:
         w.run(lambda o, a, c: o.submit_sub(h["die"], targs((who, Tag.OUTPUT), scalars=(mode,))))
     err = info.value
@@ -171,8 +183,12 @@ def test_close_cancels_a_wedged_run_and_the_runs_behind_it_and_leaves_nothing() 
 
     def wedged(o: Any, args: Any, config: Any) -> None:
         # waits for a flag nobody sets (its own deadline is far beyond the close budget)
-        o.submit_sub(h["wait_flag"], targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), (x, Tag.OUTPUT),
-                                           scalars=(0, 0, 60_000)))
+        o.submit_sub(
+            h["wait_flag"],
+            targs(
+                (flags, Tag.NO_DEP), (started, Tag.NO_DEP), (x, Tag.OUTPUT), scalars=(0, 0, 60_000)
+            ),
+        )
         o.submit_sub(h["consume"], targs((x, Tag.INPUT), (markers[0], Tag.OUTPUT), scalars=(1,)))
 
     def behind(o: Any, args: Any, config: Any) -> None:
@@ -203,8 +219,12 @@ def test_close_right_after_a_kill_reaps_everything() -> None:
     w, h = pool.w, pool.h
     flags = w.alloc((1,), "int64")
     started = w.alloc((1,), "int64")
-    handle = w.submit(lambda o, a, c: o.submit_sub(
-        h["wait_flag"], targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 60_000))))
+    handle = w.submit(
+        lambda o, a, c: o.submit_sub(
+            h["wait_flag"],
+            targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 60_000)),
+        )
+    )
     poll_for(lambda: started[0] != 0, timeout=30)
     os.kill(int(started[0]), signal.SIGKILL)
     w.close(timeout=5.0)

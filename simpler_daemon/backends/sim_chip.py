@@ -64,7 +64,9 @@ class SimChipBackend:
         self._trace_lock = threading.Lock()
         self._banks: list[SimToken | None] = [None, None]
         self._queue: queue.SimpleQueue[SimToken | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._device, name=f"sim-chip-{chip_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._device, name=f"sim-chip-{chip_id}", daemon=True
+        )
         self._thread.start()
 
     # -- lifecycle phases ---------------------------------------------------------------------
@@ -73,7 +75,9 @@ class SimChipBackend:
         self, kernel: Callable[..., Any], args: Any, config: Any, bank: int, dispatch_id: int
     ) -> SimToken:
         if self._banks[bank] is not None:
-            raise BackendError(f"sim chip {self.chip_id}: bank {bank} already holds a prepared token")
+            raise BackendError(
+                f"sim chip {self.chip_id}: bank {bank} already holds a prepared token"
+            )
         self.trace("prepare", dispatch_id, bank=bank)
         delay = getattr(kernel, "sim_prepare_s", 0.0)
         if delay:
@@ -105,7 +109,9 @@ class SimChipBackend:
 
     def finalize(self, token: SimToken) -> None:
         if token.finalized:
-            raise BackendError(f"sim chip {self.chip_id}: token {token.dispatch_id} finalized twice")
+            raise BackendError(
+                f"sim chip {self.chip_id}: token {token.dispatch_id} finalized twice"
+            )
         token.finalized = True
         if self._banks[token.bank] is token:
             self._banks[token.bank] = None
@@ -134,9 +140,8 @@ class SimChipBackend:
             try:
                 token.kernel(token.args, token.config)
             except BaseException as exc:
-                token.error = (
-                    f"chip_worker: {type(exc).__name__}: {exc}\n"
-                    + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                token.error = f"chip_worker: {type(exc).__name__}: {exc}\n" + "".join(
+                    traceback.format_exception(type(exc), exc, exc.__traceback__)
                 )
             token.done.set()
             if self._on_complete is not None:
@@ -144,7 +149,13 @@ class SimChipBackend:
 
     def trace(self, event: str, dispatch_id: int, **extra: Any) -> None:
         if self._trace is not None:
-            rec = {"t": time.monotonic(), "chip": self.chip_id, "pid": os.getpid(),
-                   "event": event, "dispatch_id": dispatch_id, **extra}
+            rec = {
+                "t": time.monotonic(),
+                "chip": self.chip_id,
+                "pid": os.getpid(),
+                "event": event,
+                "dispatch_id": dispatch_id,
+                **extra,
+            }
             with self._trace_lock:
                 self._trace.write(json.dumps(rec) + "\n")

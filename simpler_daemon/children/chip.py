@@ -77,8 +77,18 @@ class ChipContext(ChildContext):
 
 
 class _Frame:
-    __slots__ = ("activated", "args", "config", "digest", "dispatch_id", "index", "kernel",
-                 "off", "token", "trailer")
+    __slots__ = (
+        "activated",
+        "args",
+        "config",
+        "digest",
+        "dispatch_id",
+        "index",
+        "kernel",
+        "off",
+        "token",
+        "trailer",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -123,7 +133,10 @@ class ChipLoop(MailboxLoop):
             _mb.store32(buf, OFF_PIPELINE_DEPTH, self.backend.pipeline_depth)
         except BaseException as exc:
             _mb.write_result(
-                buf, BASE_FRAME, int(MailboxState.INIT_FAILED), ERR_INIT,
+                buf,
+                BASE_FRAME,
+                int(MailboxState.INIT_FAILED),
+                ERR_INIT,
                 f"{self.ctx.label} init: {type(exc).__name__}: {exc}",
             )
             return False
@@ -140,7 +153,12 @@ class ChipLoop(MailboxLoop):
             return 1
         buf = self.buf
         frames = self.frames
-        watch = (BASE_FRAME + OFF_STATE, OFF_SHUTDOWN, OFF_WAKE_SEQ, *(f.off + OFF_STATE for f in frames))
+        watch = (
+            BASE_FRAME + OFF_STATE,
+            OFF_SHUTDOWN,
+            OFF_WAKE_SEQ,
+            *(f.off + OFF_STATE for f in frames),
+        )
         parent = self.ctx.parent_pid
         import os
 
@@ -165,7 +183,9 @@ class ChipLoop(MailboxLoop):
                     continue
                 states = tuple(_mb.load32(buf, f.off) for f in frames)
                 timeout = 0.002 if self.active is not None else self.ctx.park_timeout
-                changed = _mb.child_wait(buf, watch, (bst, 0, seq, *states), self.ctx.spin_ns, timeout)
+                changed = _mb.child_wait(
+                    buf, watch, (bst, 0, seq, *states), self.ctx.spin_ns, timeout
+                )
                 if changed < 0 and parent and os.getppid() != parent:
                     return 0
         finally:
@@ -188,7 +208,9 @@ class ChipLoop(MailboxLoop):
             return False
         if st not in (TASK_READY, PREPARE_READY):
             return False
-        (cfg, lslot, _lgen, digest, blob, proto, run_id, slot_id, gen, did) = _mb.read_task(buf, fr.off)
+        (cfg, lslot, _lgen, digest, blob, proto, run_id, slot_id, gen, did) = _mb.read_task(
+            buf, fr.off
+        )
         fr.trailer = (proto, run_id, slot_id, gen, did)
         fr.dispatch_id = did
         fr.digest = digest
@@ -196,7 +218,9 @@ class ChipLoop(MailboxLoop):
             self.fail_frame(fr, ERR_STALE, f"frame protocol {proto:#x} is not {PROTOCOL:#x}")
             return True
         if len(self.frames) == 2 and lslot != fr.index:
-            self.fail_frame(fr, ERR_STALE, f"lease slot {lslot} published into task frame {fr.index}")
+            self.fail_frame(
+                fr, ERR_STALE, f"lease slot {lslot} published into task frame {fr.index}"
+            )
             return True
         kernel = self.table.resolve(digest)
         if kernel is None:
@@ -294,7 +318,11 @@ class ChipLoop(MailboxLoop):
                 return False
         except BackendError as exc:
             self.active = None
-            self.fail_frame(fr, ERR_TASK, str(exc) if str(exc).startswith("chip_worker") else f"chip_worker: {exc}")
+            self.fail_frame(
+                fr,
+                ERR_TASK,
+                str(exc) if str(exc).startswith("chip_worker") else f"chip_worker: {exc}",
+            )
             return True
         self.active = None
         token, fr.token = fr.token, None
@@ -354,10 +382,17 @@ class ChipLoop(MailboxLoop):
     def shutdown(self) -> None:
         for fr in self.frames:
             if fr.live:
-                self.fail_frame(fr, ERR_SHUTDOWN, f"{self.ctx.label} shut down before the task finished")
+                self.fail_frame(
+                    fr, ERR_SHUTDOWN, f"{self.ctx.label} shut down before the task finished"
+                )
             elif _mb.load32(self.buf, fr.off) in (TASK_READY, PREPARE_READY):
-                write_failure(self.buf, fr.off, TASK_FAILED, ERR_SHUTDOWN,
-                              f"{self.ctx.label} shut down before running the task")
+                write_failure(
+                    self.buf,
+                    fr.off,
+                    TASK_FAILED,
+                    ERR_SHUTDOWN,
+                    f"{self.ctx.label} shut down before running the task",
+                )
         self.ctx.doorbell.ring_if_parked()
         if self.backend is not None:
             self.backend.close()

@@ -69,7 +69,9 @@ class ForkServer:
         """
         sock = self._sock
         if sock is None or self.process is None or self.process.poll():
-            raise StartupError(f"cannot replace {kind} worker {index}: the fork server is not running")
+            raise StartupError(
+                f"cannot replace {kind} worker {index}: the fork server is not running"
+            )
         sock.settimeout(timeout)
         try:
             sock.send(_REQ.pack(_MAGIC, KINDS[kind], index))
@@ -77,7 +79,9 @@ class ForkServer:
         except OSError as exc:
             raise StartupError(f"cannot replace {kind} worker {index}: fork server: {exc}") from exc
         if len(data) != _REP.size:
-            raise StartupError(f"cannot replace {kind} worker {index}: fork server closed the channel")
+            raise StartupError(
+                f"cannot replace {kind} worker {index}: fork server closed the channel"
+            )
         magic, pid = _REP.unpack(data)
         if magic != _MAGIC or pid <= 0:
             raise StartupError(

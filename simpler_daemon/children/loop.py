@@ -124,7 +124,10 @@ class MailboxLoop:
             signal.signal(signal.SIGALRM, _on_alarm)
         except BaseException as exc:
             _mb.write_result(
-                buf, BASE_FRAME, int(MailboxState.INIT_FAILED), ERR_INIT,
+                buf,
+                BASE_FRAME,
+                int(MailboxState.INIT_FAILED),
+                ERR_INIT,
                 f"{self.ctx.label} init: {type(exc).__name__}: {exc}",
             )
             return False
@@ -164,7 +167,10 @@ class MailboxLoop:
             (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
         except ValueError as exc:  # a malformed blob header fails the task, not the child
             write_failure(
-                buf, frame, TASK_DONE, ERR_BAD_ARGS,
+                buf,
+                frame,
+                TASK_DONE,
+                ERR_BAD_ARGS,
                 format_exception(f"{self.ctx.error_prefix}: bad args", exc),
             )
             self.tasks_done += 1
@@ -178,7 +184,10 @@ class MailboxLoop:
                 args = decode_args(blob, self.ctx.heap.view)
             except Exception as exc:
                 write_failure(
-                    buf, frame, TASK_DONE, ERR_BAD_ARGS,
+                    buf,
+                    frame,
+                    TASK_DONE,
+                    ERR_BAD_ARGS,
                     format_exception(f"{self.ctx.error_prefix}: bad args", exc),
                 )
             else:
@@ -193,13 +202,20 @@ class MailboxLoop:
                             signal.setitimer(signal.ITIMER_REAL, 0)
                 except DeadlineExceeded as exc:
                     write_failure(
-                        buf, frame, TASK_DONE, ERR_DEADLINE,
+                        buf,
+                        frame,
+                        TASK_DONE,
+                        ERR_DEADLINE,
                         f"{self.ctx.error_prefix}: deadline of {deadline_ms} ms exceeded\n"
                         + format_exception(self.ctx.error_prefix, exc),
                     )
                 except BaseException as exc:
                     write_failure(
-                        buf, frame, TASK_DONE, ERR_TASK, format_exception(self.ctx.error_prefix, exc)
+                        buf,
+                        frame,
+                        TASK_DONE,
+                        ERR_TASK,
+                        format_exception(self.ctx.error_prefix, exc),
                     )
                 else:
                     _mb.write_result(buf, frame, TASK_DONE, 0, "")
@@ -252,7 +268,10 @@ class MailboxLoop:
         st = _mb.load32(buf, self.frame)
         if st == TASK_READY:
             write_failure(
-                buf, self.frame, TASK_FAILED, ERR_SHUTDOWN,
+                buf,
+                self.frame,
+                TASK_FAILED,
+                ERR_SHUTDOWN,
                 f"{self.ctx.label} shut down before running the task",
             )
             self.ctx.doorbell.ring_if_parked()
@@ -260,5 +279,3 @@ class MailboxLoop:
 
 def run_child(ctx: ChildContext) -> int:
     return MailboxLoop(ctx).run()
-
-

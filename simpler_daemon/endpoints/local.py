@@ -72,7 +72,9 @@ _PREPARE_READY: Final = int(MailboxState.PREPARE_READY)
 _FRAME_STAGED: Final = int(MailboxState.FRAME_STAGED)
 _ACTIVATE: Final = int(MailboxState.ACTIVATE)
 _TASK_LAUNCHED: Final = int(MailboxState.TASK_LAUNCHED)
-_IN_FLIGHT: Final = frozenset({_TASK_READY, _PREPARE_READY, _FRAME_STAGED, _ACTIVATE, _TASK_LAUNCHED})
+_IN_FLIGHT: Final = frozenset(
+    {_TASK_READY, _PREPARE_READY, _FRAME_STAGED, _ACTIVATE, _TASK_LAUNCHED}
+)
 
 #: How long a poisoned endpoint waits for its child to exit before killing it.
 POISON_KILL_AFTER: Final = 2.0
@@ -158,7 +160,9 @@ class LocalMailboxEndpoint:
     def submit_progress(self, d: WorkerDispatch) -> None:
         """Publish one dispatch. Raises ``EndpointError`` naming the reason on refusal."""
         if self.poison_reason is not None:
-            raise EndpointError(f"cannot submit to {self.who()}: endpoint poisoned ({self.poison_reason})")
+            raise EndpointError(
+                f"cannot submit to {self.who()}: endpoint poisoned ({self.poison_reason})"
+            )
         if self.stopping:
             raise EndpointError(f"cannot submit to {self.who()}: endpoint is stopping")
         if d.prepare_only and not self.caps.supports_frame_staging:
@@ -206,9 +210,9 @@ class LocalMailboxEndpoint:
             if fr.dispatch is not None and fr.dispatch.dispatch_id == dispatch_id:
                 fr.activate = True
                 if self.poison_reason is None:
-                    _mb.cas32(self.buf, fr.off + OFF_STATE, _FRAME_STAGED, _ACTIVATE) and _mb.wake_child(
-                        self.buf
-                    )
+                    _mb.cas32(
+                        self.buf, fr.off + OFF_STATE, _FRAME_STAGED, _ACTIVATE
+                    ) and _mb.wake_child(self.buf)
                 return True
         return False
 
@@ -235,17 +239,32 @@ class LocalMailboxEndpoint:
                         out.append(EndpointEvent(EventKind.FRAME_STAGED, d, disposition=disp))
                     if fr.activate and _mb.cas32(buf, fr.off, _FRAME_STAGED, _ACTIVATE):
                         _mb.wake_child(buf)
-                elif st == _TASK_LAUNCHED and not fr.accepted and _mb.load32(buf, fr.off + OFF_ACCEPTED):
+                elif (
+                    st == _TASK_LAUNCHED
+                    and not fr.accepted
+                    and _mb.load32(buf, fr.off + OFF_ACCEPTED)
+                ):
                     fr.accepted = True
                     out.append(EndpointEvent(EventKind.ACCEPTED, d))
             else:
-                self.poison(f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}")
+                self.poison(
+                    f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}"
+                )
         child = self.child
-        if self._owned and self.poison_reason is None and child is not None and child.sample(time.monotonic()):
+        if (
+            self._owned
+            and self.poison_reason is None
+            and child is not None
+            and child.sample(time.monotonic())
+        ):
             # A frame the child finished before it exited is a result, not a casualty.
             for fr in self._frames:
                 d = fr.dispatch
-                if d is not None and self.poison_reason is None and _mb.load32(buf, fr.off) in (_TASK_DONE, _TASK_FAILED):
+                if (
+                    d is not None
+                    and self.poison_reason is None
+                    and _mb.load32(buf, fr.off) in (_TASK_DONE, _TASK_FAILED)
+                ):
                     self._complete(fr, d, out)
             self.poison(f"child {child.describe()}")
         if self.poison_reason is not None:
@@ -327,11 +346,15 @@ class LocalMailboxEndpoint:
         Raises ``EndpointError`` when poisoned, stopping or another control is in flight.
         """
         if self.poison_reason is not None:
-            raise EndpointError(f"cannot send {op.name} to {self.who()}: endpoint poisoned ({self.poison_reason})")
+            raise EndpointError(
+                f"cannot send {op.name} to {self.who()}: endpoint poisoned ({self.poison_reason})"
+            )
         if self.stopping:
             raise EndpointError(f"cannot send {op.name} to {self.who()}: endpoint is stopping")
         if self._control_op is not None:
-            raise EndpointError(f"cannot send {op.name} to {self.who()}: {self._control_op.name} in flight")
+            raise EndpointError(
+                f"cannot send {op.name} to {self.who()}: {self._control_op.name} in flight"
+            )
         if len(payload) > CTRL_PAYLOAD_CAPACITY:
             raise EndpointError(
                 f"cannot send {op.name} to {self.who()}: payload of {len(payload)} bytes exceeds "
@@ -372,7 +395,9 @@ class LocalMailboxEndpoint:
         st = _mb.load32(buf, OFF_STATE)
         if st == MailboxState.CONTROL_DONE:
             error = _mb.load32(buf, OFF_ERROR)
-            res = ControlResult(_mb.load64(buf, CTRL_OFF_RESULT0), _mb.load64(buf, CTRL_OFF_RESULT1))
+            res = ControlResult(
+                _mb.load64(buf, CTRL_OFF_RESULT0), _mb.load64(buf, CTRL_OFF_RESULT1)
+            )
             message = _mb.read_result(buf, BASE_FRAME)[2]
             _mb.cas32(buf, OFF_STATE, int(MailboxState.CONTROL_DONE), _IDLE)
             self._control_op = None
