@@ -229,16 +229,16 @@ def _read(path: str | None) -> bytes | None:
 class _Base:
     def __init__(
         self,
-        target: str | None,
+        target: str | None = None,
         *,
-        token: str | None,
-        token_file: str | None,
-        root_certificates: str | bytes | None,
-        client_cert: str | None,
-        client_key: str | None,
-        server_name: str | None,
-        timeout: float | None,
-        client_id: str | None,
+        token: str | None = None,
+        token_file: str | None = None,
+        root_certificates: str | bytes | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        server_name: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        client_id: str | None = None,
     ) -> None:
         self.target = target or default_target()
         self.address, self.tcp = _address(self.target)
@@ -274,6 +274,10 @@ class _Base:
             if server_name:
                 self.options.append(("grpc.ssl_target_name_override", server_name))
         self._chunk: int | None = None
+        self._open()
+
+    def _open(self) -> None:
+        raise NotImplementedError  # each client opens its own kind of channel
 
     def _write_requests(
         self, buffer_id: int, data: Any, offset: int, generation: int, chunk: int
@@ -304,30 +308,7 @@ class Client(_Base):
     deadline of unary calls (None = no deadline).
     """
 
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        token: str | None = None,
-        token_file: str | None = None,
-        root_certificates: str | bytes | None = None,
-        client_cert: str | None = None,
-        client_key: str | None = None,
-        server_name: str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        client_id: str | None = None,
-    ) -> None:
-        super().__init__(
-            target,
-            token=token,
-            token_file=token_file,
-            root_certificates=root_certificates,
-            client_cert=client_cert,
-            client_key=client_key,
-            server_name=server_name,
-            timeout=timeout,
-            client_id=client_id,
-        )
+    def _open(self) -> None:
         if self.credentials is not None:
             self.channel = grpc.secure_channel(self.address, self.credentials, self.options)
         else:
@@ -535,30 +516,7 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The same API for asyncio (``grpc.aio``); ``watch`` is an async iterator."""
 
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        token: str | None = None,
-        token_file: str | None = None,
-        root_certificates: str | bytes | None = None,
-        client_cert: str | None = None,
-        client_key: str | None = None,
-        server_name: str | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        client_id: str | None = None,
-    ) -> None:
-        super().__init__(
-            target,
-            token=token,
-            token_file=token_file,
-            root_certificates=root_certificates,
-            client_cert=client_cert,
-            client_key=client_key,
-            server_name=server_name,
-            timeout=timeout,
-            client_id=client_id,
-        )
+    def _open(self) -> None:
         if self.credentials is not None:
             self.channel = grpc.aio.secure_channel(self.address, self.credentials, self.options)
         else:

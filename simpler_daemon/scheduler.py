@@ -638,6 +638,8 @@ class Scheduler(SubmitSink):
                 if not ep.poisoned and hasattr(ep, "poison"):
                     ep.poison(reason)
                 self._suspect.add(lane)
+        if not self._in_round:
+            self._check_dead_lanes()
 
     def _check_dead_lanes(self) -> None:
         """Report a lane whose endpoint is poisoned, drained and whose child has exited."""

@@ -181,6 +181,7 @@ class Worker:
         self._dead_lanes: list[WorkerThread] = []
         #: Replacement children started, by kind ("sub" / "chip").
         self.restarts: dict[str, int] = {"sub": 0, "chip": 0}
+        self._worker_restarts: dict[tuple[str, int], int] = {}
         self.state = WorkerState.NEW
         self.heap = Heap(heap_bytes)
         self.registry = CallableRegistry()
@@ -624,15 +625,20 @@ class Worker:
                 sched.stats["parks"] += 1
                 events = poller.poll(int(wait_s * 1000) + 1)
                 doorbell.unpark()
-                for fd, _ in events:
-                    if fd == doorbell.fd:
-                        doorbell.drain()
-                    else:
-                        poller.unregister(fd)
-                        child = self._pidfd_child.pop(fd, None)
-                        if child is not None:
-                            sched.child_exited(child)
+                self._handle_poll_events(events)
                 spin_until = time.monotonic() + spin_s
+
+    def _handle_poll_events(self, events: list[tuple[int, int]]) -> None:
+        assert self.scheduler is not None and self.doorbell is not None
+        for fd, _ in events:
+            if fd == self.doorbell.fd:
+                self.doorbell.drain()
+            else:
+                assert self._poll is not None
+                self._poll.unregister(fd)
+                child = self._pidfd_child.pop(fd, None)
+                if child is not None:
+                    self.scheduler.child_exited(child)
 
     def _poller(self) -> select.poll:
         if self._poll is None:
@@ -730,6 +736,9 @@ class Worker:
                 self.submit_async(orch, args, config), loop
             ).result()
         with self._drive_lock:
+            if self.state is WorkerState.READY:
+                # Notice children that died while idle before dispatching to them.
+                self._handle_poll_events(self._poller().poll(0))
             if self._dead_lanes:
                 self._replace_dead_lanes_sync()
             run = self._new_run(orch, args, config)
@@ -900,6 +909,8 @@ class Worker:
         eps = self.chip_endpoints if kind == "chip" else self.sub_endpoints
         eps[eps.index(old)] = ep
         self.restarts[kind] += 1
+        key = (kind, lane.worker_id)
+        self._worker_restarts[key] = self._worker_restarts.get(key, 0) + 1
         if self._loop is not None:
             self.scheduler.watch_child(child)
         elif self._poll is not None and child.pidfd is not None:
@@ -965,6 +976,7 @@ class Worker:
                         "staged": lane is not None and lane.staged is not None,
                         "busy": bool(lane.inflight) if lane is not None else False,
                         "tasks_completed": ep.tasks_completed,
+                        "restarts": self._worker_restarts.get((kind, ep.worker_id), 0),
                     }
                 )
         return out

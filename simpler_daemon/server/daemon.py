@@ -524,7 +524,12 @@ class Daemon:
     async def _update_gauges(self) -> None:
         worker, metrics = self.worker, self._metrics
         assert worker is not None and metrics is not None
+        reported = dict.fromkeys(worker.restarts, 0)
         while True:
+            for kind, count in worker.restarts.items():
+                for _ in range(count - reported.get(kind, 0)):
+                    metrics.child_restarted(kind)
+                reported[kind] = count
             lanes: Counter[tuple[str, str]] = Counter()
             for info in worker.list_workers():
                 state = (
