@@ -322,6 +322,20 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             from benchmarks import w6
 
             return w6.measure(p, repeat)
+        if workload == "S1":
+            from benchmarks.staging import run_staging
+
+            reps = []
+            for _ in range(repeat):
+                res = run_staging(runs=p["runs"])
+                reps.append(
+                    {
+                        "depth2_ms": res["depth2"]["ms_per_run"],
+                        "depth1_ms": res["depth1"]["ms_per_run"],
+                        "ratio": res["ratio"],
+                    }
+                )
+            return {"ours": ok(reps, kernel_ms=5, prepare_ms=5, chips=1)}
         measure = {"W3": _w3, "W4": _w4, "W5": _w5, "W8": _w8}[workload]
         return measure(eng, p, repeat)
     except Exception as exc:

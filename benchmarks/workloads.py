@@ -154,6 +154,19 @@ WORKLOADS: dict[str, Workload] = {
             peers=("mp", "ray", "dask"),
             na_reason="not measured: idle like mp.Pool (workers block on a pipe read)",
         ),
+        Workload(
+            "S1",
+            "chip staging: single-task runs, 5 ms kernel + 5 ms prepare, depth 2 vs depth 1",
+            (
+                Metric("depth2_ms", "depth 2 ms/run (ideal 5)", "ms", higher_is_better=False),
+                Metric("depth1_ms", "depth 1 ms/run (ideal 10)", "ms", higher_is_better=False),
+                Metric("ratio", "depth 2 / depth 1 (ideal 0.5)", "x", higher_is_better=False),
+            ),
+            full={"runs": 50},
+            smoke={"runs": 10},
+            peers=(),
+            na_reason="two-frame chip staging has no counterpart in the peers",
+        ),
     )
 }
 
