@@ -664,8 +664,9 @@ class Scheduler(SubmitSink):
                 self._poked = False
                 if self.round():
                     last_progress = time.monotonic()
-                    await asyncio.sleep(0)
-                    continue
+                    if doorbell.completed() != seen or self._poked:
+                        await asyncio.sleep(0)
+                        continue
                 spin_s = self.spin_budget()
                 if self.busy() and time.monotonic() - last_progress < spin_s:
                     # Yield to the loop until a child announces a completion or a
@@ -681,10 +682,11 @@ class Scheduler(SubmitSink):
                 # Park: flag first, then one more round (Dekker), then sleep.
                 self._wake = loop.create_future()
                 doorbell.park()
-                if self.round() or self._stopped:
+                # Dekker: a completion after `seen` either moved the word (seen here) or
+                # finds `parked` set and rings the eventfd.
+                if doorbell.completed() != seen or self._poked or self._stopped:
                     doorbell.unpark()
                     self._wake = None
-                    last_progress = time.monotonic()
                     continue
                 self.stats["parks"] += 1
                 timeout = 0.01 if self.busy() else None

@@ -604,20 +604,22 @@ class Worker:
                 if progressed:
                     spin_s = sched.spin_budget()
                     spin_until = now + spin_s
+                # A round dispatches all it can and drains every completion that was
+                # published before `seen` was read: until the word moves again, another
+                # round would find nothing.
+                if doorbell.completed() != seen:
                     continue
                 if deadline is not None and now >= deadline:
                     return False
                 if now < spin_until:
-                    # Nothing to do until a child finishes: watch the one word every
-                    # child bumps, in C, instead of re-polling each mailbox.
+                    # Watch the one word every child bumps, in C, not each mailbox.
                     doorbell.spin(seen, 2048)
                     continue
                 doorbell.park()
-                if sched.round() or done():
+                # Dekker: a child that finished after `seen` either bumped the word
+                # before we parked (seen here) or sees `parked` and rings the eventfd.
+                if doorbell.completed() != seen:
                     doorbell.unpark()
-                    spin_until = time.monotonic() + spin_s
-                    if done():
-                        return True
                     continue
                 wait_s = 0.01 if sched.busy() else 0.25
                 if deadline is not None:
