@@ -5,9 +5,9 @@
     this process (the client) --gRPC, Unix socket--> simpler-daemon serve (a subprocess)
                                                         └─ 2 SUB workers (pre-forked)
 
-W1: one empty SUB task per run, ``SubmitRun`` then ``WaitRun``, ``n1`` times in
+W1: one empty SUB task per run, one ``SubmitRun`` that also waits (``wait_seconds``), ``n1`` times in
 sequence (round trip in µs). W2: one run of ``n2`` empty SUB tasks, submitted
-in one ``SubmitRun`` and awaited with ``WaitRun`` (tasks/s). The targets compare
+in one ``SubmitRun`` that waits for it (tasks/s). The targets compare
 with Ray's W1 and our in-process W2 measured in the same invocation (see
 ``workloads.TARGETS``).
 
@@ -123,7 +123,8 @@ def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
         clock = time.perf_counter_ns
 
         def run_once(tasks: list[Any]) -> None:
-            status = c.wait_run(c.submit(tasks))
+            # SubmitRun with wait_seconds: submit and wait in one gRPC round trip.
+            status = c.submit_run(tasks, wait_seconds=600.0).status
             if status.state != pb.RUN_STATE_COMPLETED:
                 raise RuntimeError(f"cannot measure W6: run {status.run_id} {status.error.message}")
 
@@ -146,7 +147,7 @@ def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
     return {
         "ours": ok(
             reps,
-            api="simpler_daemon.client.Client: SubmitRun + WaitRun over the Unix socket",
+            api="simpler_daemon.client.Client: SubmitRun(wait_seconds) over the Unix socket",
             daemon_pid=pid,
             sub_workers=NUM_WORKERS,
         )

@@ -226,6 +226,15 @@ def _read(path: str | None) -> bytes | None:
         return fh.read()
 
 
+def _submit_request(
+    tasks: Sequence[pb.Task], key: str, label: str, wait_seconds: float | None
+) -> pb.SubmitRunRequest:
+    request = pb.SubmitRunRequest(tasks=list(tasks), idempotency_key=key, label=label)
+    if wait_seconds is not None:
+        request.wait_seconds = wait_seconds
+    return request
+
+
 class _Base:
     def __init__(
         self,
@@ -439,12 +448,23 @@ class Client(_Base):
     # -- runs ---------------------------------------------------------------------------
 
     def submit_run(
-        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
+        self,
+        tasks: Sequence[pb.Task],
+        *,
+        idempotency_key: str = "",
+        label: str = "",
+        wait_seconds: float | None = None,
     ) -> pb.SubmitRunResponse:
-        request = pb.SubmitRunRequest(
-            tasks=list(tasks), idempotency_key=idempotency_key, label=label
-        )
-        return self._call(self.stub.SubmitRun, request)  # type: ignore[no-any-return]
+        request = _submit_request(tasks, idempotency_key, label, wait_seconds)
+        timeout = None if wait_seconds is None else wait_seconds + DEFAULT_TIMEOUT
+        return self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
+
+    def run(
+        self, tasks: Sequence[pb.Task], timeout: float = 3600.0, *, label: str = ""
+    ) -> pb.RunStatus:
+        """Submit and wait in one round trip; raises like :meth:`wait`."""
+        response = self.submit_run(tasks, label=label, wait_seconds=timeout)
+        return raise_for_status(response.status)
 
     def submit(
         self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
@@ -639,13 +659,24 @@ class AsyncClient(_Base):
         data = await self.read_buffer(buffer_id, length=count * dt.itemsize) if count else b""
         return np.frombuffer(data, dtype=dt, count=count).reshape(tuple(shape)).copy()
 
+    async def run(
+        self, tasks: Sequence[pb.Task], timeout: float = 3600.0, *, label: str = ""
+    ) -> pb.RunStatus:
+        """Submit and wait in one round trip; raises like :meth:`wait`."""
+        response = await self.submit_run(tasks, label=label, wait_seconds=timeout)
+        return raise_for_status(response.status)
+
     async def submit_run(
-        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
+        self,
+        tasks: Sequence[pb.Task],
+        *,
+        idempotency_key: str = "",
+        label: str = "",
+        wait_seconds: float | None = None,
     ) -> pb.SubmitRunResponse:
-        request = pb.SubmitRunRequest(
-            tasks=list(tasks), idempotency_key=idempotency_key, label=label
-        )
-        return await self._call(self.stub.SubmitRun, request)  # type: ignore[no-any-return]
+        request = _submit_request(tasks, idempotency_key, label, wait_seconds)
+        timeout = None if wait_seconds is None else wait_seconds + DEFAULT_TIMEOUT
+        return await self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
 
     async def submit(
         self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""

@@ -231,6 +231,21 @@ def test_failed_run_reports_task_error(daemon: DaemonProcess) -> None:
         assert c.read_array(buf, (4,), "int32").tolist() == [3] * 4
 
 
+def test_submit_and_wait_in_one_call(daemon: DaemonProcess) -> None:
+    with daemon.client() as c:
+        fill = c.register(f"{EXAMPLES}:fill")
+        fail = c.register(f"{EXAMPLES}:fail")
+        buf = c.alloc_buffer((4,), "int32").buffer_id
+        status = c.run([sub_task(fill, [tensor(buf, "output", (4,), "int32")], [5])], timeout=10)
+        assert status.state == pb.RUN_STATE_COMPLETED and status.counts.done == 1
+        assert c.read_array(buf, (4,), "int32").tolist() == [5] * 4
+        with pytest.raises(TaskError, match="example failure"):
+            c.run([sub_task(fail, [], [1])], timeout=10)
+        # wait_seconds=0: accepted at once, status reports the run as it stands.
+        response = c.submit_run([sub_task(fill, [], [0])], wait_seconds=0)
+        assert response.run_id > 0 and response.HasField("status")
+
+
 def test_run_orchestration(daemon: DaemonProcess) -> None:
     with daemon.client() as c:
         c.register(f"{EXAMPLES}:add")

@@ -319,6 +319,12 @@ CASES: list[tuple[str, Callable[[Ctx], Any], grpc.StatusCode, str]] = [
         "timeout_seconds: must be >= 0, got -1.0",
     ),
     (
+        "submit negative wait",
+        lambda c: c.stub.SubmitRun(pb.SubmitRunRequest(wait_seconds=-0.5)),
+        Code.INVALID_ARGUMENT,
+        "wait_seconds: must be >= 0, got -0.5",
+    ),
+    (
         "cancel reason too long",
         lambda c: c.stub.CancelRun(pb.CancelRunRequest(run_id=c.run_id, reason="r" * 300)),
         Code.INVALID_ARGUMENT,

@@ -86,6 +86,14 @@ _CLIENT_ID_KEY: Final = "x-simpler-client"
 # --------------------------------------------------------------------------- errors
 
 
+def _timeout_field(request: Any, name: str) -> float:
+    """A seconds field that must be finite and >= 0 (INVALID_ARGUMENT otherwise)."""
+    value = float(getattr(request, name))
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(name, f"must be >= 0, got {value}")
+    return value
+
+
 class RequestError(SimplerError):
     """A request the daemon refuses; the subclass picks the status (see STATUS_TABLE).
 
@@ -1361,9 +1369,13 @@ class DaemonService(pb_grpc.DaemonServicer):
 
     @_unary
     async def SubmitRun(self, request: Any, context: Any) -> Any:
+        wait = _timeout_field(request, "wait_seconds") if request.HasField("wait_seconds") else None
         run_id = self._dedup(request.idempotency_key)
         if run_id is not None:
-            return pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
+            response = pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
+            if wait is not None:
+                response.status.CopyFrom(await self._wait(self._record(run_id), wait))
+            return response
         self._check_label(request.label)
         client = self._client(context)
         self._admission_checks(client, "submit a run")
@@ -1375,7 +1387,11 @@ class DaemonService(pb_grpc.DaemonServicer):
             total=total,
             metrics=self._metrics,
         )
-        return pb.SubmitRunResponse(run_id=await self._launch(rec, _declarative(rec, plan)))
+        run_id = await self._launch(rec, _declarative(rec, plan))
+        response = pb.SubmitRunResponse(run_id=run_id)
+        if wait is not None:
+            response.status.CopyFrom(await self._wait(rec, wait))
+        return response
 
     @_unary
     async def RunOrchestration(self, request: Any, context: Any) -> Any:
@@ -1453,13 +1469,15 @@ class DaemonService(pb_grpc.DaemonServicer):
     @_unary
     async def WaitRun(self, request: Any, context: Any) -> Any:
         rec = self._record(request.run_id)
-        if request.HasField("timeout_seconds"):
-            timeout: float | None = request.timeout_seconds
-            assert timeout is not None
-            if not math.isfinite(timeout) or timeout < 0:
-                raise InvalidArgument("timeout_seconds", f"must be >= 0, got {timeout}")
-        else:
-            timeout = None
+        timeout = (
+            _timeout_field(request, "timeout_seconds")
+            if request.HasField("timeout_seconds")
+            else None
+        )
+        return await self._wait(rec, timeout)
+
+    async def _wait(self, rec: RunRecord, timeout: float | None) -> Any:
+        """The run's status once terminal or after ``timeout`` seconds."""
         if not rec.terminal and timeout != 0:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):

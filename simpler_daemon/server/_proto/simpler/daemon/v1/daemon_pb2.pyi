@@ -442,22 +442,26 @@ class Task(_message.Message):
     def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., hashid: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Args, _Mapping]]] = ..., workers: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[CallConfig, _Mapping]] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
-    __slots__ = ("idempotency_key", "tasks", "label")
+    __slots__ = ("idempotency_key", "tasks", "label", "wait_seconds")
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     idempotency_key: str
     tasks: _containers.RepeatedCompositeFieldContainer[Task]
     label: str
-    def __init__(self, idempotency_key: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., label: _Optional[str] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, idempotency_key: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., label: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SubmitRunResponse(_message.Message):
-    __slots__ = ("run_id", "deduplicated")
+    __slots__ = ("run_id", "deduplicated", "status")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     run_id: int
     deduplicated: bool
-    def __init__(self, run_id: _Optional[int] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+    status: RunStatus
+    def __init__(self, run_id: _Optional[int] = ..., deduplicated: _Optional[bool] = ..., status: _Optional[_Union[RunStatus, _Mapping]] = ...) -> None: ...
 
 class RunOrchestrationRequest(_message.Message):
     __slots__ = ("hashid", "args", "config", "idempotency_key", "label")
