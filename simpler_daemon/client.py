@@ -23,6 +23,7 @@ message naming the offending field.
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -283,7 +284,50 @@ class _Base:
             if server_name:
                 self.options.append(("grpc.ssl_target_name_override", server_name))
         self._chunk: int | None = None
+        self._heaps: dict[str, mmap.mmap] = {}
         self._open()
+
+    def _view(self, info: Any) -> np.ndarray[Any, Any]:
+        """Zero-copy view of a buffer described by a ``BufferInfo`` (same host only)."""
+        name = info.heap_name
+        if not name:
+            raise ValueError(
+                f"cannot map buffer {info.buffer_id}: the daemon's heap is not shared "
+                "(workers.heap_shared = false); use write_buffer / read_buffer"
+            )
+        if "/" in name or not name.startswith("simpler-heap-"):
+            raise ValueError(f"cannot map buffer {info.buffer_id}: unexpected heap name {name!r}")
+        heap = self._heaps.get(name)
+        if heap is None:
+            try:
+                fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot map buffer {info.buffer_id}: heap /dev/shm/{name}: {exc.strerror} "
+                    "(map_buffer works on the daemon's host, as its user)"
+                ) from exc
+            try:
+                heap = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            self._heaps[name] = heap
+        return np.ndarray(
+            tuple(info.shape), dtype=np.dtype(info.dtype), buffer=heap, offset=info.heap_offset
+        )
+
+    def _release_heaps(self) -> None:
+        heaps, self._heaps = self._heaps, {}
+        for heap in heaps.values():
+            try:
+                heap.close()
+            except BufferError:
+                pass  # arrays from map_buffer still view it; unmapped when they are freed
+
+    def _find_buffer(self, listing: Any, buffer_id: int) -> Any:
+        for info in listing.buffers:
+            if info.buffer_id == buffer_id:
+                return info
+        raise KeyError(f"cannot map buffer {buffer_id}: no such buffer")
 
     def _open(self) -> None:
         raise NotImplementedError  # each client opens its own kind of channel
@@ -325,6 +369,7 @@ class Client(_Base):
         self.stub = pb_grpc.DaemonStub(self.channel)
 
     def close(self) -> None:
+        self._release_heaps()
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -429,6 +474,12 @@ class Client(_Base):
 
     def list_buffers(self) -> pb.ListBuffersResponse:
         return self._call(self.stub.ListBuffers, pb.ListBuffersRequest())  # type: ignore[no-any-return]
+
+    def map_buffer(self, buffer_id: int) -> np.ndarray[Any, Any]:
+        """A NumPy array over the buffer's bytes in the daemon's shared heap: writes are
+        seen by tasks without any copy. Local clients only (same host, the daemon's user);
+        raises ``ValueError`` otherwise or when the heap is not shared."""
+        return self._view(self._find_buffer(self.list_buffers(), buffer_id))
 
     def alloc_array(self, array: np.ndarray[Any, Any], label: str = "") -> int:
         """Allocate a buffer shaped like ``array``, copy it in; returns the buffer id."""
@@ -544,6 +595,7 @@ class AsyncClient(_Base):
         self.stub = pb_grpc.DaemonStub(self.channel)
 
     async def close(self) -> None:
+        self._release_heaps()
         await self.channel.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -640,6 +692,10 @@ class AsyncClient(_Base):
     async def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
         return bool((await self._call(self.stub.FreeBuffer, request)).deferred)
+
+    async def map_buffer(self, buffer_id: int) -> np.ndarray[Any, Any]:
+        """See :meth:`Client.map_buffer`."""
+        return self._view(self._find_buffer(await self.list_buffers(), buffer_id))
 
     async def list_buffers(self) -> pb.ListBuffersResponse:
         return await self._call(self.stub.ListBuffers, pb.ListBuffersRequest())  # type: ignore[no-any-return]

@@ -126,7 +126,9 @@ class Worker:
     """A level-3 node: SUB workers (Python callables) under one Scheduler.
 
     ``num_sub_workers`` defaults to the CPU count. ``heap_bytes`` sizes the
-    shared heap, mapped now so arrays allocated before ``init`` are shared too.
+    shared heap, mapped now so arrays allocated before ``init`` are shared too;
+    ``heap_name`` makes it a ``/dev/shm`` file other local processes may map
+    (unlinked at close).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class Worker:
         num_chips: int = 0,
         *,
         heap_bytes: int = 64 << 20,
+        heap_name: str | None = None,
         startup_timeout: float = 30.0,
         close_timeout: float = 10.0,
         child_spin_ns: int = 50_000,
@@ -183,7 +186,7 @@ class Worker:
         self.restarts: dict[str, int] = {"sub": 0, "chip": 0}
         self._worker_restarts: dict[tuple[str, int], int] = {}
         self.state = WorkerState.NEW
-        self.heap = Heap(heap_bytes)
+        self.heap = Heap(heap_bytes, name=heap_name)
         self.registry = CallableRegistry()
         self.children: list[ChildProcess] = []
         self.mailboxes: list[Mailbox] = []

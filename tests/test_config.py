@@ -83,7 +83,13 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "log_level": "debug",
         "watchdog": False,
     },
-    "workers": {"num_sub_workers": 7, "num_chips": 0, "chip_pipeline_depth": 1, "heap_bytes": 4096},
+    "workers": {
+        "num_sub_workers": 7,
+        "num_chips": 0,
+        "chip_pipeline_depth": 1,
+        "heap_bytes": 4096,
+        "heap_shared": False,
+    },
     "grpc": {
         "unix_socket": "/srv/simpler/d.sock",
         "socket_mode": 0o600,

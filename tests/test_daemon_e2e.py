@@ -231,6 +231,18 @@ def test_failed_run_reports_task_error(daemon: DaemonProcess) -> None:
         assert c.read_array(buf, (4,), "int32").tolist() == [3] * 4
 
 
+def test_local_client_maps_a_buffer_and_writes_in_place(daemon: DaemonProcess) -> None:
+    with daemon.client() as c:
+        scale = c.register(f"{EXAMPLES}:scale")
+        buf = c.alloc_buffer((6,), "float64").buffer_id
+        view = c.map_buffer(buf)
+        assert view.shape == (6,) and view.dtype == np.float64
+        view[:] = np.arange(6)  # no WriteBuffer: the daemon's tasks see these bytes
+        c.run([sub_task(scale, [tensor(buf, "inout", (6,), "float64")], [3])], timeout=10)
+        assert view.tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+        assert c.read_array(buf, (6,), "float64").tolist() == view.tolist()
+
+
 def test_submit_and_wait_in_one_call(daemon: DaemonProcess) -> None:
     with daemon.client() as c:
         fill = c.register(f"{EXAMPLES}:fill")

@@ -93,6 +93,10 @@ class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     chip_pipeline_depth: Literal[1, 2] = 2
     heap_bytes: int = 256 * MIB
     """Size of the shared heap that tensors live in."""
+    heap_shared: bool = True
+    """Expose the heap as /dev/shm/simpler-heap-<pid>-<id> so local clients running as
+    the daemon's user map buffers zero-copy (Client.map_buffer); unlinked at stop,
+    swept at start if a crashed daemon left it."""
 
 
 class GrpcConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -184,6 +188,7 @@ num_sub_workers = 0         # 0 = one per CPU
 num_chips = 2
 chip_pipeline_depth = 2
 heap_bytes = 268435456      # 256 MiB
+heap_shared = true          # /dev/shm name local clients can map
 
 [grpc]
 unix_socket = ""            # "" = <runtime_dir>/daemon.sock

@@ -38,7 +38,7 @@ from typing import Any, Final, TextIO
 
 from simpler_daemon.args import MAX_TENSORS
 from simpler_daemon.errors import ConfigError, StartupError
-from simpler_daemon.heap import sweep_stale_heaps
+from simpler_daemon.heap import heap_name, sweep_stale_heaps
 from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
 from simpler_daemon.server.config import DaemonConfig, ServiceConfig, parse_host_port
 from simpler_daemon.server.notify import SystemdNotifier
@@ -253,6 +253,7 @@ class Daemon:
                 num_chips=workers.num_chips,
                 chip_pipeline_depth=workers.chip_pipeline_depth,
                 heap_bytes=workers.heap_bytes,
+                heap_name=heap_name() if workers.heap_shared else None,
                 startup_timeout=cfg.daemon.startup_timeout,
                 close_timeout=CLOSE_TIMEOUT,
             )
