@@ -393,6 +393,9 @@ class Daemon:
         if self.worker is not None:
             for child in self.worker.children:
                 child.signal_group(signal.SIGKILL)
+            if self.worker.heap.path is not None:  # nothing of ours stays in /dev/shm
+                with contextlib.suppress(OSError):
+                    os.unlink(self.worker.heap.path)
         if self._socket_bound:
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)
