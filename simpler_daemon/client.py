@@ -236,6 +236,17 @@ def _submit_request(
     return request
 
 
+def _orchestration_request(
+    hashid: str, args: pb.Args | None, config: pb.CallConfig | None, key: str, label: str
+) -> pb.RunOrchestrationRequest:
+    request = pb.RunOrchestrationRequest(hashid=hashid, idempotency_key=key, label=label)
+    if args is not None:
+        request.args.CopyFrom(args)
+    if config is not None:
+        request.config.CopyFrom(config)
+    return request
+
+
 class _Base:
     def __init__(
         self,
@@ -533,13 +544,7 @@ class Client(_Base):
         label: str = "",
     ) -> int:
         """Run a registered orchestration function in the daemon; returns the run id."""
-        request = pb.RunOrchestrationRequest(
-            hashid=hashid, idempotency_key=idempotency_key, label=label
-        )
-        if args is not None:
-            request.args.CopyFrom(args)
-        if config is not None:
-            request.config.CopyFrom(config)
+        request = _orchestration_request(hashid, args, config, idempotency_key, label)
         return int(self._call(self.stub.RunOrchestration, request).run_id)
 
     def watch(self, run_id: int, after_sequence: int = 0) -> Iterator[pb.RunEvent]:
@@ -749,13 +754,7 @@ class AsyncClient(_Base):
         idempotency_key: str = "",
         label: str = "",
     ) -> int:
-        request = pb.RunOrchestrationRequest(
-            hashid=hashid, idempotency_key=idempotency_key, label=label
-        )
-        if args is not None:
-            request.args.CopyFrom(args)
-        if config is not None:
-            request.config.CopyFrom(config)
+        request = _orchestration_request(hashid, args, config, idempotency_key, label)
         return int((await self._call(self.stub.RunOrchestration, request)).run_id)
 
     async def watch(self, run_id: int, after_sequence: int = 0) -> AsyncIterator[pb.RunEvent]:
