@@ -13,7 +13,7 @@ range of the shared heap, and the child rebuilds a zero-copy NumPy view::
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Final
 
@@ -159,6 +159,9 @@ class TaskArgs:
         return f"TaskArgs(tensors={len(self.tensors)}, scalars={self.scalars!r})"
 
 
+_CONFIG = struct.Struct("<QIIII")
+
+
 @dataclass(frozen=True, slots=True)
 class CallConfig:
     """Per-task settings copied by value into the task frame.
@@ -172,6 +175,8 @@ class CallConfig:
     enable_profile: bool = False
     enable_dump_args: bool = False
     output_prefix: str = ""
+    #: The frame bytes, packed once (a config is immutable and shared by many tasks).
+    encoded: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.deadline_ms < (1 << 63):
@@ -183,13 +188,17 @@ class CallConfig:
                 f"cannot build CallConfig: output_prefix is {len(self.output_prefix.encode())} "
                 f"bytes, the limit is {MAX_OUTPUT_PREFIX}"
             )
+        prefix = self.output_prefix.encode()
+        flags = int(self.enable_profile) | (int(self.enable_dump_args) << 1)
+        packed = _CONFIG.pack(self.deadline_ms, self.threads, flags, len(prefix), 0) + prefix
+        object.__setattr__(self, "encoded", packed)
 
     @property
     def diagnostic(self) -> bool:
         return self.enable_profile or self.enable_dump_args
 
     def encode(self) -> bytes:
-        return _encode_config(self)
+        return self.encoded
 
     @classmethod
     def decode(cls, data: bytes) -> CallConfig:
@@ -198,20 +207,7 @@ class CallConfig:
         return cls(deadline, threads, bool(flags & 1), bool(flags & 2), prefix.decode())
 
 
-_CONFIG = struct.Struct("<QIIII")
 assert _CONFIG.size + MAX_OUTPUT_PREFIX <= CONFIG_SIZE
-_config_cache: dict[CallConfig, bytes] = {}
-
-
-def _encode_config(cfg: CallConfig) -> bytes:
-    data = _config_cache.get(cfg)
-    if data is None:
-        prefix = cfg.output_prefix.encode()
-        flags = int(cfg.enable_profile) | (int(cfg.enable_dump_args) << 1)
-        data = _CONFIG.pack(cfg.deadline_ms, cfg.threads, flags, len(prefix), 0) + prefix
-        if len(_config_cache) < 1024:
-            _config_cache[cfg] = data
-    return data
 
 
 DEFAULT_CONFIG: Final = CallConfig()

@@ -158,10 +158,11 @@ class CallableHandle:
     kind: CallableKind
     name: str
     role: Role = "sub"
+    #: Raw 32-byte digest (what a frame carries), derived from ``hashid`` once.
+    digest: bytes = field(init=False, repr=False, compare=False)
 
-    @property
-    def digest(self) -> bytes:
-        return bytes.fromhex(self.hashid[len(HASHID_PREFIX) :])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", digest_of(self.hashid))
 
     def __repr__(self) -> str:
         return f"CallableHandle({self.name!r}, {self.hashid[:19]}…, role={self.role})"
