@@ -259,6 +259,10 @@ def test_invalid_frame_state_poisons(rig: Rig) -> None:
     d = rig.submit(digest("gate"), gate.blob)
     poll_for(gate.started, 10.0)
     rig.mailbox.set_state(TASK_FRAMES[0], MailboxState.CONTROL_DONE)  # nonsense for a task frame
+    # Observe the nonsense before the child can overwrite it with TASK_DONE.
+    early: list[Any] = []
+    rig.endpoint.poll_progress(early)
+    assert rig.endpoint.poisoned and not early  # withheld until the child has exited
     gate.release()
     ev = rig.wait_completed()
     assert ev.dispatch is d and ev.outcome is Outcome.ENDPOINT_FAILURE
