@@ -181,7 +181,8 @@ class Worker:
         self.restart_children = restart_children
         self.forkserver: ForkServer | None = None
         self._child_specs: dict[tuple[str, int], tuple[Any, Callable[[Any], int]]] = {}
-        self._dead_lanes: list[WorkerThread] = []
+        self._dead_lanes: list[tuple[WorkerThread, Any]] = []
+        self._replacing: set[int] = set()
         #: Replacement children started, by kind ("sub" / "chip").
         self.restarts: dict[str, int] = {"sub": 0, "chip": 0}
         self._worker_restarts: dict[tuple[str, int], int] = {}
@@ -840,23 +841,34 @@ class Worker:
     # -- replacing dead children ------------------------------------------------------------------
 
     def _on_lane_dead(self, lane: WorkerThread) -> None:
-        if self.state is not WorkerState.READY:
+        # A lane can be reported more than once for the same death (pidfd and the
+        # endpoint failure of its last task): replace each dead endpoint once.
+        ep = lane.endpoint
+        if self.state is not WorkerState.READY or id(ep) in self._replacing:
             return
+        self._replacing.add(id(ep))
         if self._loop is not None:
-            self._loop.create_task(self._replace_async(lane))
+            self._loop.create_task(self._replace_async(lane, ep))
         else:
-            self._dead_lanes.append(lane)
+            self._dead_lanes.append((lane, ep))
 
     def _replace_dead_lanes_sync(self) -> None:
-        lanes, self._dead_lanes = self._dead_lanes, []
-        for lane in lanes:
-            self._drive(self._replace_async(lane))
+        pending, self._dead_lanes = self._dead_lanes, []
+        for lane, ep in pending:
+            self._drive(self._replace_async(lane, ep))
 
-    async def _replace_async(self, lane: WorkerThread) -> None:
+    async def _replace_async(self, lane: WorkerThread, old: Any) -> None:
         """Fork a replacement through the fork server, replay registrations, re-enable the lane."""
+        try:
+            await self._replace(lane, old)
+        finally:
+            self._replacing.discard(id(old))
+
+    async def _replace(self, lane: WorkerThread, old: Any) -> None:
         assert self.forkserver is not None and self.scheduler is not None
+        if lane.endpoint is not old or not old.poisoned:
+            return  # already replaced
         kind = "chip" if lane.worker_type is WorkerType.NEXT_LEVEL else "sub"
-        old = lane.endpoint
         assert isinstance(old, LocalMailboxEndpoint)
         mb = old.mailbox
         ctx, _ = self._child_specs[(kind, lane.worker_id)]
