@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any
 
+from simpler_daemon import Tag, TaskArgs
+
 #: Default spin deadline for tasks that wait on a heap flag (milliseconds).
 WAIT_MS = 20_000
 
@@ -158,3 +160,13 @@ def die(args: Any) -> None:
         faulthandler.disable()  # keep the test output quiet
         ctypes.string_at(0)
     raise AssertionError("still alive")
+
+
+def targs(*tensors: tuple[Any, Tag], scalars: tuple[int, ...] = ()) -> TaskArgs:
+    """Test helper (runs in the parent): TaskArgs from (array, tag) pairs and scalars."""
+    a = TaskArgs()
+    for t, tag in tensors:
+        a.add_tensor(t, tag)
+    for s in scalars:
+        a.add_scalar(s)
+    return a

@@ -30,6 +30,7 @@ from simpler_daemon import (
 )
 from simpler_daemon.testing import poll_for
 from tests import tasks
+from tests.tasks import targs
 
 pytestmark = pytest.mark.integration
 
@@ -74,15 +75,6 @@ def pool() -> Iterator[Pool]:
         yield p
     finally:
         p.w.close()
-
-
-def targs(*tensors: tuple[Any, Tag], scalars: tuple[int, ...] = ()) -> TaskArgs:
-    a = TaskArgs()
-    for t, tag in tensors:
-        a.add_tensor(t, tag)
-    for s in scalars:
-        a.add_scalar(s)
-    return a
 
 
 def test_quick_usage_fills_a_heap_tensor(pool: Pool) -> None:

@@ -21,7 +21,6 @@ from simpler_daemon import (
     RunCancelled,
     RunState,
     Tag,
-    TaskArgs,
     TaskError,
     Worker,
     WorkerClosedError,
@@ -29,6 +28,7 @@ from simpler_daemon import (
 )
 from simpler_daemon.testing import child_pids
 from tests import tasks
+from tests.tasks import targs
 
 pytestmark = pytest.mark.integration
 
@@ -45,15 +45,6 @@ async def started(n: int = 2) -> AsyncIterator[tuple[Worker, dict[str, CallableH
         yield w, h
     finally:
         await w.close_async()
-
-
-def targs(*tensors: tuple[Any, Tag], scalars: tuple[int, ...] = ()) -> TaskArgs:
-    a = TaskArgs()
-    for t, tag in tensors:
-        a.add_tensor(t, tag)
-    for s in scalars:
-        a.add_scalar(s)
-    return a
 
 
 async def apoll(predicate: Callable[[], Any], timeout: float = 30.0, message: str = "") -> None:

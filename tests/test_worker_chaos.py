@@ -20,13 +20,13 @@ from simpler_daemon import (
     RunCancelled,
     RunState,
     Tag,
-    TaskArgs,
     TaskError,
     Worker,
     WorkerClosedError,
 )
 from simpler_daemon.testing import child_pids, poll_for, shm_files
 from tests import tasks
+from tests.tasks import targs
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -57,15 +57,6 @@ def pool() -> Iterator[Pool]:
         yield p
     finally:
         p.w.close()
-
-
-def targs(*tensors: tuple[Any, Tag], scalars: tuple[int, ...] = ()) -> TaskArgs:
-    a = TaskArgs()
-    for t, tag in tensors:
-        a.add_tensor(t, tag)
-    for s in scalars:
-        a.add_scalar(s)
-    return a
 
 
 def assert_healthy_without(pool: Pool, dead_pid: int, n: int = 6) -> None:
