@@ -180,6 +180,8 @@ class Run:
 
     def __init__(self, on_done: Callable[[Run], None] | None = None) -> None:
         self.run_id = next(Run._ids)
+        #: COMPLETED or FAILED; kept in step by the ``state`` setter (read on every task).
+        self.terminal = False
         self.state = RunState.BUILDING
         self.admitted = False
         self.building = True
@@ -198,8 +200,13 @@ class Run:
         self.listeners: list[Callable[[Run, str, TaskSlot | None], None]] = []
 
     @property
-    def terminal(self) -> bool:
-        return self.state in (RunState.COMPLETED, RunState.FAILED)
+    def state(self) -> RunState:
+        return self._state
+
+    @state.setter
+    def state(self, value: RunState) -> None:
+        self._state = value
+        self.terminal = value in (RunState.COMPLETED, RunState.FAILED)
 
     def add_done_callback(self, fn: Callable[[Run], None]) -> None:
         if self.terminal:
