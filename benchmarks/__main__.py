@@ -68,7 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: all; --smoke: mp,ppe). The engine (ours) always runs.",
     )
     ap.add_argument("--repeat", type=int, help="repetitions per cell (default 3; --smoke 1)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help=f"default {DEFAULT_OUT} (--smoke: {DEFAULT_OUT / 'smoke'}, so a smoke run never "
+        "replaces the committed full report)",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
@@ -264,6 +269,8 @@ def _profile(args: argparse.Namespace, stamp: str, timeout: float) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT / "smoke" if args.smoke else DEFAULT_OUT
     if args.cell:
         return cell_main(args)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
