@@ -451,6 +451,9 @@ class Worker:
         while pending:
             for entry in list(pending):
                 _, _, mb, child = entry
+                # Sample the exit first: a child that published INIT_FAILED and then
+                # exited must be reported with its reason, not as a bare exit.
+                exited = child.poll()
                 st = mb.state(BASE_FRAME)
                 if st == MailboxState.INIT_READY:
                     mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
@@ -462,7 +465,7 @@ class Worker:
                         f"cannot start worker: {child.label} (pid {child.pid}) failed to "
                         f"initialize: {mb.error_text(BASE_FRAME)}"
                     )
-                elif child.poll():
+                elif exited:
                     raise StartupError(f"cannot start worker: {child.describe()} during init")
             if not pending:
                 break
@@ -939,6 +942,7 @@ class Worker:
     async def _await_init(self, mb: Mailbox, child: ChildProcess, deadline: float) -> str | None:
         delay = 0.0005
         while True:
+            exited = child.poll()
             st = mb.state(BASE_FRAME)
             if st == MailboxState.INIT_READY:
                 mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
@@ -946,7 +950,7 @@ class Worker:
                 return None
             if st == MailboxState.INIT_FAILED:
                 return mb.error_text(BASE_FRAME)
-            if child.poll():
+            if exited:
                 return f"{child.describe()} during init"
             if time.monotonic() > deadline:
                 return f"not ready within {self.startup_timeout:.1f}s"

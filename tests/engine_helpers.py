@@ -126,10 +126,11 @@ class Rig:
         seen: list[int] = []
 
         def settled() -> bool:
+            exited = child.poll()  # before reading the state: a child may publish, then exit
             st = self.mailbox.state(BASE_FRAME)
             if st in (MailboxState.INIT_READY, MailboxState.INIT_FAILED):
                 seen.append(st)
-            elif child.poll():
+            elif exited:
                 seen.append(-1)
             return bool(seen)
 

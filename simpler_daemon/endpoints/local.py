@@ -392,6 +392,8 @@ class LocalMailboxEndpoint:
         if op is None:
             raise EndpointError(f"no control in flight on {self.who()}")
         buf = self.buf
+        # Sample the exit before the state: a child may publish CONTROL_DONE, then exit.
+        exited = self.child is not None and self.child.poll()
         st = _mb.load32(buf, OFF_STATE)
         if st == MailboxState.CONTROL_DONE:
             error = _mb.load32(buf, OFF_ERROR)
@@ -410,7 +412,7 @@ class LocalMailboxEndpoint:
                 raise EndpointError(f"cannot complete {op.name}: {self.who()} is shutting down")
             self.poison(f"invalid base state {st} during {op.name}")
             raise EndpointError(f"cannot complete {op.name} on {self.who()}: invalid state {st}")
-        if self.child is not None and self.child.poll():
+        if exited and self.child is not None:
             self._control_op = None
             self.poison(f"child {self.child.describe()} during {op.name}")
             raise EndpointError(f"cannot complete {op.name}: child {self.child.describe()}")
