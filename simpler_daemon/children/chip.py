@@ -29,9 +29,11 @@ from simpler_daemon.backends.base import BackendError
 from simpler_daemon.backends.sim_chip import SimChipBackend, SimToken
 from simpler_daemon.callables import load_spec, not_registered_message
 from simpler_daemon.children.loop import (
+    CONTROL_REQUEST,
     SHUTDOWN,
     TASK_DONE,
     TASK_FAILED,
+    TASK_READY,
     ChildContext,
     MailboxLoop,
     format_exception,
@@ -62,12 +64,10 @@ from simpler_daemon.mailbox import (
     MailboxState,
 )
 
-TASK_READY = int(MailboxState.TASK_READY)
 PREPARE_READY = int(MailboxState.PREPARE_READY)
 FRAME_STAGED = int(MailboxState.FRAME_STAGED)
 ACTIVATE = int(MailboxState.ACTIVATE)
 TASK_LAUNCHED = int(MailboxState.TASK_LAUNCHED)
-CONTROL_REQUEST = int(MailboxState.CONTROL_REQUEST)
 
 
 @dataclass
