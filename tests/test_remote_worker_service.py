@@ -1,0 +1,740 @@
+"""``simpler-remote-worker`` as a real process on loopback: authentication before the
+manifest, validation before any spawn, connection isolation, limits, runner start-up
+failures reclaimed with their process group, SIGTERM, sd_notify, the CLI's exit codes.
+
+Runner failure modes come from a stand-in runner (the documented test hook
+``SIMPLER_REMOTE_RUNNER_ARGV``) whose behaviour is picked by the manifest's worker id;
+the success path also runs the real ``simpler_daemon.remote.session`` runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import select
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from simpler_daemon.callables import spec_for_import
+from simpler_daemon.errors import ProtocolError
+from simpler_daemon.remote.manifest import (
+    MAX_REPLY_BYTES,
+    RunnerSpec,
+    encode_auth,
+    encode_lp_json,
+    read_lp_sock,
+)
+from simpler_daemon.testing import child_pids, poll_for
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER_BIN = Path(sys.executable).with_name("simpler-remote-worker")
+TOKEN = b"correct horse battery staple"
+
+# Stand-in runner. Behaviour by manifest.worker_id:
+#   0 ready (real listeners), then sleeps      1 never ready
+#   2 never ready, ignores SIGTERM, forks a grandchild (same process group)
+#   3 prints to stderr and exits 3             4 writes {"ok": false}
+#   5 writes a malformed ready line            6 ready, ignores SIGTERM
+#   7 ready with wildcard addresses
+FAKE_RUNNER = r"""
+import json, os, signal, socket, sys, time
+args = sys.argv[1:]
+spec_path = args[args.index("--spec") + 1]
+fd = int(args[args.index("--ready-fd") + 1])
+mode_bits = os.stat(spec_path).st_mode & 0o777
+with open(spec_path) as f:
+    spec = json.load(f)
+m = spec["manifest"]
+record = os.environ.get("FAKE_RECORD_DIR")
+if record:
+    with open(os.path.join(record, "%d.json" % m["session_id"]), "w") as f:
+        json.dump({"spec": spec, "mode": mode_bits, "pid": os.getpid(), "pgid": os.getpgrp(),
+                   "pythonpath": os.environ.get("PYTHONPATH", ""),
+                   "notify": os.environ.get("NOTIFY_SOCKET"), "spec_path": spec_path}, f)
+mode = m["worker_id"]
+print("fake runner %d mode %d" % (os.getpid(), mode), file=sys.stderr, flush=True)
+
+def ready(host="127.0.0.1"):
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    line = {"ok": True, "command": "%s:%d" % (host, socks[0].getsockname()[1]),
+            "health": "%s:%d" % (host, socks[1].getsockname()[1]), "pid": os.getpid()}
+    os.write(fd, (json.dumps(line) + "\n").encode())
+    os.close(fd)
+    return socks
+
+if mode == 0:
+    keep = ready()
+    time.sleep(3600)
+elif mode == 1:
+    time.sleep(3600)
+elif mode == 2:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = os.fork()
+    if child == 0:
+        time.sleep(3600)
+        os._exit(0)
+    with open(os.path.join(record, "grandchild"), "w") as f:
+        f.write(str(child))
+    time.sleep(3600)
+elif mode == 3:
+    print("boom: cannot import the job package", file=sys.stderr, flush=True)
+    sys.exit(3)
+elif mode == 4:
+    os.write(fd, b'{"ok": false, "error": "cannot install callables: no module named x"}\n')
+    sys.exit(1)
+elif mode == 5:
+    os.write(fd, b"garbage\n")
+    time.sleep(3600)
+elif mode == 6:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    keep = ready()
+    time.sleep(3600)
+elif mode == 7:
+    keep = ready("0.0.0.0")
+    time.sleep(3600)
+"""
+
+ORCH = "simpler_daemon.examples.tasks:add_scaled"
+
+
+def manifest(**changes: Any) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "session_id": secrets.randbelow(1 << 63) + 1,
+        "attach_key": secrets.token_hex(32),
+        "worker_id": 0,
+        "parent_level": 4,
+        "remote_level": 3,
+        "num_sub_workers": 1,
+        "callables": [
+            {
+                "hashid": spec_for_import(ORCH, "orchestration").handle.hashid,
+                "kind": "orchestration",
+                "target": ORCH,
+            }
+        ],
+        "startup_budget_s": 20.0,
+    }
+    m.update(changes)
+    return m
+
+
+def alive(pid: int) -> bool:
+    """True unless ``pid`` is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class RunningWorker:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    record: Path
+
+    def children(self) -> set[int]:
+        return child_pids(self.proc.pid)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def wait_accepted(self, sock: socket.socket) -> None:
+        """Until the worker logged the connection (it runs with log_level debug)."""
+        peer = f"127.0.0.1:{sock.getsockname()[1]}"
+        poll_for(lambda: f"connection from {peer}" in self.log_text(), timeout=10)
+
+    def handshake(
+        self,
+        m: dict[str, Any] | None = None,
+        *,
+        token: bytes = TOKEN,
+        raw: bytes | None = None,
+        timeout: float = 30.0,
+        context: ssl.SSLContext | None = None,
+    ) -> dict[str, Any]:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        try:
+            if context is not None:
+                sock = context.wrap_socket(sock, server_hostname="localhost")
+            data = raw if raw is not None else encode_auth(token) + encode_lp_json(m or manifest())
+            sock.sendall(data)
+            reply = read_lp_sock(sock, MAX_REPLY_BYTES, time.monotonic() + timeout)
+        finally:
+            sock.close()
+        result: dict[str, Any] = json.loads(reply)
+        return result
+
+
+def _worker_cmd() -> list[str]:
+    if WORKER_BIN.exists():
+        return [str(WORKER_BIN)]
+    return [sys.executable, "-m", "simpler_daemon.remote.service"]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*_worker_cmd(), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_bytes(TOKEN + b"\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path, token_file: Path) -> Iterator[Callable[..., RunningWorker]]:
+    started: list[RunningWorker] = []
+
+    def start(
+        *args: str,
+        fake: bool = True,
+        token: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> RunningWorker:
+        n = len(started)
+        record = tmp_path / f"record{n}"
+        record.mkdir()
+        log = tmp_path / f"worker{n}.log"
+        full_env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+        }
+        full_env["FAKE_RECORD_DIR"] = str(record)
+        if fake:
+            full_env["SIMPLER_REMOTE_RUNNER_ARGV"] = json.dumps([sys.executable, "-c", FAKE_RUNNER])
+        full_env.update(env or {})
+        cmd = [
+            *_worker_cmd(),
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--set",
+            "worker.log_level=debug",
+        ]
+        cmd += args
+        if token:
+            cmd += ["--token-file", str(token_file)]
+        with open(log, "wb") as log_fh:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log_fh, stdin=subprocess.DEVNULL, env=full_env
+            )
+        assert proc.stdout is not None
+        line = b""
+        deadline = time.monotonic() + 30
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            readable, _, _ = select.select([proc.stdout], [], [], max(0.0, remaining))
+            if not readable:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"worker did not report its address: {log.read_text()}")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                proc.wait()
+                pytest.fail(f"worker exited with {proc.returncode}: {log.read_text()}")
+            line += chunk
+        text = line.decode().strip()
+        assert text.startswith("listening on 127.0.0.1:"), text
+        worker = RunningWorker(proc, int(text.rpartition(":")[2]), log, record)
+        started.append(worker)
+        return worker
+
+    yield start
+    for w in started:
+        if w.proc.poll() is None:
+            runners = w.children()
+            w.proc.send_signal(signal.SIGTERM)
+            try:
+                w.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                for pid in runners:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                w.proc.kill()
+                w.proc.wait()
+        assert w.proc.stdout is not None
+        w.proc.stdout.close()
+        # No connection, however hostile, may make the worker log a traceback.
+        assert "Traceback" not in w.log_text(), w.log_text()
+
+
+# --------------------------------------------------------------------------- authentication
+
+
+def test_wrong_token_is_refused_before_the_manifest(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker()
+    for token in (b"wrong", b"", TOKEN + b"x", TOKEN[:-1]):
+        reply = w.handshake(token=token)
+        assert reply == {"ok": False, "error": "cannot open session: authentication failed"}
+    # Not a byte of the manifest is parsed: garbage after a wrong token gives the same answer.
+    reply = w.handshake(raw=encode_auth(b"wrong") + b"\xff" * 100)
+    assert reply["error"] == "cannot open session: authentication failed"
+    # Garbage instead of the authentication record.
+    reply = w.handshake(raw=b"GET / HTTP/1.1\r\n\r\n")
+    assert reply["ok"] is False and "bad magic" in reply["error"]
+    assert w.children() == set()
+    assert not list(w.record.iterdir()), "a runner was started"
+    assert w.stop() == 0
+
+
+def test_tokenless_worker_accepts_only_an_empty_token(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker(token=False)
+    assert w.handshake(token=b"something")["error"].endswith("authentication failed")
+    reply = w.handshake(manifest(worker_id=1, startup_budget_s=0.3), token=b"")
+    assert "not ready within 0.3s" in reply["error"]  # authenticated: a runner was started
+    assert w.stop() == 0
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
+    ({"session_id": 0}, "manifest.session_id"),
+    ({"attach_key": "xyz"}, "manifest.attach_key"),
+    ({"worker_id": -3}, "manifest.worker_id"),
+    ({"parent_level": 5}, "manifest.parent_level"),
+    ({"remote_level": 2}, "manifest.remote_level"),
+    ({"num_sub_workers": -1}, "manifest.num_sub_workers"),
+    ({"num_sub_workers": 0, "num_chips": 0}, "manifest.num_sub_workers"),
+    ({"num_chips": 99}, "manifest.num_chips"),
+    ({"chip_pipeline_depth": 0}, "manifest.chip_pipeline_depth"),
+    ({"heap_bytes": -5}, "manifest.heap_bytes"),
+    ({"session_timeout_s": -1}, "manifest.session_timeout_s"),
+    ({"startup_budget_s": 0}, "manifest.startup_budget_s"),
+    ({"num_chips": "2"}, "manifest.num_chips"),
+    ({"surprise": True}, "manifest.surprise"),
+    (
+        {"callables": [{"hashid": "sha256:" + "0" * 64, "kind": "orchestration", "target": ORCH}]},
+        "manifest.callables[0].hashid",
+    ),
+    (
+        {"callables": [{"hashid": "sha256:" + "0" * 64, "kind": "sub", "target": "os:system"}]},
+        "manifest.callables[0].target",
+    ),
+    (
+        {"callables": [{"hashid": "x", "kind": "daemon", "target": ORCH}]},
+        "manifest.callables[0].kind",
+    ),
+    ({"callables": [{"hashid": "x", "kind": "sub", "target": "a:b"}] * 3}, "manifest.callables"),
+]
+
+
+def test_every_bad_manifest_field_is_refused_before_a_spawn(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker("--set", "sessions.max_callables=2")
+    for changes, key in BAD_FIELDS:
+        reply = w.handshake(manifest(**changes))
+        assert reply["ok"] is False, changes
+        assert reply["error"].startswith("cannot open session: "), reply
+        assert key in reply["error"], (key, reply)
+    missing = manifest()
+    del missing["session_id"]
+    assert "manifest.session_id is required" in w.handshake(missing)["error"]
+    raw = encode_auth(TOKEN) + (5).to_bytes(4, "little") + b"{nope"
+    assert "not valid JSON" in w.handshake(raw=raw)["error"]
+    assert w.children() == set()
+    assert not list(w.record.iterdir()), "a runner was started"
+    assert w.stop() == 0
+
+
+# --------------------------------------------------------------------------- isolation
+
+
+def test_hostile_connections_do_not_affect_a_good_one(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker(
+        "--set", "sessions.handshake_timeout=5.0", "--set", "sessions.max_manifest_bytes=4096"
+    )
+    # A slow client: half an authentication header, then silence.
+    slow = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+    slow.sendall(encode_auth(TOKEN)[:6])
+    # A client that authenticates and then stalls mid-manifest.
+    stalled = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+    stalled.sendall(encode_auth(TOKEN) + (100).to_bytes(4, "little") + b"{")
+    # An idle connection that never sends anything.
+    idle = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+    try:
+        # Truncated: closes in the middle of the manifest; oversize: length over the limit.
+        truncated = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+        truncated.sendall(encode_auth(TOKEN) + (100).to_bytes(4, "little") + b'{"session_id"')
+        truncated.shutdown(socket.SHUT_WR)
+        reply = json.loads(read_lp_sock(truncated, MAX_REPLY_BYTES, time.monotonic() + 10))
+        truncated.close()
+        assert "connection closed after 13 of 100 bytes" in reply["error"]
+        oversize = encode_auth(TOKEN) + (1 << 31).to_bytes(4, "little") + b"x" * 1000
+        assert "exceed the limit of 4096" in w.handshake(raw=oversize)["error"]
+        too_long_token = b"SLRW" + (1).to_bytes(4, "little") + (1 << 20).to_bytes(4, "little")
+        assert "exceeds 4096" in w.handshake(raw=too_long_token)["error"]
+
+        # Meanwhile a good parent gets its session at once.
+        start = time.monotonic()
+        good = w.handshake(manifest(worker_id=0))
+        assert good["ok"] is True, good
+        assert time.monotonic() - start < 4.0
+        assert int(good["pid"]) in w.children()
+
+        # The stalled clients are answered when their handshake time is up.
+        for sock in (slow, stalled, idle):
+            reply = json.loads(read_lp_sock(sock, MAX_REPLY_BYTES, time.monotonic() + 10))
+            assert reply["ok"] is False
+            assert "handshake not completed within 5s" in reply["error"]
+    finally:
+        for sock in (slow, stalled, idle):
+            sock.close()
+    assert w.handshake(manifest(worker_id=0))["ok"] is True
+    assert w.stop() == 0
+
+
+def test_connection_and_session_limits(start_worker: Callable[..., RunningWorker]) -> None:
+    w = start_worker("--set", "sessions.max=1", "--set", "sessions.max_connections=1")
+    first = w.handshake(manifest(worker_id=0))
+    assert first["ok"] is True
+    again = w.handshake(manifest(worker_id=0))
+    assert again == {
+        "ok": False,
+        "error": "cannot open session: 1 sessions already running (limit sessions.max)",
+    }
+    # One connection in its handshake uses up sessions.max_connections.
+    hold = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+    try:
+        hold.sendall(b"SL")
+        w.wait_accepted(hold)
+        reply = w.handshake(manifest(worker_id=0))
+        assert "connections are already in their handshake" in reply["error"]
+    finally:
+        hold.close()
+    # The session ends (its runner dies): the worker reaps it and the slot is free again.
+    os.kill(int(first["pid"]), signal.SIGKILL)
+    poll_for(lambda: not w.children(), timeout=10, message="runner not reaped")
+
+    def reopened() -> bool:
+        return w.handshake(manifest(worker_id=0))["ok"] is True
+
+    assert poll_for(reopened, timeout=10)
+    assert "session" in w.log_text() and "closed" in w.log_text()
+    assert w.stop() == 0
+
+
+def test_duplicate_session_id_is_refused(start_worker: Callable[..., RunningWorker]) -> None:
+    w = start_worker()
+    m = manifest(worker_id=0)
+    assert w.handshake(m)["ok"] is True
+    reply = w.handshake(dict(m, attach_key=secrets.token_hex(32)))
+    assert reply["error"] == f"cannot open session: session id {m['session_id']} is already in use"
+    assert len(w.children()) == 1
+    assert w.stop() == 0
+
+
+# --------------------------------------------------------------------------- runner start-up
+
+
+def test_runner_spec_file_and_environment(
+    start_worker: Callable[..., RunningWorker], tmp_path: Path
+) -> None:
+    spec_dir = tmp_path / "specs"
+    spec_dir.mkdir()
+    jobs = tmp_path / "jobs"
+    w = start_worker(
+        "--set",
+        f'worker.spec_dir="{spec_dir}"',
+        "--set",
+        f'callables.python_path=["{jobs}"]',
+        env={"NOTIFY_SOCKET": str(tmp_path / "nowhere"), "PYTHONPATH": "/elsewhere"},
+    )
+    m = manifest(worker_id=0, startup_budget_s=1000.0)
+    before = time.time()
+    reply = w.handshake(m)
+    assert reply["ok"] is True
+    rec = json.loads((w.record / f"{m['session_id']}.json").read_text())
+    spec = msgspec.convert(rec["spec"], type=RunnerSpec)
+    assert spec.manifest == msgspec.convert(m, type=type(spec.manifest))
+    assert spec.listen_host == "127.0.0.1"
+    assert spec.allowed_modules == ["simpler_daemon.examples"]
+    assert spec.python_path == [str(jobs)]
+    assert spec.tls is None
+    # The start-up budget is cut to sessions.max_startup (300 s).
+    assert before + 290 < spec.deadline_unix < time.time() + 301
+    assert rec["mode"] == 0o600
+    assert rec["spec_path"].startswith(str(spec_dir))
+    assert rec["pythonpath"] == f"{jobs}{os.pathsep}/elsewhere"
+    assert rec["notify"] is None, "runners must not speak to systemd"
+    # Its own process group, its pid reported; the spec file is gone after the ready line.
+    assert rec["pgid"] == rec["pid"] == reply["pid"]
+    assert reply["command"].startswith("127.0.0.1:") and reply["health"].startswith("127.0.0.1:")
+    assert list(spec_dir.iterdir()) == []
+    assert w.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "fragment"),
+    [
+        (1, "the session runner was not ready within 0.5s"),
+        (3, "the session runner exited before it was ready (exit status 3)"),
+        (4, "cannot install callables: no module named x"),
+        (5, "the session runner's ready line is invalid"),
+    ],
+)
+def test_runner_start_failures_are_reclaimed(
+    start_worker: Callable[..., RunningWorker], tmp_path: Path, mode: int, fragment: str
+) -> None:
+    spec_dir = tmp_path / "specs"
+    spec_dir.mkdir()
+    w = start_worker("--set", f'worker.spec_dir="{spec_dir}"', "--set", "sessions.kill_grace=0.5")
+    # Only the runner that never gets ready waits out its (short) budget.
+    reply = w.handshake(manifest(worker_id=mode, startup_budget_s=0.5 if mode == 1 else 30.0))
+    assert reply["ok"] is False
+    assert fragment in reply["error"], reply
+    if mode == 3:  # the runner's output tail is part of the error
+        tail = r"; runner output:\nfake runner \d+ mode 3\nboom: cannot import the job package\Z"
+        assert re.search(tail, reply["error"]), reply["error"]
+    assert w.children() == set()
+    assert list(spec_dir.iterdir()) == []
+    assert w.stop() == 0
+
+
+def test_stubborn_runner_and_its_grandchild_are_killed(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker("--set", "sessions.kill_grace=0.5")
+    start = time.monotonic()
+    reply = w.handshake(manifest(worker_id=2, startup_budget_s=2.0))
+    assert "not ready within 2s" in reply["error"]
+    assert time.monotonic() - start < 2.0 + 0.5 + 5  # budget + kill_grace + slack
+    grandchild = int(poll_for(lambda: (w.record / "grandchild").read_text(), timeout=5))
+    poll_for(lambda: not alive(grandchild), timeout=10, message="grandchild survived")
+    assert w.children() == set()
+    assert w.stop() == 0
+
+
+def test_unstartable_runner_command(start_worker: Callable[..., RunningWorker]) -> None:
+    w = start_worker(env={"SIMPLER_REMOTE_RUNNER_ARGV": json.dumps(["/nonexistent/runner"])})
+    reply = w.handshake(manifest())
+    assert reply["ok"] is False
+    assert "cannot start the session runner /nonexistent/runner" in reply["error"]
+    assert w.stop() == 0
+
+
+def test_wildcard_runner_address_is_replaced_by_the_address_used(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker()
+    reply = w.handshake(manifest(worker_id=7))
+    assert reply["ok"] is True
+    assert reply["command"].startswith("127.0.0.1:") and reply["health"].startswith("127.0.0.1:")
+    assert w.stop() == 0
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_sigterm_stops_every_runner_and_exits_0(start_worker: Callable[..., RunningWorker]) -> None:
+    w = start_worker("--set", "worker.shutdown_grace=1.0")
+    polite = w.handshake(manifest(worker_id=0))
+    stubborn = w.handshake(manifest(worker_id=6))
+    assert polite["ok"] and stubborn["ok"]
+    # A connection still in its handshake does not delay the stop.
+    pending = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+    try:
+        pending.sendall(b"SLRW")
+        w.wait_accepted(pending)
+        start = time.monotonic()
+        assert w.stop() == 0
+        assert time.monotonic() - start < 10
+    finally:
+        pending.close()
+    for reply in (polite, stubborn):
+        assert not alive(int(reply["pid"]))
+    log = w.log_text()
+    assert "stopping: 2 sessions" in log and "ignored SIGTERM; killing" in log
+
+
+def test_sd_notify_ready_watchdog_stopping(
+    start_worker: Callable[..., RunningWorker], tmp_path: Path
+) -> None:
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(10)
+    messages: list[str] = []
+    try:
+        w = start_worker(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})
+
+        def received(text: str) -> bool:
+            while not any(text in m for m in messages):
+                messages.append(sock.recv(4096).decode())
+            return True
+
+        assert received("READY=1")
+        assert received("WATCHDOG=1")
+        assert w.stop() == 0
+        assert received("STOPPING=1")
+    finally:
+        sock.close()
+    assert any(f"listening on 127.0.0.1:{w.port}" in m for m in messages if "READY=1" in m)
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    from tests.test_remote_config import self_signed
+
+    return self_signed(directory)
+
+
+def test_tls_and_mutual_tls(start_worker: Callable[..., RunningWorker], tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    tls = ["--set", f'tls.cert_file="{cert}"', "--set", f'tls.key_file="{key}"']
+    w = start_worker(*tls, "--set", "sessions.handshake_timeout=2.0")
+    client = ssl.create_default_context(cafile=str(cert))
+    reply = w.handshake(manifest(worker_id=0), context=client)
+    assert reply["ok"] is True
+    assert w.handshake(token=b"bad", context=client)["error"].endswith("authentication failed")
+    # Plain text on the TLS port gets no reply, and does not disturb the worker.
+    plain = socket.create_connection(("127.0.0.1", w.port), timeout=10)
+    with plain:
+        plain.sendall(encode_auth(TOKEN) + encode_lp_json(manifest()))
+        with contextlib.suppress(ConnectionError):
+            assert plain.recv(100) == b""
+    assert w.handshake(manifest(worker_id=0), context=client)["ok"] is True
+    assert w.stop() == 0
+
+    m = start_worker(*tls, "--set", f'tls.client_ca_file="{cert}"')
+    with pytest.raises((ssl.SSLError, ConnectionError, ProtocolError)):
+        m.handshake(manifest(worker_id=0), context=client)
+    mutual = ssl.create_default_context(cafile=str(cert))
+    mutual.load_cert_chain(str(cert), str(key))
+    assert m.handshake(manifest(worker_id=0), context=mutual)["ok"] is True
+    assert m.stop() == 0
+
+
+# --------------------------------------------------------------------------- the real runner
+
+
+def test_real_runner_session_opens_and_is_stopped(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker(fake=False)
+    reply = w.handshake(manifest(worker_id=3, startup_budget_s=60.0))
+    assert reply["ok"] is True, reply
+    pid = int(reply["pid"])
+    assert pid in w.children()
+    # The runner listens where it says (attaching is the parent's business, not tested here).
+    host, _, port = reply["command"].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10):
+        pass
+    assert w.stop() == 0
+    assert not alive(pid)
+    assert "session" in w.log_text() and "opened" in w.log_text()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_exit_codes(tmp_path: Path, token_file: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text("[sessions]\nmax = 2\n")
+    result = run_cli("check-config", str(good))
+    assert result.returncode == 0, result.stderr
+    assert "ok (listen 127.0.0.1:19073, tls off, token off, up to 2 sessions)" in result.stdout
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sessions]\nmax = -2\n")
+    result = run_cli("check-config", str(bad))
+    assert result.returncode == 2 and "sessions.max" in result.stderr
+    assert run_cli("serve", "--config", str(bad)).returncode == 2
+
+    exposed = tmp_path / "exposed.toml"
+    exposed.write_text("[worker]\nlisten = '10.77.0.9:19073'\n")
+    result = run_cli("check-config", str(exposed))
+    assert (
+        result.returncode == 2
+        and "worker.listen" in result.stderr
+        and "--insecure" in result.stderr
+    )
+    assert run_cli("check-config", "--insecure", str(exposed)).returncode == 0
+    # serve refuses before binding anything.
+    result = run_cli("serve", "--listen", "0.0.0.0:0")
+    assert result.returncode == 2 and "worker.listen" in result.stderr
+    result = run_cli("serve", "--listen", "10.77.0.9:0", "--token-file", str(token_file))
+    assert result.returncode == 2 and "tls.cert_file" in result.stderr
+
+    token_file.chmod(0o644)
+    result = run_cli("serve", "--listen", "127.0.0.1:0", "--token-file", str(token_file))
+    assert result.returncode == 2 and "auth.token_file" in result.stderr
+    assert run_cli("serve", "--set", "nonsense").returncode == 2
+    result = run_cli("serve", "--listen", "127.0.0.1:0", "--set", f"worker.spec_dir={tmp_path}/no")
+    assert result.returncode == 2 and "worker.spec_dir" in result.stderr
+    assert run_cli().returncode == 2
+    bad_hook = dict(os.environ, SIMPLER_REMOTE_RUNNER_ARGV="[1]")
+    result = run_cli("serve", "--listen", "127.0.0.1:0", env=bad_hook)
+    assert result.returncode == 2 and "SIMPLER_REMOTE_RUNNER_ARGV" in result.stderr
+
+    # A port that is taken: start-up failure, exit 3.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "--listen", f"127.0.0.1:{port}")
+    assert result.returncode == 3 and "cannot listen on" in result.stderr
+
+
+def test_concurrent_handshakes_from_threads(start_worker: Callable[..., RunningWorker]) -> None:
+    w = start_worker("--set", "sessions.max=8")
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        never_ready = i % 2 == 0
+        m = manifest(
+            worker_id=1 if never_ready else 0, startup_budget_s=1.0 if never_ready else 30.0
+        )
+        reply = w.handshake(m)
+        with lock:
+            results.append(reply)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sum(r["ok"] for r in results) == 4
+    assert all("not ready within 1s" in r["error"] for r in results if not r["ok"])
+    poll_for(lambda: len(w.children()) == 4, timeout=10)
+    assert w.stop() == 0
