@@ -14,6 +14,7 @@ from simpler_daemon.errors import (
     WorkerClosedError,
 )
 from simpler_daemon.orchestrator import Orchestrator, RunState
+from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef, RemoteWorkerSpec
 from simpler_daemon.worker import RunHandle, Worker, WorkerState
 
 __version__ = "0.1.0"
@@ -26,6 +27,9 @@ __all__ = [
     "Orchestrator",
     "ProtocolError",
     "RegistrationError",
+    "RemoteCallable",
+    "RemoteTensorRef",
+    "RemoteWorkerSpec",
     "RunCancelled",
     "RunHandle",
     "RunState",

@@ -4,9 +4,10 @@ Tensor data never travels through a mailbox: a tensor is a descriptor naming a
 range of the shared heap, and the child rebuilds a zero-copy NumPy view::
 
     blob = [i32 T][i32 S][TensorDesc x T][u64 x S]          (little-endian)
-    TensorDesc (168 B) = u32 buffer_id, u8 dtype, u8 tag, u8 ndim, u8 0,
+    TensorDesc (168 B) = u32 buffer_id, u8 dtype, u8 tag, u8 ndim, u8 remote,
                          u64 generation, u64 buffer_offset (in the heap),
                          u64 byte_offset (element 0, from the buffer start),
+                         (a remote tensor, remote=1: buffer_offset is the owner worker id)
                          u64 buffer_nbytes, i64 shape[8], i64 strides[8]
 """
 
@@ -60,7 +61,7 @@ _DTYPE_CODE: Final = {np.dtype(name): code for code, name in enumerate(_DTYPES)}
 _CODE_DTYPE: Final = tuple(np.dtype(name) for name in _DTYPES)
 
 _HEADER = struct.Struct("<ii")
-_DESC = struct.Struct("<IBBBxQQQQ8q8q")
+_DESC = struct.Struct("<IBBBBQQQQ8q8q")
 assert _DESC.size == TENSOR_DESC_SIZE
 _EMPTY_BLOB: Final = _HEADER.pack(0, 0)
 
@@ -89,6 +90,8 @@ class TensorDesc:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     tag: Tag = Tag.INPUT
+    #: In a remote worker's heap: ``buffer_offset`` holds the owner worker id.
+    remote: bool = False
 
     def byte_range(self) -> tuple[int, int]:
         """Half-open byte range ``[lo, hi)`` the view touches, relative to its buffer."""
@@ -115,7 +118,15 @@ class TensorDesc:
             self.shape,
             self.strides,
             tag,
+            self.remote,
         )
+
+    @property
+    def key(self) -> int | tuple[int, int, int]:
+        """Dependency key of the buffer: its id, or (owner, id, generation) when remote."""
+        if self.remote:
+            return (self.buffer_offset, self.buffer_id, self.generation)
+        return self.buffer_id
 
 
 class TaskArgs:
@@ -130,15 +141,20 @@ class TaskArgs:
     __slots__ = ("scalars", "tags", "tensors")
 
     def __init__(self) -> None:
-        self.tensors: list[np.ndarray[Any, Any]] = []
+        self.tensors: list[Any] = []  # arrays, or RemoteTensorRef at L4
         self.tags: list[Tag] = []
         self.scalars: list[int] = []
 
-    def add_tensor(self, array: np.ndarray[Any, Any], tag: Tag = Tag.INPUT) -> TaskArgs:
+    def add_tensor(self, array: Any, tag: Tag = Tag.INPUT) -> TaskArgs:
+        """Add an array from ``Worker.alloc`` or a ``RemoteTensorRef`` from ``alloc_remote``."""
         if not isinstance(array, np.ndarray):
-            raise TypeError(
-                f"cannot add tensor: expected a NumPy array from Worker.alloc, got {type(array).__name__}"
-            )
+            from simpler_daemon.remote.spec import RemoteTensorRef
+
+            if not isinstance(array, RemoteTensorRef):
+                raise TypeError(
+                    "cannot add tensor: expected a NumPy array from Worker.alloc or a "
+                    f"RemoteTensorRef from Worker.alloc_remote, got {type(array).__name__}"
+                )
         if len(self.tensors) >= MAX_TENSORS:
             raise ValueError(f"cannot add tensor: a task takes at most {MAX_TENSORS} tensors")
         t = Tag(tag)  # validate before appending: a failed add leaves the args unchanged
@@ -237,6 +253,7 @@ def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
             d.dtype,
             int(d.tag),
             nd,
+            int(d.remote),
             d.generation,
             d.buffer_offset,
             d.byte_offset,
@@ -261,22 +278,24 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
     off = _HEADER.size
     for _ in range(t):
         f = _DESC.unpack_from(blob, off)
-        buffer_id, dtype, tag, nd = f[0], f[1], f[2], f[3]
-        if nd > MAX_NDIM or dtype >= len(_CODE_DTYPE) or tag > Tag.OUTPUT_EXISTING:
+        buffer_id, dtype, tag, nd, remote = f[0], f[1], f[2], f[3], f[4]
+        if nd > MAX_NDIM or dtype >= len(_CODE_DTYPE) or tag > Tag.OUTPUT_EXISTING or remote > 1:
             raise ValueError(
-                f"malformed tensor descriptor {len(descs)}: ndim={nd} dtype={dtype} tag={tag}"
+                f"malformed tensor descriptor {len(descs)}: ndim={nd} dtype={dtype} tag={tag} "
+                f"remote={remote}"
             )
         descs.append(
             TensorDesc(
                 buffer_id,
-                f[4],
                 f[5],
                 f[6],
                 f[7],
+                f[8],
                 dtype,
-                tuple(f[8 : 8 + nd]),
-                tuple(f[16 : 16 + nd]),
+                tuple(f[9 : 9 + nd]),
+                tuple(f[17 : 17 + nd]),
                 Tag(tag),
+                bool(remote),
             )
         )
         off += TENSOR_DESC_SIZE

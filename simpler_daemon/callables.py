@@ -167,6 +167,15 @@ class CallableHandle:
     def __repr__(self) -> str:
         return f"CallableHandle({self.name!r}, {self.hashid[:19]}…, role={self.role})"
 
+    @classmethod
+    def for_import(cls, target: str, kind: Role = "sub") -> CallableHandle:
+        """The handle of ``"pkg.mod:fn"`` without registering it: an import path's hashid
+        is the same on every host, so an L3 orchestration running inside a remote worker
+        names the callables its L4 parent installed there with this."""
+        if kind == "chip":
+            return spec_for_chip(target).handle
+        return spec_for_import(target, kind).handle
+
 
 @dataclass(frozen=True, slots=True)
 class CallableSpec:

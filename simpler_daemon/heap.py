@@ -264,6 +264,11 @@ class Heap:
 
     def view(self, desc: TensorDesc) -> np.ndarray[Any, Any]:
         """Child side: a zero-copy view for a descriptor, bounds-checked against the heap."""
+        if desc.remote:
+            raise ValueError(
+                f"cannot view tensor: buffer {desc.buffer_id} lives on remote worker "
+                f"{desc.buffer_offset}, not on this host's shared heap"
+            )
         lo, hi = desc.byte_range()
         start = desc.buffer_offset
         if lo < 0 or hi > desc.buffer_nbytes or start + desc.buffer_nbytes > self.size:

@@ -57,6 +57,7 @@ class WorkerThread:
         "_next_dispatch_id",
         "active",
         "endpoint",
+        "gone",
         "inflight",
         "on_accept",
         "on_complete",
@@ -75,6 +76,9 @@ class WorkerThread:
         self.staged: WorkerDispatch | None = None
         self.inflight = 0
         self.stopping = False
+        #: Why this lane will never run again (set by its owner when it gives up on a dead
+        #: endpoint); the Scheduler then fails what is queued for it instead of waiting.
+        self.gone: str | None = None
         self._next_dispatch_id = 1
         self._events: list[EndpointEvent] = []
         self.on_complete: OnComplete = _unstarted
@@ -269,6 +273,23 @@ class WorkerManager:
             self.sub.append(lane)
         self.lanes = [*self.next_level.values(), *self.sub]
         self.started = True
+
+    def add_live(
+        self,
+        worker_id: int,
+        endpoint: WorkerEndpoint,
+        on_complete: OnComplete,
+        on_accept: OnAccept,
+        on_staged: OnStaged | None = None,
+    ) -> WorkerThread:
+        """Add a NEXT_LEVEL lane after ``start`` (a remote worker attached at run time)."""
+        if worker_id < 0 or worker_id in self.next_level:
+            raise ValueError(f"cannot add worker {worker_id}: the id is negative or taken")
+        lane = WorkerThread(worker_id, WorkerType.NEXT_LEVEL, endpoint)
+        lane.start(on_complete, on_accept, on_staged)
+        self.next_level[worker_id] = lane
+        self.lanes.insert(len(self.next_level) - 1, lane)
+        return lane
 
     def stop_workers(self) -> None:
         """Mark every lane stopping; pool entries stay until ``stop``."""

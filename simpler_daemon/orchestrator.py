@@ -11,6 +11,9 @@ Dependencies come from tensor tags, keyed by backing buffer and byte range::
     INOUT            both
     NO_DEP           neither
 
+A remote buffer (an L4's ``RemoteTensorRef``) is keyed by (owner worker, buffer
+id, generation), so a freed and reused remote buffer never aliases its past.
+
 Run lifecycle: BUILDING -> PREPARED -> EXECUTING -> COMPLETED | FAILED.
 """
 
@@ -21,7 +24,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import numpy as np
 
 from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, Tag, TaskArgs, encode_args
 from simpler_daemon.callables import CallableHandle
@@ -147,16 +152,17 @@ class TensorMap:
     __slots__ = ("_writers",)
 
     def __init__(self) -> None:
-        self._writers: dict[int, list[tuple[int, int, TaskSlot]]] = {}
+        # Keyed by a local buffer id, or (owner, buffer id, generation) for a remote buffer.
+        self._writers: dict[Any, list[tuple[int, int, TaskSlot]]] = {}
 
-    def producers(self, buffer_id: int, lo: int, hi: int) -> list[TaskSlot]:
+    def producers(self, buffer_id: Any, lo: int, hi: int) -> list[TaskSlot]:
         out = []
         for wlo, whi, slot in self._writers.get(buffer_id, ()):
             if wlo < hi and lo < whi:
                 out.append(slot)
         return out
 
-    def write(self, buffer_id: int, lo: int, hi: int, slot: TaskSlot) -> None:
+    def write(self, buffer_id: Any, lo: int, hi: int, slot: TaskSlot) -> None:
         if lo >= hi:
             return
         segs = self._writers.setdefault(buffer_id, [])
@@ -336,10 +342,27 @@ class Admission:
         return [*self.active, *self.waiting]
 
 
+class RemoteTensors(Protocol):
+    """The L4 side of remote buffers, as the Orchestrator sees it (``None`` below L4)."""
+
+    def is_remote(self, worker_id: int) -> bool: ...
+
+    def describe(self, ref: Any, target: int, where: str) -> TensorDesc:
+        """Descriptor of ``ref`` for a task on remote worker ``target``; ``ValueError``
+        naming ``where`` when the buffer is freed, stale, or not readable there."""
+        ...
+
+    def pin(self, key: tuple[int, int, int]) -> None: ...
+
+    def unpin(self, key: tuple[int, int, int]) -> None: ...
+
+
 class SubmitSink:
     """What the Orchestrator needs from the Scheduler (kept narrow for tests)."""
 
     heap: Heap
+    #: Remote buffers of an L4 worker with remote children; ``None`` otherwise.
+    remote: RemoteTensors | None = None
 
     def validate_handle(
         self, handle: Any, role: str, api: str
@@ -357,6 +380,14 @@ class SubmitSink:
 
     def fail_at_submit(self, slot: TaskSlot, producer: TaskSlot) -> None:  # pragma: no cover
         raise NotImplementedError
+
+
+_API: Final = {
+    TaskKind.SUB: "submit_sub",
+    TaskKind.SUB_GROUP: "submit_sub_group",
+    TaskKind.NEXT_LEVEL: "submit_next_level",
+    TaskKind.NEXT_LEVEL_GROUP: "submit_next_level_group",
+}
 
 
 class Orchestrator:
@@ -462,9 +493,17 @@ class Orchestrator:
             if not a.tensors:
                 blobs.append(encode_args((), a.scalars))
                 continue
-            descs = [
-                heap.describe(t).with_tag(tag) for t, tag in zip(a.tensors, a.tags, strict=True)
-            ]
+            target = targets[i] if targets else None
+            remote = self._sink.remote
+            if remote is not None and (
+                (target is not None and remote.is_remote(target))
+                or any(not isinstance(t, np.ndarray) for t in a.tensors)
+            ):
+                descs = self._describe_remote(remote, a, i, kind, target)
+            else:
+                descs = [
+                    heap.describe(t).with_tag(tag) for t, tag in zip(a.tensors, a.tags, strict=True)
+                ]
             blobs.append(encode_args(descs, a.scalars))
             member_descs.append(descs)
         if not member_descs:
@@ -484,12 +523,17 @@ class Orchestrator:
             run.remaining += 1
             self._sink.add_slot(slot)
             return slot.index
-        pins = sorted({d.buffer_id for descs in member_descs for d in descs})
+
+        pins: list[Any] = list({d.key: None for descs in member_descs for d in descs})
         slot = TaskSlot(
             self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs, targets, pins
         )
         for b in pins:
-            heap.pin(b)
+            if type(b) is int:
+                heap.pin(b)
+            else:
+                assert self._sink.remote is not None
+                self._sink.remote.pin(b)
         # Dependencies: producers first (INPUT/INOUT), then become the writer.
         producers: dict[int, TaskSlot] = {}
         tmap = run.tensor_map
@@ -497,13 +541,13 @@ class Orchestrator:
             for d in descs:
                 if d.tag in (Tag.INPUT, Tag.INOUT):
                     lo, hi = d.byte_range()
-                    for p in tmap.producers(d.buffer_id, lo, hi):
+                    for p in tmap.producers(d.key, lo, hi):
                         producers[id(p)] = p
         for descs in member_descs:
             for d in descs:
                 if d.tag in (Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT):
                     lo, hi = d.byte_range()
-                    tmap.write(d.buffer_id, lo, hi, slot)
+                    tmap.write(d.key, lo, hi, slot)
         run.slots.append(slot)
         run.remaining += 1
         failed_producer = None
@@ -520,3 +564,37 @@ class Orchestrator:
         else:
             self._sink.add_slot(slot)
         return slot.index
+
+    def _describe_remote(
+        self,
+        remote: RemoteTensors,
+        a: TaskArgs,
+        member: int,
+        kind: TaskKind,
+        target: int | None,
+    ) -> list[TensorDesc]:
+        """Descriptors for a task whose target or tensors are remote, refusing mixes."""
+        heap = self._sink.heap
+        api = _API[kind]
+        on_remote = target is not None and remote.is_remote(target)
+        descs: list[TensorDesc] = []
+        for j, (t, tag) in enumerate(zip(a.tensors, a.tags, strict=True)):
+            where = f"args[{member}].tensors[{j}]"
+            if isinstance(t, np.ndarray):
+                if on_remote:
+                    raise ValueError(
+                        f"cannot {api}: {where} is a host array, but remote worker {target} "
+                        "reads only its own heap; allocate it with Worker.alloc_remote and "
+                        "fill it with Worker.copy_to_remote"
+                    )
+                descs.append(heap.describe(t).with_tag(tag))
+            elif not on_remote:
+                dest = "a SUB worker" if target is None else f"local worker {target}"
+                raise ValueError(
+                    f"cannot {api}: {where} is {t!r}, which lives on remote worker "
+                    f"{getattr(t, 'owner', '?')}; {dest} reads only this host's shared heap"
+                )
+            else:
+                assert target is not None
+                descs.append(remote.describe(t, target, f"{api}: {where}").with_tag(tag))
+        return descs

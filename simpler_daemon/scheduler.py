@@ -67,6 +67,8 @@ class Scheduler(SubmitSink):
         spin_s: float = 0.0002,
     ) -> None:
         self.manager = manager
+        #: At level 4 a NEXT_LEVEL task is an L3 orchestration function run by the child.
+        self.next_level_orchestrations = False
         self.registry = registry
         self.heap = heap
         self.doorbell = doorbell
@@ -90,11 +92,15 @@ class Scheduler(SubmitSink):
         self._suspect: set[WorkerThread] = set()
         #: Called once for a lane whose child died and whose frames are all terminal.
         self.on_lane_dead: Callable[[WorkerThread], None] | None = None
+        #: Dead SUB lanes come back (a fork server replaces them): queued SUB tasks wait.
+        self.replaces_dead_subs = False
         self.on_admit: Callable[[Run], None] | None = None
         self.on_task_event: Callable[[TaskSlot, str, WorkerCompletion | None], None] | None = None
         self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "rounds": 0, "parks": 0}
         manager.start(self._on_complete, self._on_accept, self._on_staged)
         self._lanes = manager.lanes
+        #: Lanes whose completions do not bump the doorbell word (remote sessions).
+        self._quiet_lanes = [ln for ln in self._lanes if not ln.endpoint.caps.signals_doorbell]
 
     # -- SubmitSink ------------------------------------------------------------------------------
 
@@ -117,7 +123,7 @@ class Scheduler(SubmitSink):
             raise ValueError(
                 f"cannot {api}: {handle.name} is registered as {handle.role}, not as a SUB callable"
             )
-        if role == "chip" and handle.role == "orchestration":
+        if role == "chip" and handle.role == "orchestration" and not self.next_level_orchestrations:
             raise ValueError(f"cannot {api}: {handle.name} is an orchestration function")
         return handle
 
@@ -235,6 +241,16 @@ class Scheduler(SubmitSink):
 
     # -- lane callbacks -----------------------------------------------------------------------------
 
+    def add_next_level(self, worker_id: int, endpoint: Any) -> WorkerThread:
+        """A NEXT_LEVEL lane joining after start (a remote worker attached at run time)."""
+        lane = self.manager.add_live(
+            worker_id, endpoint, self._on_complete, self._on_accept, self._on_staged
+        )
+        self._lanes = self.manager.lanes
+        if not endpoint.caps.signals_doorbell:
+            self._quiet_lanes.append(lane)
+        return lane
+
     def _on_complete(self, c: WorkerCompletion) -> None:
         self.completions.append(c)
 
@@ -318,6 +334,20 @@ class Scheduler(SubmitSink):
                     self._send(member, WorkerDispatch(g, i))
                 did = True
                 continue
+            gone = [m for m in lanes if m is not None and m.gone is not None]
+            if gone:
+                gq.popleft()
+                self._fail_slot(
+                    g,
+                    FailureInfo(
+                        Outcome.ENDPOINT_FAILURE,
+                        f"worker {gone[0].worker_id} is gone: {gone[0].gone}",
+                        worker_id=gone[0].worker_id,
+                    ),
+                )
+                self._maybe_finish_run(g.run)
+                did = True
+                continue
             reserved = set(g.targets)
             self._check_stall(g, lanes)
             break
@@ -330,6 +360,8 @@ class Scheduler(SubmitSink):
                 continue
             target = manager.next_level.get(wid)
             if target is None or not target.idle():
+                if target is not None and target.gone is not None:
+                    did |= self._fail_queue(q, wid, target.gone)
                 continue
             while q:
                 slot = q.popleft()
@@ -398,11 +430,27 @@ class Scheduler(SubmitSink):
                 did = True
         return did
 
+    def _fail_queue(self, q: deque[TaskSlot], wid: int, reason: str) -> bool:
+        """Fail every single queued for a lane that will never run again."""
+        did = False
+        while q:
+            slot = q.popleft()
+            if slot.state == SlotState.READY:
+                self._fail_slot(
+                    slot,
+                    FailureInfo(
+                        Outcome.ENDPOINT_FAILURE, f"worker {wid} is gone: {reason}", worker_id=wid
+                    ),
+                )
+                self._maybe_finish_run(slot.run)
+                did = True
+        return did
+
     def _sub_capacity(self) -> int:
         """SUB workers that can still run a task: live ones, or all of them while dead
         ones are being replaced."""
         subs = self.manager.sub
-        if self.on_lane_dead is not None:
+        if self.replaces_dead_subs:
             return len(subs)
         return sum(1 for lane in subs if not lane.endpoint.poisoned and not lane.stopping)
 
@@ -563,7 +611,10 @@ class Scheduler(SubmitSink):
     def _unpin(self, slot: TaskSlot) -> None:
         if slot.pins:
             for b in slot.pins:
-                self.heap.unpin(b)
+                if isinstance(b, int):
+                    self.heap.unpin(b)
+                elif self.remote is not None:  # (owner, buffer id, generation)
+                    self.remote.unpin(b)
             slot.pins = []
 
     # -- the coroutine ------------------------------------------------------------------------------------
@@ -574,6 +625,9 @@ class Scheduler(SubmitSink):
     def spin_budget(self) -> float:
         """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
         they typically run longer than that (spinning would only steal a core from them)."""
+        for lane in self._quiet_lanes:
+            if lane.inflight:
+                return 0.0  # its completion arrives on a socket: park in poll / the loop
         return self.spin_s if self.latency_ewma < self.spin_s else 0.0
 
     def has_dispatchable(self) -> bool:

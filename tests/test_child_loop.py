@@ -413,17 +413,18 @@ def test_worker_init_deadline_terminates_the_starting_child(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rollback: the ready child gets SHUTDOWN (exits 0), the one still starting SIGTERM."""
+    import simpler_daemon.pool as pool_mod
     import simpler_daemon.worker as worker_mod
 
     reaped: dict[str, str] = {}
-    real_reap_all = worker_mod.reap_all
+    real_reap_all = pool_mod.reap_all
 
     def spy(children: list[Any], timeout: float) -> list[str]:
         killed = real_reap_all(children, timeout)
         reaped.update({c.label: describe_status(c.status or 0) for c in children})
         return killed
 
-    monkeypatch.setattr(worker_mod, "reap_all", spy)
+    monkeypatch.setattr(pool_mod, "reap_all", spy)
     w = worker_mod.Worker(num_sub_workers=2, heap_bytes=1 << 20, startup_timeout=0.5)
     w._init_hooks[0] = lambda: time.sleep(30)
     with pytest.raises(StartupError, match=r"sub worker 0 \(pid \d+\) not ready within 0\.5s"):

@@ -520,8 +520,19 @@ def test_worker_constructor_validation() -> None:
         Worker(level=5, num_sub_workers=1)
     with pytest.raises(ValueError, match="num_sub_workers=-1"):
         Worker(num_sub_workers=-1)
-    with pytest.raises(ValueError, match="at least one"):
-        Worker(num_sub_workers=0)
+    with pytest.raises(ValueError, match="num_chips=2 at level 4"):
+        Worker(level=4, num_chips=2)
+    # An empty L3 and an L4 without SUB workers of its own are valid (level 4 defaults to 0).
+    assert Worker(num_sub_workers=0).num_sub_workers == 0
+    assert Worker(level=4).num_sub_workers == 0
+
+
+def test_an_empty_worker_starts_runs_an_empty_orchestration_and_closes() -> None:
+    w = Worker(num_sub_workers=0, heap_bytes=1 << 20)
+    w.init()
+    w.run(lambda o, a, c: None)
+    assert w.list_workers() == []
+    w.close()
 
 
 # -- lifecycle -------------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class EndpointCaps:
     task_frame_count: int = 1
     supports_frame_staging: bool = False
     capacity: int = 1
+    #: Completions bump the doorbell word (mailbox children). A socket endpoint's do not:
+    #: its readiness reaches a parked poll(2) or the loop's readers, so never spin for it.
+    signals_doorbell: bool = True
 
 
 class WorkerEndpoint(Protocol):

@@ -1,0 +1,450 @@
+"""The child pool: every local child process of one Worker, from fork to reap.
+
+::
+
+    ChildPool(heap, registry, driver)        owns heap, doorbell, mailboxes, children, endpoints
+      start()    doorbell + one mailbox per child; fork SUB children, then chips
+                 (single-threaded) -> startup barrier (one deadline for all) -> fork server
+                 any failure -> rollback: SHUTDOWN to ready children, SIGTERM to starting
+                 ones, reap, unmap; StartupError names the child and why
+      serve(s)   watch each child's pidfd on the driver (-> Scheduler.child_exited);
+                 the Scheduler reports a drained dead lane -> on_lane_dead
+      replace    fork server spawns a child on the same mailbox -> INIT_READY -> replay the
+                 registrations made since init -> swap the lane's endpoint (3 attempts)
+      stop(deadline) / release()   drain, SHUTDOWN, reap; close children, mailboxes, heap
+
+Nothing here knows about runs; the Worker facade composes the pool with the
+Scheduler and the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from simpler_daemon import _mailbox as _mb
+from simpler_daemon.callables import CallableRegistry
+from simpler_daemon.children.chip import ChipContext, run_chip_child
+from simpler_daemon.children.forkserver import ForkServer
+from simpler_daemon.children.loop import ChildContext, run_child
+from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
+from simpler_daemon.doorbell import Doorbell
+from simpler_daemon.driver import Driver
+from simpler_daemon.endpoints.local import LocalMailboxEndpoint
+from simpler_daemon.errors import ControlError, EndpointError, StartupError
+from simpler_daemon.heap import Heap
+from simpler_daemon.mailbox import BASE_FRAME, Mailbox, MailboxState
+from simpler_daemon.manager import WorkerManager, WorkerThread, WorkerType
+from simpler_daemon.registration import LocalTarget
+from simpler_daemon.scheduler import Scheduler
+
+# The logger of the Worker these children belong to (their messages predate this module).
+log = logging.getLogger("simpler_daemon.worker")
+
+#: (kind "sub" / "chip", index, mailbox, process) of a child forked by ``start``.
+_Starting = tuple[str, int, Mailbox, ChildProcess]
+
+
+class ChildPool:
+    """The SUB and chip children under one Worker, their mailboxes and the fork server."""
+
+    def __init__(
+        self,
+        heap: Heap,
+        registry: CallableRegistry,
+        driver: Driver,
+        *,
+        num_sub_workers: int,
+        num_chips: int,
+        startup_timeout: float,
+        child_spin_ns: int,
+        chip_pipeline_depth: int,
+        chip_trace_dir: str | None,
+        restart_children: bool,
+    ) -> None:
+        self.heap = heap
+        self.registry = registry
+        self._driver = driver
+        self.num_sub_workers = num_sub_workers
+        self.num_chips = num_chips
+        self.startup_timeout = startup_timeout
+        self.child_spin_ns = child_spin_ns
+        self.chip_pipeline_depth = chip_pipeline_depth
+        self.chip_trace_dir = chip_trace_dir
+        self.restart_children = restart_children
+        #: Test hooks: per-SUB-index callables run in the child before INIT_READY.
+        self.init_hooks: dict[int, Callable[[], None]] = {}
+        self.doorbell: Doorbell | None = None
+        self.children: list[ChildProcess] = []
+        self.mailboxes: list[Mailbox] = []
+        self.sub_endpoints: list[LocalMailboxEndpoint] = []
+        self.chip_endpoints: list[LocalMailboxEndpoint] = []
+        self.forkserver: ForkServer | None = None
+        #: Replacement children started, by kind ("sub" / "chip").
+        self.restarts: dict[str, int] = {"sub": 0, "chip": 0}
+        #: Replace dead children only while the Worker serves (the facade keeps it in step).
+        self.serving = False
+        self._scheduler: Scheduler | None = None
+        self._child_specs: dict[tuple[str, int], tuple[Any, Callable[[Any], int]]] = {}
+        self._ready_pids: set[int] = set()  # passed the barrier; the rest are still starting
+        self._replacing: set[int] = set()
+        self._worker_restarts: dict[tuple[str, int], int] = {}
+        self._pid = os.getpid()
+
+    # -- startup ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Fork SUB children first, then chips; one startup deadline for all of them.
+
+        On any failure every child is stopped and reaped, and ``StartupError`` raised.
+        """
+        self.doorbell = Doorbell()
+        specs = {
+            role: [e.spec for e in self.registry.active() if e.spec.handle.role == role]
+            for role in ("sub", "chip")
+        }
+        deadline = time.monotonic() + self.startup_timeout
+        starting: list[_Starting] = []
+        self._ready_pids = set()
+        try:
+            for i in range(self.num_sub_workers):
+                mb = Mailbox()
+                self.mailboxes.append(mb)
+                ctx = ChildContext(
+                    worker_id=i,
+                    label=f"sub worker {i}",
+                    mailbox=mb,
+                    heap=self.heap,
+                    doorbell=self.doorbell,
+                    specs=specs["sub"],
+                    parent_pid=self._pid,
+                    spin_ns=self.child_spin_ns,
+                    init_hook=self.init_hooks.get(i),
+                )
+                child = fork_child(lambda ctx=ctx: run_child(ctx), ctx.label)  # type: ignore[misc]
+                self.children.append(child)
+                starting.append(("sub", i, mb, child))
+                self._child_specs[("sub", i)] = (ctx, run_child)
+            for j in range(self.num_chips):
+                mb = Mailbox()
+                self.mailboxes.append(mb)
+                trace = (
+                    os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl")
+                    if self.chip_trace_dir
+                    else None
+                )
+                chip_ctx = ChipContext(
+                    worker_id=j,
+                    label=f"chip {j}",
+                    mailbox=mb,
+                    heap=self.heap,
+                    doorbell=self.doorbell,
+                    specs=specs["chip"],
+                    parent_pid=self._pid,
+                    spin_ns=self.child_spin_ns,
+                    error_prefix="chip_worker",
+                    pipeline_depth=self.chip_pipeline_depth,
+                    trace_path=trace,
+                )
+                child = fork_child(lambda c=chip_ctx: run_chip_child(c), chip_ctx.label)  # type: ignore[misc]
+                self.children.append(child)
+                starting.append(("chip", j, mb, child))
+                self._child_specs[("chip", j)] = (chip_ctx, run_chip_child)
+            self._startup_barrier(starting, deadline)
+            if self.restart_children:
+                # Last fork of init: later replacements come from this single-threaded server.
+                self.forkserver = ForkServer(self._child_specs)
+                self.forkserver.start()
+        except BaseException as exc:
+            self._rollback_children(starting)
+            if isinstance(exc, StartupError):
+                raise
+            raise StartupError(f"cannot start worker: {type(exc).__name__}: {exc}") from exc
+        for kind, index, mb, child in starting:
+            if kind == "sub":
+                self.sub_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
+            else:
+                frames = 2 if mb.pipeline_depth() >= 2 else 1
+                self.chip_endpoints.append(
+                    LocalMailboxEndpoint(
+                        index, mb, child, task_frame_count=frames, label=child.label
+                    )
+                )
+
+    def _startup_barrier(self, starting: list[_Starting], deadline: float) -> None:
+        pending = list(starting)
+        delay = 0.0002
+        while pending:
+            for entry in list(pending):
+                _, _, mb, child = entry
+                # Sample the exit first: a child that published INIT_FAILED and then
+                # exited must be reported with its reason, not as a bare exit.
+                exited = child.poll()
+                st = mb.state(BASE_FRAME)
+                if st == MailboxState.INIT_READY:
+                    mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
+                    _mb.wake_child(mb.buf)
+                    pending.remove(entry)
+                    self._ready_pids.add(child.pid)
+                elif st == MailboxState.INIT_FAILED:
+                    raise StartupError(
+                        f"cannot start worker: {child.label} (pid {child.pid}) failed to "
+                        f"initialize: {mb.error_text(BASE_FRAME)}"
+                    )
+                elif exited:
+                    raise StartupError(f"cannot start worker: {child.describe()} during init")
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{c.label} (pid {c.pid})" for _, _, _, c in pending)
+                raise StartupError(
+                    f"cannot start worker: {names} not ready within {self.startup_timeout:.1f}s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _rollback_children(self, starting: list[_Starting]) -> None:
+        """SHUTDOWN to ready children, SIGTERM to starting ones, SIGKILL survivors."""
+        for _, _, mb, child in starting:
+            if child.poll():
+                continue
+            # A starting child's base frame is IDLE too (before INIT_READY): only the
+            # barrier knows which children are ready.
+            if (
+                child.pid not in self._ready_pids
+                and mb.state(BASE_FRAME) != MailboxState.INIT_READY
+            ):
+                child.signal_group(signal.SIGTERM)
+            mb.request_shutdown()
+        reap_all(self.children, 2.0)
+        for c in self.children:
+            c.close()
+        self.children.clear()
+        self.sub_endpoints.clear()
+        self.chip_endpoints.clear()
+        for mb in self.mailboxes:
+            mb.close()
+        self.mailboxes.clear()
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None
+
+    def serve(self, scheduler: Scheduler) -> None:
+        """Feed ``scheduler``: report child exits to it and replace its dead lanes."""
+        self._scheduler = scheduler
+        for child in self.children:
+            self._watch_exit(child)
+        if self.forkserver is not None:
+            scheduler.on_lane_dead = self._on_lane_dead
+
+    def _watch_exit(self, child: ChildProcess) -> None:
+        """Tell the Scheduler the moment ``child`` exits (its pidfd becomes readable)."""
+        fd = child.pidfd
+        sched = self._scheduler
+        if fd is None or sched is None:
+            return
+
+        def exited() -> None:
+            self._driver.unwatch(fd)  # a pidfd stays readable: report the exit once
+            sched.child_exited(child)
+
+        self._driver.watch(fd, exited)
+
+    # -- replacing dead children ------------------------------------------------------------------
+
+    def _on_lane_dead(self, lane: WorkerThread) -> None:
+        # A lane can be reported more than once for the same death (pidfd and the
+        # endpoint failure of its last task): replace each dead endpoint once.
+        ep = lane.endpoint
+        if not self.serving or id(ep) in self._replacing:
+            return
+        self._replacing.add(id(ep))
+        self._driver.start_soon(lambda: self._replace_async(lane, ep))
+
+    async def _replace_async(self, lane: WorkerThread, old: Any) -> None:
+        """Fork a replacement through the fork server, replay registrations, re-enable the lane."""
+        try:
+            await self._replace(lane, old)
+        finally:
+            self._replacing.discard(id(old))
+
+    async def _replace(self, lane: WorkerThread, old: Any) -> None:
+        assert self.forkserver is not None and self._scheduler is not None
+        if lane.endpoint is not old or not old.poisoned:
+            return  # already replaced
+        kind = "chip" if lane.worker_type is WorkerType.NEXT_LEVEL else "sub"
+        assert isinstance(old, LocalMailboxEndpoint)
+        mb = old.mailbox
+        ctx, _ = self._child_specs[(kind, lane.worker_id)]
+        for attempt in range(1, 4):
+            if not self.serving:
+                return
+            _mb.write_bytes(mb.buf, 0, bytes(len(mb.buf)))  # every frame IDLE, shutdown word 0
+            try:
+                pid = self.forkserver.spawn(kind, lane.worker_id)
+            except StartupError as exc:
+                log.error("%s stays down: %s", old.label, exc)
+                return
+            child = ChildProcess(pid, old.label, foreign=True)
+            self.children.append(child)
+            error = await self._await_init(mb, child, time.monotonic() + self.startup_timeout)
+            if error is None:
+                break
+            log.warning("replacement %d of %s failed: %s", attempt, old.label, error)
+            child.signal_group(9)
+        else:
+            log.error("%s stays down after 3 failed replacements", old.label)
+            return
+        ep = LocalMailboxEndpoint(
+            lane.worker_id, mb, child, task_frame_count=old.caps.task_frame_count, label=old.label
+        )
+        target = LocalTarget(ep)
+        role = "chip" if kind == "chip" else "sub"
+        inherited = {s.handle.hashid for s in ctx.specs}
+        replayed: set[str] = set()
+        try:
+            # The child inherited the callables of init time: install what was registered
+            # since (until nothing new appears), then drop what was unregistered since.
+            while True:
+                todo = [
+                    e.spec
+                    for e in self.registry.active()
+                    if e.spec.handle.role == role
+                    and e.spec.handle.hashid not in inherited | replayed
+                ]
+                if not todo:
+                    break
+                for spec in todo:
+                    await target.install(spec)
+                    replayed.add(spec.handle.hashid)
+            active = {e.spec.handle.hashid for e in self.registry.active()}
+            for spec in ctx.specs:
+                if spec.handle.hashid not in active:
+                    await target.uninstall(spec)
+        except (ControlError, EndpointError) as exc:
+            log.error("%s replacement could not replay registrations: %s", old.label, exc)
+            ep.request_stop()
+            return
+        # Swap: the lane becomes schedulable again only now.
+        lane.endpoint = ep
+        lane.active = lane.staged = None
+        lane.inflight = 0
+        eps = self.chip_endpoints if kind == "chip" else self.sub_endpoints
+        eps[eps.index(old)] = ep
+        self.restarts[kind] += 1
+        key = (kind, lane.worker_id)
+        self._worker_restarts[key] = self._worker_restarts.get(key, 0) + 1
+        self._watch_exit(child)
+        log.warning("%s replaced: %s -> pid %d", old.label, old.poison_reason, child.pid)
+        self._scheduler.wake()
+
+    async def _await_init(self, mb: Mailbox, child: ChildProcess, deadline: float) -> str | None:
+        delay = 0.0005
+        while True:
+            exited = child.poll()
+            st = mb.state(BASE_FRAME)
+            if st == MailboxState.INIT_READY:
+                mb.cas_state(BASE_FRAME, MailboxState.INIT_READY, MailboxState.IDLE)
+                _mb.wake_child(mb.buf)
+                return None
+            if st == MailboxState.INIT_FAILED:
+                return mb.error_text(BASE_FRAME)
+            if exited:
+                return f"{child.describe()} during init"
+            if time.monotonic() > deadline:
+                return f"not ready within {self.startup_timeout:.1f}s"
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def registration_targets(self, role: str) -> list[LocalTarget]:
+        """Live children of ``role`` (a dead one's replacement replays registrations)."""
+        if role == "sub":
+            return [LocalTarget(ep) for ep in self.sub_endpoints if not ep.poisoned]
+        if role == "chip":
+            return [LocalTarget(ep) for ep in self.chip_endpoints if not ep.poisoned]
+        return []
+
+    def list_workers(self, manager: WorkerManager | None) -> list[dict[str, Any]]:
+        """One row per child: kind, id, pid, liveness, pipeline depth and lane state."""
+        out = []
+        for kind, eps in (("chip", self.chip_endpoints), ("sub", self.sub_endpoints)):
+            for ep in eps:
+                lane = None
+                if manager is not None:
+                    lane = (
+                        manager.next_level.get(ep.worker_id)
+                        if kind == "chip"
+                        else manager.get_worker_by_id(WorkerType.SUB, ep.worker_id)
+                    )
+                out.append(
+                    {
+                        "kind": kind,
+                        "worker_id": ep.worker_id,
+                        "pid": ep.child.pid if ep.child else None,
+                        "alive": ep.child is not None and not ep.child.exited,
+                        "poisoned": ep.poison_reason,
+                        "pipeline_depth": ep.mailbox.pipeline_depth() if kind == "chip" else 1,
+                        "task_frames": ep.caps.task_frame_count,
+                        "active": lane is not None and lane.active is not None,
+                        "staged": lane is not None and lane.staged is not None,
+                        "busy": bool(lane.inflight) if lane is not None else False,
+                        "tasks_completed": ep.tasks_completed,
+                        "restarts": self._worker_restarts.get((kind, ep.worker_id), 0),
+                    }
+                )
+        return out
+
+    # -- stop ---------------------------------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        for mb in self.mailboxes:
+            mb.request_shutdown()
+
+    def stop(self, deadline: float) -> None:
+        """Progress until every frame is terminal (lanes already stopped), then SHUTDOWN
+        every child and reap them and the fork server."""
+        sched = self._scheduler
+        assert sched is not None
+        while sched.busy() and time.monotonic() < deadline:
+            self.request_shutdown()
+            self._driver.drive_until(
+                lambda: not sched.busy(), min(0.05, max(0.0, deadline - time.monotonic()))
+            )
+        self._shutdown_and_reap(deadline, "close")
+
+    def _shutdown_and_reap(self, deadline: float, what: str) -> None:
+        self.request_shutdown()
+        server = self.forkserver.process if self.forkserver is not None else None
+        workers = [c for c in self.children if c is not server]
+        for msg in reap_all(workers, max(0.5, deadline - time.monotonic())):
+            log.warning("%s: %s", what, msg)
+        if self.forkserver is not None and server is not None:
+            self.forkserver.close()
+            reap_all([server], max(0.5, deadline - time.monotonic()))
+            server.close()
+
+    def abort(self) -> None:
+        """Undo a successful ``start`` (a later step of init failed): stop, reap, release."""
+        self._shutdown_and_reap(time.monotonic() + 2.0, "init rollback")
+        self.release()
+
+    def release(self) -> None:
+        """Close every child handle, mailbox, the doorbell and the heap."""
+        for c in self.children:
+            c.close()
+        for mb in self.mailboxes:
+            mb.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
+        self.heap.close()
+
+    def release_memory(self) -> None:
+        """Unmap the heap only (no child was started, or ``start`` already rolled back)."""
+        self.heap.close()

@@ -1,0 +1,617 @@
+"""The remote L3 children of one L4 ``Worker``: sessions, installed callables, buffers.
+
+::
+
+    Worker(level=4).add_remote_worker(spec) -> worker id (shared with local L3 children)
+      init():  local forks ... then RemoteFleet.open_all(deadline)    (one root deadline,
+                 attach.open_session per remote, in parallel threads   never multiplied)
+               -> one RemoteL3Endpoint per remote under a WorkerThread lane
+      register(..., workers=[r]) -> manifest before init / two-phase control after init
+      alloc_remote / copy_to_remote / copy_from_remote / free / import / release
+               -> controls on that remote's ordered command lane
+
+The fleet owns no thread and no loop. Its controls are coroutines: when the
+Scheduler is bound to a loop, that loop watches the endpoints' sockets and the
+control awaits the reply it delivers; otherwise the endpoint pumps its own
+sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from simpler_daemon.args import TensorDesc, dtype_code
+from simpler_daemon.callables import CallableSpec
+from simpler_daemon.errors import ControlError, EndpointError, RegistrationError, StartupError
+from simpler_daemon.remote import wire
+from simpler_daemon.remote.spec import RemoteTensorRef, RemoteWorkerSpec
+
+if TYPE_CHECKING:
+    from simpler_daemon.driver import Driver
+    from simpler_daemon.manager import WorkerThread
+    from simpler_daemon.scheduler import Scheduler
+
+log = logging.getLogger("simpler_daemon.remote")
+
+#: Bytes per copy_to / copy_from / import control (the frame bound is 16 MiB).
+CHUNK = 4 << 20
+
+
+@dataclass(slots=True)
+class _Buffer:
+    ref: RemoteTensorRef
+    pins: int = 0
+    freed: bool = False
+    #: Workers (other than the owner) holding an imported snapshot.
+    imported_by: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Install:
+    """A callable installed into some remote workers' inner L3 registries."""
+
+    spec: CallableSpec
+    kind: str
+    workers: set[int]
+    refcount: int = 1
+
+
+class RemoteFleet:
+    """Every remote L3 worker of one L4 Worker (see the module docstring)."""
+
+    def __init__(self, *, startup_timeout: float = 30.0, reconnect: bool = True) -> None:
+        self.startup_timeout = startup_timeout
+        #: Open a new session when one fails (its buffers are lost; registrations replayed).
+        self.reconnect = reconnect
+        self.specs: dict[int, RemoteWorkerSpec] = {}
+        self.endpoints: dict[int, Any] = {}  # worker id -> RemoteL3Endpoint
+        self.installs: dict[str, _Install] = {}
+        self.buffers: dict[tuple[int, int, int], _Buffer] = {}
+        self.reconnects: dict[int, int] = {}
+        #: Frees deferred while a task pinned the buffer; sent by the next control.
+        self._deferred_frees: list[RemoteTensorRef] = []
+        #: Only while the Worker serves are failed sessions replaced.
+        self.serving = False
+        self._scheduler: Scheduler | None = None
+        self._driver: Driver | None = None
+        self._replacing: set[int] = set()
+
+    # -- membership ---------------------------------------------------------------------
+
+    def add(self, worker_id: int, spec: RemoteWorkerSpec) -> None:
+        if not isinstance(spec, RemoteWorkerSpec):
+            raise TypeError(
+                f"cannot add a remote worker: expected a RemoteWorkerSpec, got {type(spec).__name__}"
+            )
+        self.specs[worker_id] = spec
+        self.reconnects.setdefault(worker_id, 0)
+
+    def is_remote(self, worker_id: int) -> bool:
+        return worker_id in self.specs
+
+    def endpoint(self, worker_id: int, what: str) -> Any:
+        ep = self.endpoints.get(worker_id)
+        if ep is None:
+            if worker_id in self.specs:
+                raise EndpointError(f"cannot {what}: remote worker {worker_id} has no session")
+            known = sorted(self.specs)
+            raise ValueError(
+                f"cannot {what}: worker={worker_id!r} is not a remote worker (remote: {known})"
+            )
+        return ep
+
+    def check_workers(self, workers: list[int] | None, what: str) -> list[int]:
+        """The target list of a registration: every remote worker when ``None``."""
+        if workers is None:
+            return sorted(self.specs)
+        if not isinstance(workers, (list, tuple)) or any(
+            isinstance(w, bool) or not isinstance(w, int) for w in workers
+        ):
+            raise TypeError(f"cannot {what}: workers= must be a list of worker ids")
+        for w in workers:
+            if w not in self.specs:
+                raise ValueError(
+                    f"cannot {what}: worker {w} is not a remote worker (remote: {sorted(self.specs)})"
+                )
+        return sorted(set(workers))
+
+    # -- callables --------------------------------------------------------------------------
+
+    def manifest_callables(self, worker_id: int) -> list[Any]:
+        from simpler_daemon.remote.manifest import ManifestCallable
+
+        return [
+            ManifestCallable(hashid=i.spec.handle.hashid, kind=i.kind, target=_target(i.spec))  # type: ignore[arg-type]
+            for i in self.installs.values()
+            if worker_id in i.workers
+        ]
+
+    def install(self, spec: CallableSpec, kind: str, workers: list[int]) -> None:
+        """Before init: record; the manifests carry it to each session."""
+        _target(spec)
+        entry = self.installs.get(spec.handle.hashid)
+        if entry is None:
+            self.installs[spec.handle.hashid] = _Install(spec, kind, set(workers))
+        else:
+            _check_same_kind(entry, kind)
+            entry.workers |= set(workers)
+            entry.refcount += 1
+
+    async def install_live(self, spec: CallableSpec, kind: str, workers: list[int]) -> None:
+        """After init: prepare on every target, then commit on all, or abort on all.
+
+        Raises ``RegistrationError(REGISTER_PARTIAL_FAILURE)`` naming each worker that
+        failed (nothing stays installed), or ``REGISTER_CLEANUP_UNCERTAIN`` naming the
+        workers whose abort or commit could not be confirmed (not used for it).
+        """
+        hashid = spec.handle.hashid
+        entry = self.installs.get(hashid)
+        if entry is not None:
+            _check_same_kind(entry, kind)
+        todo = [w for w in workers if entry is None or w not in entry.workers]
+        prepare = wire.encode_payload(
+            wire.RegisterPrepare(hashid=hashid, kind=kind, target=_target(spec))  # type: ignore[arg-type]
+        )
+        body = wire.encode_payload(wire.HashidBody(hashid=hashid))
+        prepared: list[int] = []
+        failures: dict[int, str] = {}
+        for w in todo:
+            try:
+                await self.control(w, "register_prepare", prepare)
+                prepared.append(w)
+            except (ControlError, EndpointError, TimeoutError, ValueError) as exc:
+                failures[w] = str(exc) or type(exc).__name__
+        uncertain: dict[int, str] = {}
+        if failures:
+            for w in prepared:
+                try:
+                    await self.control(w, "register_abort", body)
+                except (ControlError, EndpointError, TimeoutError) as exc:
+                    uncertain[w] = f"abort failed: {exc}"
+            detail = "; ".join(f"worker {w}: {m}" for w, m in failures.items())
+            if uncertain:
+                raise RegistrationError(
+                    "REGISTER_CLEANUP_UNCERTAIN",
+                    f"cannot register {spec.handle.name} on remote workers: {detail}; "
+                    + "; ".join(f"worker {w}: {m}" for w, m in uncertain.items()),
+                    {**failures, **uncertain},
+                )
+            raise RegistrationError(
+                "REGISTER_PARTIAL_FAILURE",
+                f"cannot register {spec.handle.name} on remote workers: {detail}",
+                failures,
+            )
+        committed: list[int] = []
+        for w in prepared:
+            try:
+                await self.control(w, "register_commit", body)
+                committed.append(w)
+            except (ControlError, EndpointError, TimeoutError) as exc:
+                uncertain[w] = f"commit failed: {exc}"
+        if uncertain:
+            for w in committed:
+                try:
+                    await self.control(w, "unregister", body)
+                except (ControlError, EndpointError, TimeoutError) as exc:
+                    uncertain[w] = f"rollback failed: {exc}"
+            raise RegistrationError(
+                "REGISTER_CLEANUP_UNCERTAIN",
+                f"cannot register {spec.handle.name} on remote workers: "
+                + "; ".join(f"worker {w}: {m}" for w, m in uncertain.items())
+                + " (those workers are not used for it)",
+                uncertain,
+            )
+        if entry is None:
+            self.installs[hashid] = _Install(spec, kind, set(workers))
+        else:
+            entry.workers |= set(workers)
+            entry.refcount += 1
+
+    def uninstall(self, hashid: str) -> list[int] | None:
+        """Drop one reference; the workers to remove it from when it was the last one."""
+        entry = self.installs.get(hashid)
+        if entry is None:
+            return None
+        entry.refcount -= 1
+        if entry.refcount > 0:
+            return []
+        del self.installs[hashid]
+        return sorted(entry.workers)
+
+    async def uninstall_live(self, hashid: str, name: str, workers: list[int]) -> None:
+        body = wire.encode_payload(wire.HashidBody(hashid=hashid))
+        failures: dict[int, str] = {}
+        for w in workers:
+            if w not in self.endpoints:
+                continue
+            try:
+                await self.control(w, "unregister", body)
+            except (ControlError, EndpointError, TimeoutError) as exc:
+                failures[w] = str(exc)
+        if failures:
+            raise RegistrationError(
+                "REGISTER_CLEANUP_UNCERTAIN",
+                f"cannot unregister {name} from remote workers: "
+                + "; ".join(f"worker {w}: {m}" for w, m in failures.items()),
+                failures,
+            )
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def open_all(self, deadline: float) -> dict[int, Any]:
+        """Open every session in parallel under ``deadline``; all or none (``StartupError``)."""
+        todo = [w for w in sorted(self.specs) if w not in self.endpoints]
+        if not todo:
+            return {}
+        opened: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        with ThreadPoolExecutor(max_workers=min(16, len(todo)), thread_name_prefix="attach") as ex:
+            futures = {w: ex.submit(self.open_one, w, deadline) for w in todo}
+            for w, fut in futures.items():
+                try:
+                    opened[w] = fut.result()
+                except BaseException as exc:
+                    errors[w] = exc
+        if errors:
+            for ep in opened.values():
+                ep.shutdown(0.5)
+            first = errors[min(errors)]
+            msg = "; ".join(str(e) for _, e in sorted(errors.items()))
+            raise StartupError(f"cannot start remote workers: {msg}") from first
+        self.endpoints.update(opened)
+        return opened
+
+    def open_one(self, worker_id: int, deadline: float) -> Any:
+        from simpler_daemon.endpoints.remote import RemoteL3Endpoint
+        from simpler_daemon.remote.attach import open_session
+
+        spec = self.specs[worker_id]
+        session = open_session(spec, worker_id, self.manifest_callables(worker_id), deadline)
+        return RemoteL3Endpoint(worker_id, spec, session)
+
+    # -- serving (after init) -----------------------------------------------------------------
+
+    def serve(self, scheduler: Scheduler, driver: Driver) -> None:
+        """Watch every session's sockets with ``driver``; lanes exist in ``scheduler`` now."""
+        self._scheduler = scheduler
+        self._driver = driver
+        for ep in self.endpoints.values():
+            self._watch(ep)
+
+    def _watch(self, ep: Any) -> None:
+        driver = self._driver
+        assert driver is not None
+
+        def readable() -> None:
+            ep.on_readable()
+            if ep.poisoned:
+                self._failed_idle(ep)
+
+        ep.set_fd_watcher(driver.unwatch)
+        for fd in ep.wake_fds():
+            driver.watch(fd, readable)
+
+    def _unwatch(self, ep: Any) -> None:
+        if self._driver is not None:
+            for fd in ep.wake_fds():
+                self._driver.unwatch(fd)
+
+    def attach_live(self, worker_id: int, ep: Any) -> None:
+        """A session opened after init joins the Scheduler as a new lane."""
+        assert self._scheduler is not None
+        self.endpoints[worker_id] = ep
+        self._scheduler.add_next_level(worker_id, ep)
+        self._watch(ep)
+        self._scheduler.wake()
+
+    def _failed_idle(self, ep: Any) -> None:
+        """A session failed while its lane had nothing in flight (no completion will say so)."""
+        sched = self._scheduler
+        if sched is None:
+            return
+        lane = sched.manager.next_level.get(ep.worker_id)
+        if lane is not None and lane.endpoint is ep and not lane.inflight:
+            self.lane_dead(lane)
+
+    def lane_dead(self, lane: WorkerThread) -> None:
+        """The Scheduler's verdict on a drained failed lane: reconnect, or give it up."""
+        ep = lane.endpoint
+        if id(ep) in self._replacing or lane.gone is not None or self._scheduler is None:
+            return
+        reason = f"{getattr(ep, 'label', lane.worker_id)} failed: {getattr(ep, 'failure', '?')}"
+        if not self.reconnect or not self.serving or self._driver is None:
+            self._give_up(lane, ep, reason)
+            return
+        self._replacing.add(id(ep))
+        self._driver.start_soon(lambda: self._reconnect(lane, ep, reason))
+
+    def _give_up(self, lane: WorkerThread, ep: Any, reason: str) -> None:
+        lane.gone = reason
+        self._unwatch(ep)
+        ep.close()
+        self.forget_session(lane.worker_id)
+        assert self._scheduler is not None
+        self._scheduler.wake()
+
+    async def _reconnect(self, lane: WorkerThread, old: Any, reason: str) -> None:
+        wid = lane.worker_id
+        try:
+            self._unwatch(old)
+            old.close()
+            self.forget_session(wid)
+            deadline = time.monotonic() + self.startup_timeout
+            try:
+                ep = await asyncio.to_thread(self.open_one, wid, deadline)
+            except Exception as exc:  # StartupError, or anything opening raised
+                log.error("remote worker %d stays down: %s; reconnect failed: %s", wid, reason, exc)
+                lane.gone = f"{reason}; reconnect failed: {exc}"
+                return
+            if not self.serving:
+                ep.shutdown(0.5)
+                return
+            self.endpoints[wid] = ep
+            lane.endpoint = ep
+            lane.active = lane.staged = None
+            lane.inflight = 0
+            self.reconnects[wid] = self.reconnects.get(wid, 0) + 1
+            self._watch(ep)
+            log.warning("remote worker %d reconnected after: %s", wid, reason)
+        finally:
+            self._replacing.discard(id(old))
+            if self._scheduler is not None:
+                self._scheduler.wake()
+
+    def forget_session(self, worker_id: int) -> None:
+        """A session ended: its buffers went with it (refs to them fail clearly)."""
+        self.endpoints.pop(worker_id, None)
+        for key, buf in list(self.buffers.items()):
+            if key[0] == worker_id:
+                del self.buffers[key]
+            else:
+                buf.imported_by.discard(worker_id)
+
+    def shutdown(self, timeout: float) -> None:
+        """SHUTDOWN every session and close its sockets (runners then exit on their own)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        self.serving = False
+        for ep in self.endpoints.values():
+            self._unwatch(ep)
+            try:
+                ep.shutdown(max(0.05, deadline - time.monotonic()))
+            except Exception:  # closing must go on for the others
+                log.exception("remote worker %s: shutdown failed", ep.worker_id)
+        self.endpoints.clear()
+        self.buffers.clear()
+
+    # -- controls ---------------------------------------------------------------------------
+
+    async def control(self, worker_id: int, name: str, body: bytes) -> bytes:
+        ep = self.endpoint(worker_id, name)
+        if self._deferred_frees:
+            await self._flush_frees()
+        return await self._send(ep, name, body)
+
+    async def _send(self, ep: Any, name: str, body: bytes) -> bytes:
+        # Bound: the loop that runs this coroutine reads the sockets and delivers the reply.
+        # Unbound: nothing else reads them, so the endpoint pumps its own sockets.
+        if self._driver is not None and self._driver.loop is not None:
+            result: bytes = await ep.control_async(name, body)
+        else:
+            result = ep.control(name, body)
+        return result
+
+    async def _flush_frees(self) -> None:
+        frees, self._deferred_frees = self._deferred_frees, []
+        for ref in frees:
+            ep = self.endpoints.get(ref.owner)
+            if ep is None or ep.poisoned:
+                continue
+            body = wire.encode_payload(
+                wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
+            )
+            try:
+                await self._send(ep, "free", body)
+            except (ControlError, EndpointError, TimeoutError) as exc:
+                log.warning("remote worker %s: deferred free of %r failed: %s", ref.owner, ref, exc)
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    async def alloc(
+        self, worker_id: int, shape: tuple[int, ...] | int, dtype: Any
+    ) -> RemoteTensorRef:
+        shp = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shp):
+            raise ValueError(f"cannot alloc_remote: shape {shp} has a negative dimension")
+        dt = np.dtype(dtype)
+        dtype_code(dt)
+        self.endpoint(worker_id, "alloc_remote")
+        raw = await self.control(
+            worker_id, "alloc", wire.encode_payload(wire.AllocBody(shape=list(shp), dtype=dt.name))
+        )
+        res = wire.decode_payload(wire.AllocResult, raw)
+        ref = RemoteTensorRef(worker_id, res.buffer_id, res.generation, shp, dt.name, res.nbytes)
+        self.buffers[ref.key] = _Buffer(ref)
+        return ref
+
+    def _live(self, ref: Any, what: str) -> _Buffer:
+        if not isinstance(ref, RemoteTensorRef):
+            raise TypeError(
+                f"cannot {what}: expected a RemoteTensorRef from alloc_remote, got {type(ref).__name__}"
+            )
+        buf = self.buffers.get(ref.key)
+        if buf is None or buf.freed:
+            raise ValueError(
+                f"cannot {what}: {ref!r} is not a live buffer (freed, or its session ended)"
+            )
+        return buf
+
+    async def copy_to(self, ref: RemoteTensorRef, array: Any) -> None:
+        self._live(ref, "copy_to_remote")
+        src = np.asarray(array)
+        if src.size != int(np.prod(ref.shape, dtype=np.int64)):
+            raise ValueError(
+                f"cannot copy_to_remote: the array has {src.size} elements, {ref!r} has "
+                f"{int(np.prod(ref.shape, dtype=np.int64))}"
+            )
+        data = np.ascontiguousarray(src, dtype=np.dtype(ref.dtype)).tobytes()
+        for off in range(0, max(len(data), 1), CHUNK):
+            body = wire.CopyTo(
+                buffer_id=ref.buffer_id,
+                generation=ref.generation,
+                offset=ref.byte_offset + off,
+                data=data[off : off + CHUNK],
+            )
+            await self.control(ref.owner, "copy_to", wire.encode_payload(body))
+
+    async def copy_from(self, ref: RemoteTensorRef) -> np.ndarray[Any, Any]:
+        self._live(ref, "copy_from_remote")
+        out = np.empty(ref.shape, dtype=np.dtype(ref.dtype))
+        flat = out.reshape(-1).view(np.uint8)
+        for off in range(0, ref.nbytes, CHUNK):
+            n = min(CHUNK, ref.nbytes - off)
+            body = wire.CopyFrom(
+                buffer_id=ref.buffer_id,
+                generation=ref.generation,
+                offset=ref.byte_offset + off,
+                nbytes=n,
+            )
+            raw = await self.control(ref.owner, "copy_from", wire.encode_payload(body))
+            if len(raw) != n:
+                raise EndpointError(
+                    f"cannot copy_from_remote {ref!r}: worker {ref.owner} returned {len(raw)} "
+                    f"bytes for {n}"
+                )
+            flat[off : off + n] = np.frombuffer(raw, dtype=np.uint8)
+        return out
+
+    async def free(self, ref: RemoteTensorRef) -> None:
+        """Free a remote buffer; deferred while a task still references it."""
+        buf = self._live(ref, "free")
+        buf.freed = True
+        for w in sorted(buf.imported_by):
+            await self.release(ref, w, _freeing=True)
+        if buf.pins:
+            self._deferred_frees.append(ref)
+            return
+        del self.buffers[ref.key]
+        body = wire.encode_payload(
+            wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
+        )
+        await self.control(ref.owner, "free", body)
+
+    async def import_(self, ref: RemoteTensorRef, worker_id: int) -> None:
+        """Give ``worker_id`` a snapshot of ``ref`` (read from its owner now)."""
+        buf = self._live(ref, "import_remote")
+        if worker_id == ref.owner:
+            raise ValueError(f"cannot import_remote: worker {worker_id} already owns {ref!r}")
+        self.endpoint(worker_id, "import_remote")
+        data = (await self.copy_from(ref)).reshape(-1).view(np.uint8).tobytes()
+        offsets = list(range(0, len(data), CHUNK)) or [0]
+        for off in offsets:
+            body = wire.ImportBody(
+                owner=ref.owner,
+                buffer_id=ref.buffer_id,
+                generation=ref.generation,
+                dtype=ref.dtype,
+                shape=list(ref.shape),
+                offset=off,
+                data=data[off : off + CHUNK],
+                final=off == offsets[-1],
+            )
+            await self.control(worker_id, "import", wire.encode_payload(body))
+        buf.imported_by.add(worker_id)
+
+    async def release(
+        self, ref: RemoteTensorRef, worker_id: int, *, _freeing: bool = False
+    ) -> None:
+        buf = self.buffers.get(ref.key) if _freeing else self._live(ref, "release_remote")
+        if buf is None or worker_id not in buf.imported_by:
+            raise ValueError(f"cannot release_remote: worker {worker_id} has not imported {ref!r}")
+        buf.imported_by.discard(worker_id)
+        body = wire.encode_payload(
+            wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
+        )
+        if worker_id in self.endpoints:
+            await self.control(worker_id, "release", body)
+
+    # -- RemoteTensors (what the Orchestrator asks at submit) ----------------------------------
+
+    def describe(self, ref: Any, target: int, where: str) -> TensorDesc:
+        buf = self._live(ref, where)
+        if target != ref.owner and target not in buf.imported_by:
+            raise ValueError(
+                f"cannot {where}: {ref!r} belongs to remote worker {ref.owner}; worker {target} "
+                f"has not imported it (Worker.import_remote(ref, worker={target}))"
+            )
+        return TensorDesc(
+            ref.buffer_id,
+            ref.generation,
+            ref.owner,
+            ref.byte_offset,
+            ref.nbytes,
+            dtype_code(ref.dtype),
+            ref.shape,
+            ref.strides,
+            remote=True,
+        )
+
+    def pin(self, key: tuple[int, int, int]) -> None:
+        self.buffers[key].pins += 1
+
+    def unpin(self, key: tuple[int, int, int]) -> None:
+        buf = self.buffers.get(key)
+        if buf is not None:
+            buf.pins -= 1
+            if buf.pins == 0 and buf.freed:
+                del self.buffers[key]
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for wid, spec in sorted(self.specs.items()):
+            ep = self.endpoints.get(wid)
+            stats: dict[str, Any] = ep.stats() if ep is not None else {}
+            session = getattr(ep, "session", None)
+            rows.append(
+                {
+                    "kind": "remote",
+                    "worker_id": wid,
+                    "endpoint": spec.endpoint,
+                    "session_id": getattr(session, "session_id", 0),
+                    "pid": getattr(session, "pid", 0),
+                    "state": "closed" if ep is None else ("failed" if ep.poisoned else "ready"),
+                    "health_age_s": ep.health_age() if ep is not None else None,
+                    "round_trip_us": stats.get("round_trip_us"),
+                    "failures": stats.get("failures", 0),
+                    "reconnects": self.reconnects.get(wid, 0),
+                    "restarts": self.reconnects.get(wid, 0),
+                    "reason": getattr(ep, "failure", None),
+                }
+            )
+        return rows
+
+
+def _target(spec: CallableSpec) -> str:
+    if spec.import_path is None:
+        raise TypeError(
+            f"cannot install {spec.handle.name} into a remote worker: only import paths "
+            "('pkg.mod:fn') can cross hosts, not a local function or lambda"
+        )
+    return spec.import_path
+
+
+def _check_same_kind(entry: _Install, kind: str) -> None:
+    if entry.kind != kind:
+        raise RegistrationError(
+            "HASHID_DESCRIPTOR_MISMATCH",
+            f"cannot register {entry.spec.handle.name} as {kind}: it is registered on remote "
+            f"workers as {entry.kind}",
+        )
