@@ -4,7 +4,7 @@
 
     simplerctl [--socket PATH|HOST:PORT] [--json] COMMAND ...
       info                      daemon version, level, heap, limits, serving state
-      workers                   every worker and its state
+      workers                   every worker and its state (+ remote L3 sessions)
       callables                 every registered callable
       register PATH [--kind]    register "module:qualname" (kind sub, chip or orchestration)
       submit FILE [--wait|--watch] [--timeout S] [--idempotency-key K] [--label L]
@@ -13,6 +13,8 @@
       cancel RUN [--reason R]   cancel a run
       buffers                   every live buffer
       drain [--grace S] [--shutdown]
+      add-remote IP:PORT [--num-sub-workers N] [--num-chips N] [--session-timeout S]
+                                open a session on a simpler-remote-worker (level 4)
 
 A run spec (JSON, or TOML when the file ends in ``.toml``)::
 
@@ -38,6 +40,10 @@ Exit status: 0 ok, 1 the run failed (or was cancelled), 2 usage or validation
 error (a bad spec, an INVALID_ARGUMENT, PERMISSION_DENIED, RESOURCE_EXHAUSTED or
 FAILED_PRECONDITION from the daemon), 3 daemon unreachable, 4 not found,
 5 ``wait``/``--wait`` timed out with the run still active.
+
+This module holds the commands, the argument parser and the exit codes; run
+specs become ``Task`` messages in :mod:`simpler_daemon.cli_spec` and every line
+printed is formatted by :mod:`simpler_daemon.cli_output`.
 """
 
 from __future__ import annotations
@@ -46,15 +52,25 @@ import argparse
 import json
 import math
 import sys
-import tomllib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, NoReturn, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NoReturn
 
 import grpc
-import numpy as np
 
 from simpler_daemon import __version__
-from simpler_daemon.client import TERMINAL_STATES, Client, call_config, make_args, task, tensor
+from simpler_daemon.cli_output import (
+    Out,
+    event_line,
+    print_status,
+    progress_line,
+    remote_header,
+    remote_row,
+    short_name,
+    state_name,
+    to_dict,
+)
+from simpler_daemon.cli_spec import SpecBuilder, SpecError, SpecRpcError, get_field, load_spec
+from simpler_daemon.client import TERMINAL_STATES, Client
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = ["EXIT_FAILED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "main"]
@@ -78,13 +94,7 @@ _STATUS_EXIT: Final[dict[grpc.StatusCode, int]] = {
     grpc.StatusCode.OUT_OF_RANGE: EXIT_USAGE,
     grpc.StatusCode.UNIMPLEMENTED: EXIT_USAGE,
 }
-_SUB_KINDS: Final = ("sub", "sub_group")
-_TASK_KINDS: Final = ("sub", "sub_group", "next_level", "next_level_group")
 _MAX_SHOWN: Final = 64
-
-
-class SpecError(ValueError):
-    """A run spec that cannot be turned into a SubmitRun; names the key."""
 
 
 class _Exit(Exception):
@@ -93,287 +103,7 @@ class _Exit(Exception):
         self.code = code
 
 
-# --------------------------------------------------------------------------- output
-
-
-def to_dict(msg: Any) -> dict[str, Any]:
-    """A message as plain JSON data: enum names, ints as numbers, RFC 3339 timestamps."""
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        name = field.name
-        if field.has_presence and not msg.HasField(name):
-            continue
-        value = getattr(msg, name)
-        if field.is_repeated:
-            out[name] = [_value(field, v) for v in value]
-        else:
-            out[name] = _value(field, value)
-    return out
-
-
-def _value(field: Any, value: Any) -> Any:
-    if field.type == field.TYPE_MESSAGE:
-        if field.message_type.full_name == "google.protobuf.Timestamp":
-            return value.ToJsonString() if (value.seconds or value.nanos) else None
-        return to_dict(value)
-    if field.type == field.TYPE_ENUM:
-        ev = field.enum_type.values_by_number.get(value)
-        return ev.name if ev is not None else value
-    if field.type == field.TYPE_BYTES:
-        return value.hex()
-    return value
-
-
-def _short(enum_name: str) -> str:
-    for prefix in (
-        "RUN_STATE_",
-        "RUN_EVENT_TYPE_",
-        "WORKER_KIND_",
-        "WORKER_STATE_",
-        "SERVING_STATE_",
-        "CALLABLE_KIND_",
-    ):
-        if enum_name.startswith(prefix):
-            return enum_name[len(prefix) :]
-    return enum_name
-
-
-class Out:
-    """Human text or JSON on stdout; errors on stderr."""
-
-    def __init__(self, as_json: bool, stream: TextIO | None = None) -> None:
-        self.json = as_json
-        self.stream = stream or sys.stdout
-
-    def data(self, obj: Any) -> None:
-        print(json.dumps(obj, indent=None if isinstance(obj, list) else 2), file=self.stream)
-
-    def line(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
-
-    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        cells = [[str(c) for c in header], *[[str(c) for c in r] for r in rows]]
-        widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-        for r in cells:
-            self.line("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-
-    def error(self, code: str, message: str) -> None:
-        if self.json:
-            print(json.dumps({"error": {"code": code, "message": message}}), file=self.stream)
-        print(
-            f"simplerctl: {code}: {message}" if code else f"simplerctl: {message}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-# --------------------------------------------------------------------------- run specs
-
-
-def load_spec(path: str) -> dict[str, Any]:
-    """Read a run spec (TOML when the name ends in .toml, else JSON; ``-`` = stdin JSON)."""
-    try:
-        if path == "-":
-            data: Any = json.load(sys.stdin)
-        elif path.endswith(".toml"):
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        else:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-    except OSError as exc:
-        raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise SpecError(f"cannot parse {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: the run spec must be a table/object with 'tasks'")
-    return data
-
-
-def _get(
-    d: Mapping[str, Any], key: str, where: str, kind: type | tuple[type, ...], default: Any = None
-) -> Any:
-    value = d.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise SpecError(f"{where}.{key}: expected {names}, got {type(value).__name__}")
-    return value
-
-
-def _ints(d: Mapping[str, Any], key: str, where: str) -> list[int]:
-    values = _get(d, key, where, list, [])
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise SpecError(f"{where}.{key}[{i}]: expected an integer, got {v!r}")
-    return list(values)
-
-
-class SpecBuilder:
-    """Turns a run spec into Tasks: creates its buffers, registers import paths."""
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.created: dict[str, tuple[int, tuple[int, ...], str]] = {}
-        self._hashids: dict[tuple[str, str], str] = {}
-        self._buffers: dict[int, pb.BufferInfo] | None = None
-
-    def buffers(self, spec: Mapping[str, Any]) -> None:
-        table = _get(spec, "buffers", "spec", dict, {})
-        for name, b in table.items():
-            where = f"buffers.{name}"
-            if not isinstance(b, dict):
-                raise SpecError(f"{where}: expected a table with shape and dtype")
-            shape = tuple(_ints(b, "shape", where))
-            dtype = _get(b, "dtype", where, str, "float32")
-            try:
-                dt = np.dtype(dtype)
-            except TypeError as exc:
-                raise SpecError(f"{where}.dtype: unknown dtype {dtype!r}") from exc
-            arr = np.zeros(shape, dtype=dt)
-            if "data" in b:
-                try:
-                    arr[...] = np.asarray(b["data"], dtype=dt).reshape(shape)
-                except (ValueError, TypeError) as exc:
-                    raise SpecError(f"{where}.data: {exc}") from exc
-            elif "fill" in b:
-                arr[...] = b["fill"]
-            buffer_id = self.client.alloc_array(arr, label=name)
-            self.created[name] = (buffer_id, shape, dt.name)
-
-    def _buffer_info(self, buffer_id: int, where: str) -> pb.BufferInfo:
-        if self._buffers is None:
-            self._buffers = {b.buffer_id: b for b in self.client.list_buffers().buffers}
-        info = self._buffers.get(buffer_id)
-        if info is None:
-            raise SpecError(f"{where}.buffer: buffer {buffer_id} does not exist")
-        return info
-
-    def _tensor(self, t: Any, where: str) -> pb.TensorRef:
-        if not isinstance(t, dict):
-            raise SpecError(f"{where}: expected a table with buffer and tag")
-        ref = t.get("buffer")
-        if isinstance(ref, str):
-            if ref not in self.created:
-                raise SpecError(f"{where}.buffer: no buffer named {ref!r} in [buffers]")
-            buffer_id, bshape, bdtype = self.created[ref]
-        elif isinstance(ref, int) and not isinstance(ref, bool):
-            info = self._buffer_info(ref, where) if ("shape" not in t or "dtype" not in t) else None
-            buffer_id = ref
-            bshape = tuple(info.shape) if info else ()
-            bdtype = info.dtype if info else ""
-        else:
-            raise SpecError(f"{where}.buffer: expected a buffer name or id, got {ref!r}")
-        offset = _get(t, "offset", where, int, 0)
-        dtype = _get(t, "dtype", where, str, bdtype)
-        shape: tuple[int, ...]
-        if "shape" in t:
-            shape = tuple(_ints(t, "shape", where))
-        elif dtype == bdtype and offset == 0:
-            shape = bshape
-        else:
-            itemsize = np.dtype(dtype).itemsize
-            nbytes = math.prod(bshape) * np.dtype(bdtype).itemsize
-            shape = ((nbytes - offset) // itemsize,)
-        try:
-            return tensor(
-                buffer_id,
-                _get(t, "tag", where, (str, int), "input"),
-                shape,
-                dtype,
-                byte_offset=offset,
-                strides=_ints(t, "strides", where) or None,
-                generation=_get(t, "generation", where, int, 0),
-            )
-        except (ValueError, TypeError) as exc:
-            raise SpecError(f"{where}: {exc}") from exc
-
-    def _members(self, t: Mapping[str, Any], where: str) -> list[pb.Args]:
-        members = t.get("members")
-        if members is None:
-            members = [{"tensors": t.get("tensors", []), "scalars": t.get("scalars", [])}]
-        elif "tensors" in t or "scalars" in t:
-            raise SpecError(f"{where}: give either members or tensors/scalars, not both")
-        if not isinstance(members, list):
-            raise SpecError(f"{where}.members: expected a list")
-        out = []
-        for m, member in enumerate(members):
-            mw = f"{where}.members[{m}]"
-            if not isinstance(member, dict):
-                raise SpecError(f"{mw}: expected a table")
-            tensors = _get(member, "tensors", mw, list, [])
-            refs = [self._tensor(x, f"{mw}.tensors[{i}]") for i, x in enumerate(tensors)]
-            out.append(make_args(refs, _ints(member, "scalars", mw)))
-        return out
-
-    def _hashid(self, target: str, kind: str, where: str) -> str:
-        if target.startswith("sha256:"):
-            return target
-        callable_kind = "sub" if kind in _SUB_KINDS else "chip"
-        key = (target, callable_kind)
-        if key not in self._hashids:
-            try:
-                self._hashids[key] = self.client.register(target, callable_kind)
-            except grpc.RpcError as exc:
-                raise _RpcAt(f"{where}.callable", exc) from exc
-        return self._hashids[key]
-
-    def tasks(self, spec: Mapping[str, Any]) -> list[pb.Task]:
-        tasks = spec.get("tasks")
-        if not isinstance(tasks, list) or not tasks:
-            raise SpecError("tasks: the run spec needs a non-empty list of tasks")
-        out = []
-        for i, t in enumerate(tasks):
-            where = f"tasks[{i}]"
-            if not isinstance(t, dict):
-                raise SpecError(f"{where}: expected a table")
-            kind = _get(t, "kind", where, str, "sub").lower()
-            if kind not in _TASK_KINDS:
-                raise SpecError(f"{where}.kind: {kind!r} is not one of {', '.join(_TASK_KINDS)}")
-            target = _get(t, "callable", where, str, "")
-            if not target:
-                raise SpecError(f"{where}.callable: required (an import path or a hashid)")
-            config = None
-            if "config" in t:
-                cfg = _get(t, "config", where, dict)
-                try:
-                    config = call_config(**cfg)
-                except (TypeError, ValueError) as exc:
-                    raise SpecError(f"{where}.config: {exc}") from exc
-            members = self._members(t, where)
-            hashid = self._hashid(target, kind, where)
-            out.append(
-                task(kind, hashid, members, workers=_ints(t, "workers", where), config=config)
-            )
-        return out
-
-
-class _RpcAt(Exception):
-    def __init__(self, where: str, exc: grpc.RpcError) -> None:
-        super().__init__(where)
-        self.where = where
-        self.rpc = exc
-
-
 # --------------------------------------------------------------------------- commands
-
-
-def _state_name(state: int) -> str:
-    return _short(pb.RunState.Name(state)) if state in pb.RunState.values() else str(state)
-
-
-def _print_status(out: Out, status: pb.RunStatus) -> None:
-    if out.json:
-        out.data(to_dict(status))
-        return
-    c = status.counts
-    out.line(
-        f"run {status.run_id}: {_state_name(status.state)} "
-        f"(done {c.done}/{c.total}, failed {c.failed}, running {c.running})"
-    )
-    if status.state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED) and status.error.message:
-        out.line(f"  error: {status.error.message}")
 
 
 def _status_exit(status: pb.RunStatus) -> int:
@@ -394,7 +124,7 @@ def cmd_info(c: Client, a: argparse.Namespace, out: Out) -> int:
         f"simpler-daemon {info.version} (level {info.level}) on {info.hostname}, pid {info.pid}"
     )
     out.line(
-        f"state:    {_short(pb.ServingState.Name(info.serving_state))}, "
+        f"state:    {short_name(pb.ServingState.Name(info.serving_state))}, "
         f"{info.active_runs} active runs"
     )
     out.line(f"workers:  {info.num_sub_workers} SUB, {info.num_next_level_workers} NEXT_LEVEL")
@@ -420,8 +150,8 @@ def cmd_workers(c: Client, a: argparse.Namespace, out: Out) -> int:
         [
             [
                 w.worker_id,
-                _short(pb.WorkerKind.Name(w.kind)),
-                _short(pb.WorkerState.Name(w.state)),
+                short_name(pb.WorkerKind.Name(w.kind)),
+                short_name(pb.WorkerState.Name(w.state)),
                 w.pid,
                 w.tasks_completed,
                 w.restarts,
@@ -430,6 +160,10 @@ def cmd_workers(c: Client, a: argparse.Namespace, out: Out) -> int:
             for w in workers
         ],
     )
+    remotes = [w for w in workers if w.HasField("remote")]
+    if remotes:
+        out.line("")
+        out.table(remote_header(), [remote_row(w) for w in remotes])
     return EXIT_OK
 
 
@@ -441,7 +175,7 @@ def cmd_callables(c: Client, a: argparse.Namespace, out: Out) -> int:
     out.table(
         ["HASHID", "KIND", "REFS", "IMPORT PATH"],
         [
-            [x.hashid, _short(pb.CallableKind.Name(x.kind)), x.refcount, x.import_path]
+            [x.hashid, short_name(pb.CallableKind.Name(x.kind)), x.refcount, x.import_path]
             for x in callables
         ],
     )
@@ -485,11 +219,11 @@ def cmd_buffers(c: Client, a: argparse.Namespace, out: Out) -> int:
 def cmd_submit(c: Client, a: argparse.Namespace, out: Out) -> int:
     spec = load_spec(a.file)
     builder = SpecBuilder(c)
-    label = a.label if a.label is not None else _get(spec, "label", "spec", str, "")
+    label = a.label if a.label is not None else get_field(spec, "label", "spec", str, "")
     key = (
         a.idempotency_key
         if a.idempotency_key is not None
-        else _get(spec, "idempotency_key", "spec", str, "")
+        else get_field(spec, "idempotency_key", "spec", str, "")
     )
     builder.buffers(spec)
     tasks = builder.tasks(spec)
@@ -521,39 +255,10 @@ def cmd_submit(c: Client, a: argparse.Namespace, out: Out) -> int:
             out.data({**to_dict(status), "buffers": buffers, "contents": contents})
     else:
         if a.wait:
-            _print_status(out, status)
+            print_status(out, status)
         for name, values in contents.items():
             out.line(f"  {name} (buffer {buffers[name]}): {values}")
     return code
-
-
-def _progress(ev: pb.RunEvent, width: int = 30) -> str:
-    c = ev.counts
-    total = max(c.total, 1)
-    filled = min(width, round(width * (c.done + c.failed) / total))
-    bar = "#" * filled + "-" * (width - filled)
-    return (
-        f"run {ev.run_id} [{bar}] {c.done + c.failed}/{c.total}  done {c.done}  "
-        f"failed {c.failed}  running {c.running}  {_state_name(ev.state)}"
-    )
-
-
-def _event_line(ev: pb.RunEvent) -> str:
-    parts = [f"run {ev.run_id}", f"#{ev.sequence}", _short(pb.RunEventType.Name(ev.type))]
-    if ev.HasField("task_index"):
-        parts.append(f"task {ev.task_index}")
-    if ev.HasField("member_index"):
-        parts.append(f"member {ev.member_index}")
-    if ev.HasField("worker_id"):
-        parts.append(f"worker {ev.worker_id}")
-    if ev.outcome:
-        parts.append(ev.outcome)
-    c = ev.counts
-    parts.append(f"(done {c.done}/{c.total}, failed {c.failed}, running {c.running})")
-    parts.append(_state_name(ev.state))
-    if ev.message:
-        parts.append("- " + ev.message.splitlines()[0])
-    return " ".join(parts)
 
 
 def _watch(c: Client, run_id: int, out: Out, timeout: float | None = None) -> int:
@@ -564,9 +269,9 @@ def _watch(c: Client, run_id: int, out: Out, timeout: float | None = None) -> in
         if out.json:
             print(json.dumps(to_dict(ev)), file=out.stream, flush=True)
         elif tty:
-            print("\r\x1b[2K" + _progress(ev), end="", file=out.stream, flush=True)
+            print("\r\x1b[2K" + progress_line(ev), end="", file=out.stream, flush=True)
         else:
-            out.line(_event_line(ev))
+            out.line(event_line(ev))
         if ev.type == pb.RUN_EVENT_TYPE_RUN_STATE and ev.state in TERMINAL_STATES:
             break
     if tty:
@@ -577,7 +282,7 @@ def _watch(c: Client, run_id: int, out: Out, timeout: float | None = None) -> in
         status = c.wait_run(run_id, 0)
         if status.error.message:
             print(
-                f"simplerctl: run {run_id} {_state_name(last.state)}: {status.error.message}",
+                f"simplerctl: run {run_id} {state_name(last.state)}: {status.error.message}",
                 file=sys.stderr,
             )
     return EXIT_OK if last.state == pb.RUN_STATE_COMPLETED else EXIT_FAILED
@@ -589,9 +294,9 @@ def cmd_watch(c: Client, a: argparse.Namespace, out: Out) -> int:
 
 def cmd_wait(c: Client, a: argparse.Namespace, out: Out) -> int:
     status = c.wait_run(a.run, a.timeout)
-    _print_status(out, status)
+    print_status(out, status)
     if status.state not in TERMINAL_STATES and not out.json:
-        out.line(f"  still {_state_name(status.state)} after {a.timeout}s")
+        out.line(f"  still {state_name(status.state)} after {a.timeout}s")
     return _status_exit(status)
 
 
@@ -600,9 +305,21 @@ def cmd_cancel(c: Client, a: argparse.Namespace, out: Out) -> int:
     if out.json:
         out.data({"run_id": a.run, **to_dict(response)})
     elif response.already_finished:
-        out.line(f"run {a.run} had already finished ({_state_name(response.state)})")
+        out.line(f"run {a.run} had already finished ({state_name(response.state)})")
     else:
-        out.line(f"run {a.run} cancelled ({_state_name(response.state)})")
+        out.line(f"run {a.run} cancelled ({state_name(response.state)})")
+    return EXIT_OK
+
+
+def cmd_add_remote(c: Client, a: argparse.Namespace, out: Out) -> int:
+    options: dict[str, Any] = {}
+    if a.session_timeout is not None:
+        options["session_timeout_s"] = a.session_timeout
+    worker_id = c.add_remote_worker(a.endpoint, a.num_sub_workers, a.num_chips, **options)
+    if out.json:
+        out.data({"worker_id": worker_id})
+    else:
+        out.line(f"remote worker {worker_id} added: {a.endpoint}")
     return EXIT_OK
 
 
@@ -701,6 +418,11 @@ def _parser() -> argparse.ArgumentParser:
     p = add("drain", cmd_drain, "stop admitting runs; optionally stop the daemon")
     p.add_argument("--grace", type=_seconds, help="seconds admitted runs get (default: config)")
     p.add_argument("--shutdown", action="store_true", help="stop the daemon afterwards")
+    p = add("add-remote", cmd_add_remote, "open a session on a simpler-remote-worker (level 4)")
+    p.add_argument("endpoint", metavar="IP:PORT", help="address of the simpler-remote-worker")
+    p.add_argument("--num-sub-workers", type=int, default=0, help="SUB workers there (default 1)")
+    p.add_argument("--num-chips", type=int, default=0, help="simulated chips there")
+    p.add_argument("--session-timeout", type=_seconds, help="health silence allowed (30 s)")
     return ap
 
 
@@ -738,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         out.error("INVALID_SPEC", str(exc))
         return EXIT_USAGE
-    except _RpcAt as exc:
+    except SpecRpcError as exc:
         return _rpc_failed(out, exc.rpc, client.target, where=exc.where)
     except grpc.RpcError as exc:
         return _rpc_failed(out, exc, client.target)

@@ -19,6 +19,10 @@ Targets: a Unix socket path (``/run/simpler-daemon/daemon.sock`` or
 ``TaskError`` (``RunCancelled`` for a cancelled run) and ``TimeoutError``;
 every other failure is the ``grpc.RpcError`` with the daemon's status and a
 message naming the offending field.
+
+This module holds the channels (target, TLS, token, per-call deadlines) and
+the same-host zero-copy view of the daemon's heap; every request is built by
+:mod:`simpler_daemon.client_requests`.
 """
 
 from __future__ import annotations
@@ -26,19 +30,38 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Final
 
 import grpc
 import numpy as np
 
-from simpler_daemon.args import Tag
-from simpler_daemon.errors import RunCancelled, TaskError
+from simpler_daemon.client_requests import (
+    TERMINAL_STATES,
+    add_remote_request,
+    alloc_request,
+    array_bytes,
+    call_config,
+    drain_request,
+    make_args,
+    orchestration_request,
+    raise_for_status,
+    read_request,
+    register_request,
+    sub_task,
+    submit_request,
+    task,
+    tensor,
+    wait_request,
+    write_chunk,
+    write_requests,
+)
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
 __all__ = [
     "CLIENT_ID_METADATA",
+    "TERMINAL_STATES",
     "AsyncClient",
     "Client",
     "call_config",
@@ -55,150 +78,7 @@ CLIENT_ID_METADATA: Final = "x-simpler-client"
 #: Environment variables read when no target / token is given.
 ENV_TARGET: Final = "SIMPLER_DAEMON_SOCKET"
 ENV_TOKEN: Final = "SIMPLER_DAEMON_TOKEN"
-WRITE_CHUNK: Final = 1 << 20
 DEFAULT_TIMEOUT: Final = 30.0
-TERMINAL_STATES: Final = frozenset(
-    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
-)
-
-_TAGS: Final[dict[str, int]] = {
-    "input": pb.TAG_INPUT,
-    "output": pb.TAG_OUTPUT,
-    "inout": pb.TAG_INOUT,
-    "output_existing": pb.TAG_OUTPUT_EXISTING,
-    "no_dep": pb.TAG_NO_DEP,
-}
-_ENGINE_TAGS: Final[dict[Tag, int]] = {
-    Tag.INPUT: pb.TAG_INPUT,
-    Tag.OUTPUT: pb.TAG_OUTPUT,
-    Tag.INOUT: pb.TAG_INOUT,
-    Tag.OUTPUT_EXISTING: pb.TAG_OUTPUT_EXISTING,
-    Tag.NO_DEP: pb.TAG_NO_DEP,
-}
-_TASK_KINDS: Final[dict[str, int]] = {
-    "sub": pb.TASK_KIND_SUB,
-    "sub_group": pb.TASK_KIND_SUB_GROUP,
-    "next_level": pb.TASK_KIND_NEXT_LEVEL,
-    "next_level_group": pb.TASK_KIND_NEXT_LEVEL_GROUP,
-}
-_CALLABLE_KINDS: Final[dict[str, pb.CallableKind]] = {
-    "sub": pb.CALLABLE_KIND_SUB,
-    "orchestration": pb.CALLABLE_KIND_ORCHESTRATION,
-    "chip": pb.CALLABLE_KIND_CHIP,
-}
-
-
-# --------------------------------------------------------------------------- building requests
-
-
-def _tag(tag: str | int | Tag) -> int:
-    if isinstance(tag, Tag):
-        return _ENGINE_TAGS[tag]
-    if isinstance(tag, str):
-        key = tag.strip().lower().removeprefix("tag_")
-        if key not in _TAGS:
-            raise ValueError(f"unknown tag {tag!r} (choose one of {', '.join(_TAGS)})")
-        return _TAGS[key]
-    return int(tag)
-
-
-def tensor(
-    buffer_id: int,
-    tag: str | int | Tag,
-    shape: Sequence[int],
-    dtype: str | np.dtype[Any] | type,
-    *,
-    byte_offset: int = 0,
-    strides: Sequence[int] | None = None,
-    generation: int = 0,
-) -> pb.TensorRef:
-    """A ``TensorRef``: a view of ``shape``/``dtype`` at ``byte_offset`` in a buffer.
-
-    ``tag`` is ``"input"``, ``"output"``, ``"inout"``, ``"output_existing"``,
-    ``"no_dep"`` (or a ``simpler_daemon.Tag``).
-    """
-    return pb.TensorRef(
-        buffer_id=buffer_id,
-        generation=generation,
-        byte_offset=byte_offset,
-        shape=[int(d) for d in shape],
-        dtype=np.dtype(dtype).name,
-        strides=[int(s) for s in strides or ()],
-        tag=_tag(tag),  # type: ignore[arg-type]
-    )
-
-
-def make_args(tensors: Iterable[pb.TensorRef] = (), scalars: Iterable[int] = ()) -> pb.Args:
-    """The arguments of one call: tensors and u64 scalars, in order."""
-    return pb.Args(tensors=list(tensors), scalars=[int(s) for s in scalars])
-
-
-def call_config(
-    *,
-    deadline_ms: int = 0,
-    threads: int = 0,
-    enable_profile: bool = False,
-    enable_dump_args: bool = False,
-    output_prefix: str = "",
-) -> pb.CallConfig:
-    return pb.CallConfig(
-        deadline_ms=deadline_ms,
-        threads=threads,
-        enable_profile=enable_profile,
-        enable_dump_args=enable_dump_args,
-        output_prefix=output_prefix,
-    )
-
-
-def task(
-    kind: str | int,
-    hashid: str,
-    members: Sequence[pb.Args],
-    *,
-    workers: Sequence[int] = (),
-    config: pb.CallConfig | None = None,
-) -> pb.Task:
-    """A ``Task``: ``kind`` is ``"sub"``, ``"sub_group"``, ``"next_level"`` or
-    ``"next_level_group"``; one ``Args`` per member; NEXT_LEVEL targets in ``workers``."""
-    if isinstance(kind, str):
-        if kind.lower() not in _TASK_KINDS:
-            raise ValueError(f"unknown task kind {kind!r} (choose one of {', '.join(_TASK_KINDS)})")
-        kind = _TASK_KINDS[kind.lower()]
-    out = pb.Task(kind=kind, hashid=hashid, members=list(members), workers=list(workers))  # type: ignore[arg-type]
-    if config is not None:
-        out.config.CopyFrom(config)
-    return out
-
-
-def sub_task(
-    hashid: str,
-    tensors: Iterable[pb.TensorRef] = (),
-    scalars: Iterable[int] = (),
-    config: pb.CallConfig | None = None,
-) -> pb.Task:
-    """One SUB call of ``hashid``."""
-    return task("sub", hashid, [make_args(tensors, scalars)], config=config)
-
-
-def raise_for_status(status: pb.RunStatus) -> pb.RunStatus:
-    """Return a COMPLETED status; raise ``TaskError`` / ``RunCancelled`` for a failed one."""
-    if status.state == pb.RUN_STATE_COMPLETED:
-        return status
-    if status.state not in TERMINAL_STATES:
-        raise TimeoutError(
-            f"run {status.run_id} is still {pb.RunState.Name(status.state).removeprefix('RUN_STATE_')}"
-        )
-    err = status.error
-    cls = RunCancelled if status.state == pb.RUN_STATE_CANCELLED else TaskError
-    raise cls(
-        err.message or f"run {status.run_id} {pb.RunState.Name(status.state)}",
-        run_id=status.run_id,
-        worker_id=err.worker_id if err.HasField("worker_id") else None,
-        hashid=err.hashid or None,
-        dispatch_id=err.dispatch_id or None,
-        outcome=err.outcome or "TASK_FAILURE",
-        remote_text=err.remote_text,
-    )
 
 
 def default_target() -> str:
@@ -225,26 +105,6 @@ def _read(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def _submit_request(
-    tasks: Sequence[pb.Task], key: str, label: str, wait_seconds: float | None
-) -> pb.SubmitRunRequest:
-    request = pb.SubmitRunRequest(tasks=list(tasks), idempotency_key=key, label=label)
-    if wait_seconds is not None:
-        request.wait_seconds = wait_seconds
-    return request
-
-
-def _orchestration_request(
-    hashid: str, args: pb.Args | None, config: pb.CallConfig | None, key: str, label: str
-) -> pb.RunOrchestrationRequest:
-    request = pb.RunOrchestrationRequest(hashid=hashid, idempotency_key=key, label=label)
-    if args is not None:
-        request.args.CopyFrom(args)
-    if config is not None:
-        request.config.CopyFrom(config)
-    return request
 
 
 class _Base:
@@ -343,24 +203,6 @@ class _Base:
     def _open(self) -> None:
         raise NotImplementedError  # each client opens its own kind of channel
 
-    def _write_requests(
-        self, buffer_id: int, data: Any, offset: int, generation: int, chunk: int
-    ) -> Iterator[pb.WriteBufferRequest]:
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-        yield pb.WriteBufferRequest(
-            target=pb.WriteBufferTarget(buffer_id=buffer_id, generation=generation, offset=offset)
-        )
-        for start in range(0, len(view), chunk):
-            yield pb.WriteBufferRequest(data=bytes(view[start : start + chunk]))
-
-    def _chunk_for(self, max_message: int, chunk: int | None) -> int:
-        limit = max(1, max_message - 1024)
-        return min(chunk or WRITE_CHUNK, limit)
-
-
-def _array_bytes(array: np.ndarray[Any, Any]) -> memoryview:
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-
 
 class Client(_Base):
     """Blocking client; one channel, closed by :meth:`close` (or ``with``).
@@ -405,11 +247,7 @@ class Client(_Base):
     def register_callable(
         self, import_path: str, kind: str = "sub", workers: Sequence[int] = ()
     ) -> pb.RegisterCallableResponse:
-        request = pb.RegisterCallableRequest(
-            import_path=import_path,
-            kind=_CALLABLE_KINDS.get(kind, pb.CALLABLE_KIND_UNSPECIFIED),
-            workers=list(workers),
-        )
+        request = register_request(import_path, kind, workers)
         return self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
 
     def register(self, import_path: str, kind: str = "sub") -> str:
@@ -429,15 +267,13 @@ class Client(_Base):
     def alloc_buffer(
         self, shape: Sequence[int], dtype: Any, label: str = ""
     ) -> pb.AllocBufferResponse:
-        request = pb.AllocBufferRequest(
-            shape=[int(d) for d in shape], dtype=np.dtype(dtype).name, label=label
-        )
+        request = alloc_request(shape, dtype, label)
         return self._call(self.stub.AllocBuffer, request)  # type: ignore[no-any-return]
 
     def _max_chunk(self, chunk: int | None) -> int:
         if self._chunk is None:
             self._chunk = int(self.get_info().limits.max_message_bytes)
-        return self._chunk_for(self._chunk, chunk)
+        return write_chunk(self._chunk, chunk)
 
     def write_buffer(
         self,
@@ -449,10 +285,10 @@ class Client(_Base):
         chunk_bytes: int | None = None,
     ) -> int:
         """Write ``data`` at ``offset``; returns the bytes written."""
-        payload = _array_bytes(data) if isinstance(data, np.ndarray) else data
+        payload = array_bytes(data) if isinstance(data, np.ndarray) else data
         chunk = self._max_chunk(chunk_bytes)
         response = self.stub.WriteBuffer(
-            self._write_requests(buffer_id, payload, offset, generation, chunk),
+            write_requests(buffer_id, payload, offset, generation, chunk),
             timeout=self.timeout,
             metadata=self.metadata,
         )
@@ -468,13 +304,7 @@ class Client(_Base):
         chunk_bytes: int = 0,
     ) -> bytes:
         """The bytes ``[offset, offset + length)`` (length 0 = to the end)."""
-        request = pb.ReadBufferRequest(
-            buffer_id=buffer_id,
-            generation=generation,
-            offset=offset,
-            length=length,
-            chunk_bytes=chunk_bytes,
-        )
+        request = read_request(buffer_id, offset, length, generation, chunk_bytes)
         stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
         return b"".join(chunk.data for chunk in stream)
 
@@ -517,7 +347,7 @@ class Client(_Base):
         label: str = "",
         wait_seconds: float | None = None,
     ) -> pb.SubmitRunResponse:
-        request = _submit_request(tasks, idempotency_key, label, wait_seconds)
+        request = submit_request(tasks, idempotency_key, label, wait_seconds)
         timeout = None if wait_seconds is None else wait_seconds + DEFAULT_TIMEOUT
         return self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
 
@@ -544,7 +374,7 @@ class Client(_Base):
         label: str = "",
     ) -> int:
         """Run a registered orchestration function in the daemon; returns the run id."""
-        request = _orchestration_request(hashid, args, config, idempotency_key, label)
+        request = orchestration_request(hashid, args, config, idempotency_key, label)
         return int(self._call(self.stub.RunOrchestration, request).run_id)
 
     def watch(self, run_id: int, after_sequence: int = 0) -> Iterator[pb.RunEvent]:
@@ -558,9 +388,7 @@ class Client(_Base):
 
     def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
         """The run's status once terminal or after ``timeout`` seconds (no exception)."""
-        request = pb.WaitRunRequest(run_id=run_id)
-        if timeout is not None:
-            request.timeout_seconds = timeout
+        request = wait_request(run_id, timeout)
         deadline = None if timeout is None else timeout + DEFAULT_TIMEOUT
         return self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
 
@@ -575,16 +403,19 @@ class Client(_Base):
 
     # -- operations ---------------------------------------------------------------------
 
-    def add_remote_worker(self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0) -> int:
-        request = pb.AddRemoteWorkerRequest(
-            endpoint=endpoint, num_sub_workers=num_sub_workers, num_chips=num_chips
-        )
+    def add_remote_worker(
+        self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0, **options: Any
+    ) -> int:
+        """Open a session on a simpler-remote-worker (level-4 daemon); its worker id.
+
+        ``options``: the other ``AddRemoteWorkerRequest`` fields (``session_timeout_s``,
+        ``heap_bytes``, ``token_file``, ``tls_ca_file``...).
+        """
+        request = add_remote_request(endpoint, num_sub_workers, num_chips, options)
         return int(self._call(self.stub.AddRemoteWorker, request).worker_id)
 
     def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
-        request = pb.DrainRequest(shutdown=shutdown)
-        if grace is not None:
-            request.grace_seconds = grace
+        request = drain_request(grace, shutdown)
         timeout = None if grace is None else grace + DEFAULT_TIMEOUT
         return self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
 
@@ -621,11 +452,7 @@ class AsyncClient(_Base):
     async def register_callable(
         self, import_path: str, kind: str = "sub", workers: Sequence[int] = ()
     ) -> pb.RegisterCallableResponse:
-        request = pb.RegisterCallableRequest(
-            import_path=import_path,
-            kind=_CALLABLE_KINDS.get(kind, pb.CALLABLE_KIND_UNSPECIFIED),
-            workers=list(workers),
-        )
+        request = register_request(import_path, kind, workers)
         return await self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
 
     async def register(self, import_path: str, kind: str = "sub") -> str:
@@ -642,15 +469,13 @@ class AsyncClient(_Base):
     async def alloc_buffer(
         self, shape: Sequence[int], dtype: Any, label: str = ""
     ) -> pb.AllocBufferResponse:
-        request = pb.AllocBufferRequest(
-            shape=[int(d) for d in shape], dtype=np.dtype(dtype).name, label=label
-        )
+        request = alloc_request(shape, dtype, label)
         return await self._call(self.stub.AllocBuffer, request)  # type: ignore[no-any-return]
 
     async def _max_chunk(self, chunk: int | None) -> int:
         if self._chunk is None:
             self._chunk = int((await self.get_info()).limits.max_message_bytes)
-        return self._chunk_for(self._chunk, chunk)
+        return write_chunk(self._chunk, chunk)
 
     async def write_buffer(
         self,
@@ -661,10 +486,10 @@ class AsyncClient(_Base):
         generation: int = 0,
         chunk_bytes: int | None = None,
     ) -> int:
-        payload = _array_bytes(data) if isinstance(data, np.ndarray) else data
+        payload = array_bytes(data) if isinstance(data, np.ndarray) else data
         chunk = await self._max_chunk(chunk_bytes)
         response = await self.stub.WriteBuffer(
-            self._write_requests(buffer_id, payload, offset, generation, chunk),
+            write_requests(buffer_id, payload, offset, generation, chunk),
             timeout=self.timeout,
             metadata=self.metadata,
         )
@@ -679,13 +504,7 @@ class AsyncClient(_Base):
         generation: int = 0,
         chunk_bytes: int = 0,
     ) -> bytes:
-        request = pb.ReadBufferRequest(
-            buffer_id=buffer_id,
-            generation=generation,
-            offset=offset,
-            length=length,
-            chunk_bytes=chunk_bytes,
-        )
+        request = read_request(buffer_id, offset, length, generation, chunk_bytes)
         parts = [
             chunk.data
             async for chunk in self.stub.ReadBuffer(
@@ -735,7 +554,7 @@ class AsyncClient(_Base):
         label: str = "",
         wait_seconds: float | None = None,
     ) -> pb.SubmitRunResponse:
-        request = _submit_request(tasks, idempotency_key, label, wait_seconds)
+        request = submit_request(tasks, idempotency_key, label, wait_seconds)
         timeout = None if wait_seconds is None else wait_seconds + DEFAULT_TIMEOUT
         return await self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
 
@@ -754,7 +573,7 @@ class AsyncClient(_Base):
         idempotency_key: str = "",
         label: str = "",
     ) -> int:
-        request = _orchestration_request(hashid, args, config, idempotency_key, label)
+        request = orchestration_request(hashid, args, config, idempotency_key, label)
         return int((await self._call(self.stub.RunOrchestration, request)).run_id)
 
     async def watch(self, run_id: int, after_sequence: int = 0) -> AsyncIterator[pb.RunEvent]:
@@ -767,9 +586,7 @@ class AsyncClient(_Base):
             call.cancel()
 
     async def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
-        request = pb.WaitRunRequest(run_id=run_id)
-        if timeout is not None:
-            request.timeout_seconds = timeout
+        request = wait_request(run_id, timeout)
         deadline = None if timeout is None else timeout + DEFAULT_TIMEOUT
         return await self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
 
@@ -781,16 +598,13 @@ class AsyncClient(_Base):
         return await self._call(self.stub.CancelRun, request)  # type: ignore[no-any-return]
 
     async def add_remote_worker(
-        self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0
+        self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0, **options: Any
     ) -> int:
-        request = pb.AddRemoteWorkerRequest(
-            endpoint=endpoint, num_sub_workers=num_sub_workers, num_chips=num_chips
-        )
+        """See :meth:`Client.add_remote_worker`."""
+        request = add_remote_request(endpoint, num_sub_workers, num_chips, options)
         return int((await self._call(self.stub.AddRemoteWorker, request)).worker_id)
 
     async def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
-        request = pb.DrainRequest(shutdown=shutdown)
-        if grace is not None:
-            request.grace_seconds = grace
+        request = drain_request(grace, shutdown)
         timeout = None if grace is None else grace + DEFAULT_TIMEOUT
         return await self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]

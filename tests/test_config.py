@@ -89,6 +89,18 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "chip_pipeline_depth": 1,
         "heap_bytes": 4096,
         "heap_shared": False,
+        "remote": [
+            cfg.RemoteWorkerConfig(
+                endpoint="127.0.0.1:19073",
+                num_sub_workers=2,
+                num_chips=1,
+                token_file="/etc/simpler/token",
+                tls_ca_file="/etc/simpler/ca.pem",
+                tls_server_name="worker-1",
+                callables=[cfg.RemoteCallableConfig(target="pkg.l3:step", kind="orchestration")],
+            )
+        ],
+        "remote_credentials_dir": "/etc/simpler/remote",
     },
     "grpc": {
         "unix_socket": "/srv/simpler/d.sock",
@@ -126,6 +138,8 @@ def test_non_default_table_covers_every_option() -> None:
 @pytest.mark.parametrize("section", list(NON_DEFAULTS))
 def test_each_section_round_trips_through_dump_and_load(tmp_path: Path, section: str) -> None:
     base = cfg.load(None, env={})
+    if section == "workers":  # [[workers.remote]] tables need a level-4 daemon
+        base = msgspec.structs.replace(base, daemon=msgspec.structs.replace(base.daemon, level=4))
     changed = msgspec.structs.replace(getattr(base, section), **NON_DEFAULTS[section])
     config = msgspec.structs.replace(base, **{section: changed})
     text = cfg.dump(config)
@@ -396,3 +410,154 @@ def test_config_is_frozen() -> None:
     config = DaemonConfig()
     with pytest.raises(AttributeError):
         config.daemon.level = 4  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- [[workers.remote]]
+
+L4 = "[daemon]\nlevel = 4\n[workers]\nnum_sub_workers = 0\nnum_chips = 0\n"
+
+
+def test_remote_tables_load_with_defaults(tmp_path: Path) -> None:
+    config = load_text(
+        tmp_path,
+        L4
+        + "[[workers.remote]]\nendpoint = '127.0.0.1:19073'\n"
+        + "callables = [{target = 'pkg.l3:step', kind = 'orchestration'}]\n"
+        + "[[workers.remote]]\nendpoint = 'localhost:19074'\nnum_sub_workers = 0\n"
+        + "num_chips = 2\ntoken_file = '/etc/t'\ntls_ca_file = '/etc/ca.pem'\n"
+        + "tls_cert_file = '/etc/c.pem'\ntls_key_file = '/etc/k.pem'\n"
+        + "session_timeout_s = 2.5\n",
+    )
+    first, second = config.workers.remote
+    assert first == cfg.RemoteWorkerConfig(
+        endpoint="127.0.0.1:19073",
+        callables=[cfg.RemoteCallableConfig(target="pkg.l3:step", kind="orchestration")],
+    )
+    assert (first.num_sub_workers, first.num_chips, first.heap_bytes) == (1, 0, 64 * cfg.MIB)
+    assert first.session_timeout_s == 30.0 and first.token_file == ""
+    assert (second.num_sub_workers, second.num_chips, second.session_timeout_s) == (0, 2, 2.5)
+    # At level 4, 0 SUB workers means none (not one per CPU as at level 3).
+    assert config.workers.num_sub_workers == 0
+    assert load_text(tmp_path, cfg.dump(config)) == config
+
+
+def test_remote_tables_from_the_environment(tmp_path: Path) -> None:
+    config = load_text(
+        tmp_path,
+        L4,
+        env={"SIMPLER_DAEMON__WORKERS__REMOTE": "[{endpoint = '127.0.0.1:9', num_chips = 1}]"},
+    )
+    assert config.workers.remote == [cfg.RemoteWorkerConfig(endpoint="127.0.0.1:9", num_chips=1)]
+
+
+REMOTE = "[[workers.remote]]\nendpoint = '127.0.0.1:19073'\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        (
+            "[workers]\n" + REMOTE,
+            "workers.remote",
+            "[[workers.remote]] tables need daemon.level = 4 (it is 3)",
+        ),
+        (
+            L4 + "[[workers.remote]]\nnum_chips = 1\n",
+            "workers.remote[0].endpoint",
+            "workers.remote[0].endpoint: required",
+        ),
+        (
+            L4 + REMOTE + "[[workers.remote]]\nendpoint = 'worker-2.example:19073'\n",
+            "workers.remote[1].endpoint",
+            "'worker-2.example' is not a numeric address",
+        ),
+        (
+            L4 + "[[workers.remote]]\nendpoint = '127.0.0.1'\n",
+            "workers.remote[0].endpoint",
+            "port missing",
+        ),
+        (
+            L4 + "[[workers.remote]]\nendpoint = '127.0.0.1:70000'\n",
+            "workers.remote[0].endpoint",
+            "out of range",
+        ),
+        (
+            L4 + REMOTE + "num_sub_workers = 0\n",
+            "workers.remote[0].num_sub_workers",
+            "needs num_sub_workers or num_chips > 0",
+        ),
+        (L4 + REMOTE + "num_chips = -1\n", "workers.remote[0].num_chips", "must be >= 0"),
+        (L4 + REMOTE + "heap_bytes = 0\n", "workers.remote[0].heap_bytes", "must be > 0"),
+        (
+            L4 + REMOTE + "session_timeout_s = 0.0\n",
+            "workers.remote[0].session_timeout_s",
+            "must be > 0",
+        ),
+        (
+            L4 + REMOTE + "session_timeout_s = inf\n",
+            "workers.remote[0].session_timeout_s",
+            "must be > 0",
+        ),
+        (
+            L4 + REMOTE + "chip_pipeline_depth = 3\n",
+            "workers.remote[0].chip_pipeline_depth",
+            "choose one of 1, 2",
+        ),
+        (
+            L4 + REMOTE + "token_file = 'token'\n",
+            "workers.remote[0].token_file",
+            "must be an absolute path",
+        ),
+        (
+            L4 + REMOTE + "tls_ca_file = '/ca'\ntls_cert_file = '/c'\n",
+            "workers.remote[0].tls_key_file",
+            "tls_cert_file and tls_key_file go together",
+        ),
+        (
+            L4 + REMOTE + "tls_cert_file = '/c'\ntls_key_file = '/k'\n",
+            "workers.remote[0].tls_cert_file",
+            "requires workers.remote[0].tls_ca_file",
+        ),
+        (
+            L4 + REMOTE + "tls_server_name = 'w1'\n",
+            "workers.remote[0].tls_server_name",
+            "requires workers.remote[0].tls_ca_file",
+        ),
+        (
+            L4 + REMOTE + "endpointt = '127.0.0.1:1'\n",
+            "workers.remote[0].endpointt",
+            "unknown key workers.remote[0].endpointt",
+        ),
+        (
+            L4 + REMOTE + "callables = [{target = 'pkg:f', kind = 'remote'}]\n",
+            "workers.remote[0].callables[0].kind",
+            "choose one of 'sub', 'chip', 'orchestration'",
+        ),
+        (
+            L4 + REMOTE + "callables = [{target = 'pkg:f'}]\n",
+            "workers.remote[0].callables[0].kind",
+            "workers.remote[0].callables[0].kind: required",
+        ),
+        (
+            L4 + REMOTE + "callables = [{target = 'pkg:f', kind = 'sub'}, "
+            "{target = 'nocolon', kind = 'sub'}]\n",
+            "workers.remote[0].callables[1].target",
+            "module:qualname",
+        ),
+        (
+            L4 + "remote_credentials_dir = 'creds'\n",
+            "workers.remote_credentials_dir",
+            "must be an absolute path",
+        ),
+    ],
+)
+def test_remote_errors_name_the_table_and_key(
+    tmp_path: Path, text: str, key: str, expected: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        cfg.load(path, env={})
+    message = str(info.value)
+    assert message.startswith(f"cannot load config {path}: "), message
+    assert expected in message, message
+    assert info.value.key == key

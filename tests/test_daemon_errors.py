@@ -398,10 +398,10 @@ CASES: list[tuple[str, Callable[[Ctx], Any], grpc.StatusCode, str]] = [
         "hashid: simpler_daemon.examples.tasks:fill is registered as sub",
     ),
     (
-        "remote worker",
-        lambda c: c.client.add_remote_worker("10.0.0.1:19073"),
-        Code.UNIMPLEMENTED,
-        "remote L3 workers are not available in this build",
+        "remote worker on a level-3 daemon",
+        lambda c: c.client.add_remote_worker("127.0.0.1:19073"),
+        Code.FAILED_PRECONDITION,
+        "cannot add a remote worker: this daemon is level 3",
     ),
     (
         "drain negative grace",

@@ -279,6 +279,9 @@ def test_exit_codes(ctl: Ctl, tmp_path: Path) -> None:
     code, _, err = ctl("submit", str(bad))
     assert code == 2 and "INVALID_ARGUMENT" in err and "tasks[0].members[0].tensors[0]" in err
 
+    code, _, err = ctl("add-remote", "127.0.0.1:19073", "--num-sub-workers", "1")
+    assert code == 2 and "FAILED_PRECONDITION" in err and "this daemon is level 3" in err
+
     code, _, err = ctl("wait", "not-a-number")
     assert code == 2
     code, _, err = ctl()

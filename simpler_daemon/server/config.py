@@ -39,6 +39,8 @@ __all__ = [
     "GrpcConfig",
     "LimitsConfig",
     "MetricsConfig",
+    "RemoteCallableConfig",
+    "RemoteWorkerConfig",
     "ServiceConfig",
     "WorkersConfig",
     "default_runtime_dir",
@@ -83,11 +85,46 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Ping the systemd watchdog from the event loop when systemd asks for it."""
 
 
+class RemoteCallableConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One ``callables`` entry of a ``[[workers.remote]]`` table: installed at start."""
+
+    target: str
+    """``module:qualname``, importable on the remote host."""
+    kind: Literal["sub", "chip", "orchestration"]
+
+
+class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[workers.remote]]`` table (level 4): a session on a simpler-remote-worker."""
+
+    endpoint: str
+    """"IP:PORT" (or "localhost:PORT") of the simpler-remote-worker; host names are
+    not resolved."""
+    num_sub_workers: int = 1
+    num_chips: int = 0
+    chip_pipeline_depth: Literal[1, 2] = 2
+    heap_bytes: int = 64 * MIB
+    """Shared heap of the remote L3."""
+    session_timeout_s: float = 30.0
+    """Seconds the health lane may stay silent (and a control may take) before the
+    session counts as failed."""
+    token_file: str = ""
+    """File holding the worker's bearer token; "" = none (loopback workers only)."""
+    tls_ca_file: str = ""
+    """Set: TLS to the worker, verified against this CA."""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    """Both set: a client certificate (mutual TLS)."""
+    tls_server_name: str = ""
+    """Name checked against the worker's certificate; "" = the endpoint's host."""
+    callables: list[RemoteCallableConfig] = []
+
+
 class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[workers]`` section: the pre-forked pools."""
 
     num_sub_workers: int = 0
-    """SUB worker processes; 0 = one per CPU available to the daemon."""
+    """SUB worker processes; 0 = one per CPU available to the daemon at level 3, none
+    at level 4 (a pod parent's work runs on its L3 workers)."""
     num_chips: int = 2
     """Simulated chip children (NEXT_LEVEL workers 0..num_chips-1)."""
     chip_pipeline_depth: Literal[1, 2] = 2
@@ -97,6 +134,12 @@ class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Expose the heap as /dev/shm/simpler-heap-<pid>-<id> so local clients running as
     the daemon's user map buffers zero-copy (Client.map_buffer); unlinked at stop,
     swept at start if a crashed daemon left it."""
+    remote: list[RemoteWorkerConfig] = []
+    """Level 4: ``[[workers.remote]]`` sessions opened at start (NEXT_LEVEL workers)."""
+    remote_credentials_dir: str = ""
+    """Directory the credential files named in an AddRemoteWorker request must lie in;
+    "" = such a request may name none (the daemon never reads a client-chosen path
+    outside it)."""
 
 
 class GrpcConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -189,6 +232,8 @@ num_chips = 2
 chip_pipeline_depth = 2
 heap_bytes = 268435456      # 256 MiB
 heap_shared = true          # /dev/shm name local clients can map
+remote = []                 # level 4: [[workers.remote]] tables, see deploy/config/daemon.toml
+remote_credentials_dir = "" # where AddRemoteWorker credential files may live; "" = nowhere
 
 [grpc]
 unix_socket = ""            # "" = <runtime_dir>/daemon.sock
@@ -252,6 +297,21 @@ def _field_type(section: str, key: str) -> Any:
     return None
 
 
+def _path_type(path: str) -> Any:
+    """The annotated type at a dotted path such as ``workers.remote[0].callables[1].kind``."""
+    current: Any = DaemonConfig
+    for part in path.split("."):
+        name = part.partition("[")[0]
+        if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
+            return None
+        current = next(
+            (f.type for f in msgspec.structs.fields(current) if f.encode_name == name), None
+        )
+        if "[" in part and get_origin(current) is list:
+            current = get_args(current)[0]
+    return current
+
+
 def _from_validation_error(exc: msgspec.ValidationError) -> _Invalid:
     """Turn ``Expected `int`, got `str` - at `$.limits.x``` into a key and a problem."""
     message = str(exc)
@@ -261,9 +321,12 @@ def _from_validation_error(exc: msgspec.ValidationError) -> _Invalid:
     if unknown:
         key = f"{path}.{unknown[1]}" if path else unknown[1]
         return _Invalid(key, "", before="unknown key ")
+    missing = re.fullmatch(r"Object missing required field `(.*)`", problem)
+    if missing:
+        key = f"{path}.{missing[1]}" if path else missing[1]
+        return _Invalid(key, ": required")
     problem = problem.replace("`object`", "table").replace("`", "")
-    section, _, key = path.partition(".")
-    ftype = _field_type(section, key.partition("[")[0])
+    ftype = _path_type(path)
     if problem.startswith("Invalid enum value") and get_origin(ftype) is Literal:
         choices = ", ".join(repr(c) for c in get_args(ftype))
         problem = f"{problem} (choose one of {choices})"
@@ -342,7 +405,7 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
     if not grpc.unix_socket:
         grpc = replace(grpc, unix_socket=os.path.join(service.runtime_dir, "daemon.sock"))
     workers = config.workers
-    if workers.num_sub_workers == 0:
+    if workers.num_sub_workers == 0 and service.level == 3:
         workers = replace(workers, num_sub_workers=_available_cpus())
     return replace(config, daemon=service, grpc=grpc, workers=workers)
 
@@ -372,6 +435,14 @@ def _check(config: DaemonConfig) -> None:
             raise _Invalid(f"workers.{name}", f": must be >= 0, got {getattr(workers, name)}")
     if workers.heap_bytes <= 0:
         raise _Invalid("workers.heap_bytes", f": must be > 0, got {workers.heap_bytes}")
+    _check_path("workers.remote_credentials_dir", workers.remote_credentials_dir)
+    if workers.remote and service.level != 4:
+        raise _Invalid(
+            "workers.remote",
+            f": [[workers.remote]] tables need daemon.level = 4 (it is {service.level})",
+        )
+    for i, remote in enumerate(workers.remote):
+        _check_remote(f"workers.remote[{i}]", remote)
 
     _check_path("grpc.unix_socket", grpc.unix_socket)
     if len(os.fsencode(grpc.unix_socket)) > _UNIX_PATH_MAX:
@@ -430,6 +501,43 @@ def _check(config: DaemonConfig) -> None:
 
     if config.metrics.listen:
         _check_host_port("metrics.listen", config.metrics.listen)
+
+
+def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:
+    # Imported here: loading a config without remote tables needs none of the engine.
+    from simpler_daemon.remote.spec import parse_endpoint
+
+    try:
+        parse_endpoint(remote.endpoint, "endpoint")
+    except ValueError as exc:
+        raise _Invalid(f"{key}.endpoint", f": {str(exc).partition(': ')[2] or exc}") from None
+    for name in ("num_sub_workers", "num_chips"):
+        if getattr(remote, name) < 0:
+            raise _Invalid(f"{key}.{name}", f": must be >= 0, got {getattr(remote, name)}")
+    if remote.num_sub_workers == 0 and remote.num_chips == 0:
+        raise _Invalid(
+            f"{key}.num_sub_workers", ": the remote L3 needs num_sub_workers or num_chips > 0"
+        )
+    if remote.heap_bytes <= 0:
+        raise _Invalid(f"{key}.heap_bytes", f": must be > 0, got {remote.heap_bytes}")
+    timeout = remote.session_timeout_s
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise _Invalid(f"{key}.session_timeout_s", f": must be > 0, got {timeout}")
+    for name in ("token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+        _check_path(f"{key}.{name}", getattr(remote, name))
+    if bool(remote.tls_cert_file) != bool(remote.tls_key_file):
+        missing = "tls_key_file" if remote.tls_cert_file else "tls_cert_file"
+        raise _Invalid(
+            f"{key}.{missing}", ": tls_cert_file and tls_key_file go together (mutual TLS)"
+        )
+    for name in ("tls_cert_file", "tls_server_name"):
+        if getattr(remote, name) and not remote.tls_ca_file:
+            raise _Invalid(f"{key}.{name}", f" requires {key}.tls_ca_file (TLS to the worker)")
+    for j, entry in enumerate(remote.callables):
+        try:
+            _split_import_path(entry.target)
+        except ValueError as exc:
+            raise _Invalid(f"{key}.callables[{j}].target", f": {exc}") from None
 
 
 def _check_path(key: str, path: str) -> None:
@@ -609,4 +717,10 @@ def _toml_value(value: object) -> str:
         return '"' + "".join(out) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, msgspec.Struct):  # a [[workers.remote]] table, written inline
+        items = [
+            f"{f.encode_name} = {_toml_value(getattr(value, f.name))}"
+            for f in msgspec.structs.fields(value)
+        ]
+        return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -4,8 +4,10 @@
 
     main: load config -> Daemon(config)
       prepare()  sweep stale heaps, runtime dir, credentials,
-                 Worker(...).register(preload...).init()          <- every fork happens here,
-                                                                     before any thread exists
+                 Worker(...).add_remote_worker([[workers.remote]]...)   (level 4)
+                       .register(preload..., remote callables...).init()   <- every fork
+                                                                     happens here, before
+                                                                     any thread exists
       serve()    (uvloop)  Worker.start_async -> DaemonService
                  -> grpc.aio on the Unix socket (0660, group)   [+ TCP: TLS + bearer token]
                  -> health SERVING, metrics listener -> READY=1, WATCHDOG=1 every ping period
@@ -40,7 +42,13 @@ from simpler_daemon.args import MAX_TENSORS
 from simpler_daemon.errors import ConfigError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
 from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
-from simpler_daemon.server.config import DaemonConfig, ServiceConfig, parse_host_port
+from simpler_daemon.remote.spec import RemoteWorkerSpec
+from simpler_daemon.server.config import (
+    DaemonConfig,
+    RemoteWorkerConfig,
+    ServiceConfig,
+    parse_host_port,
+)
 from simpler_daemon.server.notify import SystemdNotifier
 from simpler_daemon.worker import Worker
 
@@ -52,6 +60,7 @@ __all__ = [
     "JsonFormatter",
     "check_limits",
     "configure_logging",
+    "remote_spec_of",
 ]
 
 log = logging.getLogger("simpler_daemon.daemon")
@@ -138,6 +147,29 @@ class _TextFormatter(logging.Formatter):
         if extras:
             text += " " + " ".join(f"{k}={v!r}" for k, v in extras.items())
         return text
+
+
+def remote_spec_of(remote: RemoteWorkerConfig, key: str) -> RemoteWorkerSpec:
+    """The ``RemoteWorkerSpec`` of one ``[[workers.remote]]`` table ("" settings -> None).
+
+    Raises ``ConfigError`` naming ``key`` for a rule only the spec knows.
+    """
+    try:
+        return RemoteWorkerSpec(
+            endpoint=remote.endpoint,
+            num_sub_workers=remote.num_sub_workers,
+            num_chips=remote.num_chips,
+            token_file=remote.token_file or None,
+            session_timeout_s=remote.session_timeout_s,
+            heap_bytes=remote.heap_bytes,
+            chip_pipeline_depth=remote.chip_pipeline_depth,
+            tls_ca_file=remote.tls_ca_file or None,
+            tls_cert_file=remote.tls_cert_file or None,
+            tls_key_file=remote.tls_key_file or None,
+            tls_server_name=remote.tls_server_name or None,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}", key=key) from exc
 
 
 def configure_logging(service: ServiceConfig, stream: TextIO | None = None) -> None:
@@ -260,22 +292,44 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(f"cannot start the daemon: {exc}") from exc
         self.notifier.status(
-            f"starting {workers.num_sub_workers} SUB workers and {workers.num_chips} chips"
+            f"starting {workers.num_sub_workers} SUB workers, {workers.num_chips} chips"
+            f" and {len(workers.remote)} remote workers"
         )
         try:
             for path in cfg.callables.preload:
                 worker.register(path)
+            self._add_remote_workers(worker)
             worker.init()
         except BaseException:
             worker.close()
             raise
         self.worker = worker
         log.info(
-            "worker pool ready: %d SUB workers, %d chips, heap %d bytes",
+            "worker pool ready: %d SUB workers, %d chips, %d remote workers, heap %d bytes",
             workers.num_sub_workers,
             workers.num_chips,
+            len(workers.remote),
             worker.heap.size,
         )
+
+    def _add_remote_workers(self, worker: Worker) -> None:
+        """Declare every ``[[workers.remote]]`` session and its callables; ``init()`` opens
+        them (a session that cannot be opened fails start-up with a StartupError naming
+        the worker and its endpoint)."""
+        for i, remote in enumerate(self.config.workers.remote):
+            key = f"workers.remote[{i}]"
+            spec = remote_spec_of(remote, key)
+            worker_id = worker.add_remote_worker(spec)
+            log.info("remote worker %d: %s (%s)", worker_id, remote.endpoint, key)
+            for j, entry in enumerate(remote.callables):
+                try:
+                    worker.register(entry.target, kind=entry.kind, workers=[worker_id])
+                except ValueError as exc:
+                    raise ConfigError(
+                        f"{key}.callables[{j}]: cannot register {entry.target} on remote "
+                        f"worker {worker_id} ({remote.endpoint}): {exc}",
+                        key=f"{key}.callables[{j}]",
+                    ) from exc
 
     def _prepare_paths(self) -> None:
         cfg = self.config
@@ -420,6 +474,8 @@ class Daemon:
         await worker.start_async()
         if cfg.metrics.listen:
             self._metrics = Metrics()
+            if cfg.daemon.level == 4:
+                self._metrics.watch_remote_workers(worker.list_workers)
         service = DaemonService(
             worker,
             cfg,

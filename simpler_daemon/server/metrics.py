@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 from prometheus_client import (
@@ -27,9 +28,11 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
-__all__ = ["LATENCY_BUCKETS", "Metrics"]
+__all__ = ["LATENCY_BUCKETS", "Metrics", "RemoteWorkerCollector"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,63 @@ _REASONS: Final = {
     405: "Method Not Allowed",
     431: "Request Header Fields Too Large",
 }
+
+
+class RemoteWorkerCollector(Collector):
+    """Per remote L3 worker: health age, command round trip, failures, reconnects.
+
+    Read from ``rows()`` (``Worker.list_workers``) at scrape time, so the values
+    are the endpoint's own counters and nothing has to be pushed; scrapes run on
+    the event loop, where the Worker may be read.
+    """
+
+    def __init__(self, rows: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self._rows = rows
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        health, rtt, failures, reconnects = self._families()
+        try:
+            rows = [r for r in self._rows() if r.get("kind") == "remote"]
+        except Exception:  # a scrape never fails the daemon; the gauges are just absent
+            logger.exception("cannot collect remote worker metrics")
+            rows = []
+        for row in rows:
+            worker = str(row.get("worker_id", ""))
+            health.add_metric([worker], float(row.get("health_age_s") or 0.0))
+            rtt.add_metric([worker], float(row.get("round_trip_us") or 0.0) / 1e6)
+            failures.add_metric([worker], float(row.get("failures") or 0))
+            reconnects.add_metric([worker], float(row.get("reconnects") or 0))
+        yield from (health, rtt, failures, reconnects)
+
+    @staticmethod
+    def _families() -> tuple[
+        GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily
+    ]:
+        return (
+            GaugeMetricFamily(
+                "simpler_remote_health_age_seconds",
+                "Seconds since the remote worker's last HEALTH frame.",
+                labels=["worker"],
+            ),
+            GaugeMetricFamily(
+                "simpler_remote_round_trip_seconds",
+                "Round trip of the remote worker's last command.",
+                labels=["worker"],
+            ),
+            CounterMetricFamily(
+                "simpler_remote_failures",
+                "Failures of the remote worker (session and command).",
+                labels=["worker"],
+            ),
+            CounterMetricFamily(
+                "simpler_remote_reconnects",
+                "Sessions re-opened to the remote worker after a failure.",
+                labels=["worker"],
+            ),
+        )
 
 
 class Metrics:
@@ -160,6 +220,11 @@ class Metrics:
     def grpc_request(self, method: str, code: str) -> None:
         """A gRPC call to ``method`` finished with status ``code`` (``OK``, ``NOT_FOUND``...)."""
         self._grpc.labels(method, code).inc()
+
+    def watch_remote_workers(self, rows: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        """Export the ``simpler_remote_*`` series of every ``kind == "remote"`` row of
+        ``rows()`` (pass ``Worker.list_workers``) at each scrape. Call once."""
+        self.registry.register(RemoteWorkerCollector(rows))
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""

@@ -74,6 +74,13 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
     WORKER_STATE_STOPPING: _ClassVar[WorkerState]
 
+class RemoteSessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REMOTE_SESSION_STATE_UNSPECIFIED: _ClassVar[RemoteSessionState]
+    REMOTE_SESSION_STATE_READY: _ClassVar[RemoteSessionState]
+    REMOTE_SESSION_STATE_FAILED: _ClassVar[RemoteSessionState]
+    REMOTE_SESSION_STATE_CLOSED: _ClassVar[RemoteSessionState]
+
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
@@ -120,6 +127,10 @@ WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_BUSY: WorkerState
 WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_STOPPING: WorkerState
+REMOTE_SESSION_STATE_UNSPECIFIED: RemoteSessionState
+REMOTE_SESSION_STATE_READY: RemoteSessionState
+REMOTE_SESSION_STATE_FAILED: RemoteSessionState
+REMOTE_SESSION_STATE_CLOSED: RemoteSessionState
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
@@ -194,7 +205,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "kind", "state", "pid", "endpoint", "tasks_completed", "restarts", "message")
+    __slots__ = ("worker_id", "kind", "state", "pid", "endpoint", "tasks_completed", "restarts", "message", "remote")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +214,7 @@ class WorkerInfo(_message.Message):
     TASKS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     kind: WorkerKind
     state: WorkerState
@@ -211,7 +223,30 @@ class WorkerInfo(_message.Message):
     tasks_completed: int
     restarts: int
     message: str
-    def __init__(self, worker_id: _Optional[int] = ..., kind: _Optional[_Union[WorkerKind, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., tasks_completed: _Optional[int] = ..., restarts: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    remote: RemoteWorkerInfo
+    def __init__(self, worker_id: _Optional[int] = ..., kind: _Optional[_Union[WorkerKind, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., tasks_completed: _Optional[int] = ..., restarts: _Optional[int] = ..., message: _Optional[str] = ..., remote: _Optional[_Union[RemoteWorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RemoteWorkerInfo(_message.Message):
+    __slots__ = ("host", "port", "session_id", "runner_pid", "state", "health_age_seconds", "round_trip_us", "failures", "reconnects")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_US_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RECONNECTS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    session_id: str
+    runner_pid: int
+    state: RemoteSessionState
+    health_age_seconds: float
+    round_trip_us: float
+    failures: int
+    reconnects: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., session_id: _Optional[str] = ..., runner_pid: _Optional[int] = ..., state: _Optional[_Union[RemoteSessionState, str]] = ..., health_age_seconds: _Optional[float] = ..., round_trip_us: _Optional[float] = ..., failures: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
 
 class RegisterCallableRequest(_message.Message):
     __slots__ = ("import_path", "kind", "workers")
@@ -594,14 +629,30 @@ class CancelRunResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[RunState, str]] = ..., already_finished: _Optional[bool] = ...) -> None: ...
 
 class AddRemoteWorkerRequest(_message.Message):
-    __slots__ = ("endpoint", "num_sub_workers", "num_chips")
+    __slots__ = ("endpoint", "num_sub_workers", "num_chips", "session_timeout_s", "heap_bytes", "chip_pipeline_depth", "token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SUB_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHIPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHIP_PIPELINE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FILE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CA_FILE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_FILE_FIELD_NUMBER: _ClassVar[int]
+    TLS_KEY_FILE_FIELD_NUMBER: _ClassVar[int]
+    TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     num_sub_workers: int
     num_chips: int
-    def __init__(self, endpoint: _Optional[str] = ..., num_sub_workers: _Optional[int] = ..., num_chips: _Optional[int] = ...) -> None: ...
+    session_timeout_s: float
+    heap_bytes: int
+    chip_pipeline_depth: int
+    token_file: str
+    tls_ca_file: str
+    tls_cert_file: str
+    tls_key_file: str
+    tls_server_name: str
+    def __init__(self, endpoint: _Optional[str] = ..., num_sub_workers: _Optional[int] = ..., num_chips: _Optional[int] = ..., session_timeout_s: _Optional[float] = ..., heap_bytes: _Optional[int] = ..., chip_pipeline_depth: _Optional[int] = ..., token_file: _Optional[str] = ..., tls_ca_file: _Optional[str] = ..., tls_cert_file: _Optional[str] = ..., tls_key_file: _Optional[str] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class AddRemoteWorkerResponse(_message.Message):
     __slots__ = ("worker_id",)

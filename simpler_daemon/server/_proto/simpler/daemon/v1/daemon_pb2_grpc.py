@@ -248,7 +248,9 @@ class DaemonServicer:
 
     def AddRemoteWorker(self, request, context):
         """L4 only: open a session on a remote L3 host served by
-        simpler-remote-worker and add it as a NEXT_LEVEL worker.
+        simpler-remote-worker and add it as a NEXT_LEVEL worker. FAILED_PRECONDITION
+        on a level-3 daemon, INVALID_ARGUMENT naming the field for a bad request,
+        UNAVAILABLE (with the reason) when the session cannot be opened.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,281 @@
+"""The messages of the daemon's API, built and read without a channel.
+
+``tensor`` / ``make_args`` / ``task`` / ``sub_task`` / ``call_config`` are the
+public builders of a run (re-exported by :mod:`simpler_daemon.client`); the
+``*_request`` functions build one RPC's request each, shared by ``Client`` and
+``AsyncClient`` so the two cannot drift; :func:`raise_for_status` turns a
+terminal ``RunStatus`` into the result or the ``TaskError`` it carries. Pure
+functions over protobuf messages: no channel, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from simpler_daemon.args import Tag
+from simpler_daemon.errors import RunCancelled, TaskError
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+
+__all__ = [
+    "TERMINAL_STATES",
+    "WRITE_CHUNK",
+    "add_remote_request",
+    "alloc_request",
+    "array_bytes",
+    "call_config",
+    "drain_request",
+    "make_args",
+    "orchestration_request",
+    "raise_for_status",
+    "read_request",
+    "register_request",
+    "sub_task",
+    "submit_request",
+    "task",
+    "tensor",
+    "wait_request",
+    "write_chunk",
+    "write_requests",
+]
+
+#: Bytes per WriteBuffer message unless the caller asks for less.
+WRITE_CHUNK: Final = 1 << 20
+TERMINAL_STATES: Final = frozenset(
+    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
+)
+
+_TAGS: Final[dict[str, int]] = {
+    "input": pb.TAG_INPUT,
+    "output": pb.TAG_OUTPUT,
+    "inout": pb.TAG_INOUT,
+    "output_existing": pb.TAG_OUTPUT_EXISTING,
+    "no_dep": pb.TAG_NO_DEP,
+}
+_ENGINE_TAGS: Final[dict[Tag, int]] = {
+    Tag.INPUT: pb.TAG_INPUT,
+    Tag.OUTPUT: pb.TAG_OUTPUT,
+    Tag.INOUT: pb.TAG_INOUT,
+    Tag.OUTPUT_EXISTING: pb.TAG_OUTPUT_EXISTING,
+    Tag.NO_DEP: pb.TAG_NO_DEP,
+}
+_TASK_KINDS: Final[dict[str, int]] = {
+    "sub": pb.TASK_KIND_SUB,
+    "sub_group": pb.TASK_KIND_SUB_GROUP,
+    "next_level": pb.TASK_KIND_NEXT_LEVEL,
+    "next_level_group": pb.TASK_KIND_NEXT_LEVEL_GROUP,
+}
+_CALLABLE_KINDS: Final[dict[str, pb.CallableKind]] = {
+    "sub": pb.CALLABLE_KIND_SUB,
+    "orchestration": pb.CALLABLE_KIND_ORCHESTRATION,
+    "chip": pb.CALLABLE_KIND_CHIP,
+}
+
+
+def _tag(tag: str | int | Tag) -> int:
+    if isinstance(tag, Tag):
+        return _ENGINE_TAGS[tag]
+    if isinstance(tag, str):
+        key = tag.strip().lower().removeprefix("tag_")
+        if key not in _TAGS:
+            raise ValueError(f"unknown tag {tag!r} (choose one of {', '.join(_TAGS)})")
+        return _TAGS[key]
+    return int(tag)
+
+
+def tensor(
+    buffer_id: int,
+    tag: str | int | Tag,
+    shape: Sequence[int],
+    dtype: str | np.dtype[Any] | type,
+    *,
+    byte_offset: int = 0,
+    strides: Sequence[int] | None = None,
+    generation: int = 0,
+) -> pb.TensorRef:
+    """A ``TensorRef``: a view of ``shape``/``dtype`` at ``byte_offset`` in a buffer.
+
+    ``tag`` is ``"input"``, ``"output"``, ``"inout"``, ``"output_existing"``,
+    ``"no_dep"`` (or a ``simpler_daemon.Tag``).
+    """
+    return pb.TensorRef(
+        buffer_id=buffer_id,
+        generation=generation,
+        byte_offset=byte_offset,
+        shape=[int(d) for d in shape],
+        dtype=np.dtype(dtype).name,
+        strides=[int(s) for s in strides or ()],
+        tag=_tag(tag),  # type: ignore[arg-type]
+    )
+
+
+def make_args(tensors: Iterable[pb.TensorRef] = (), scalars: Iterable[int] = ()) -> pb.Args:
+    """The arguments of one call: tensors and u64 scalars, in order."""
+    return pb.Args(tensors=list(tensors), scalars=[int(s) for s in scalars])
+
+
+def call_config(
+    *,
+    deadline_ms: int = 0,
+    threads: int = 0,
+    enable_profile: bool = False,
+    enable_dump_args: bool = False,
+    output_prefix: str = "",
+) -> pb.CallConfig:
+    return pb.CallConfig(
+        deadline_ms=deadline_ms,
+        threads=threads,
+        enable_profile=enable_profile,
+        enable_dump_args=enable_dump_args,
+        output_prefix=output_prefix,
+    )
+
+
+def task(
+    kind: str | int,
+    hashid: str,
+    members: Sequence[pb.Args],
+    *,
+    workers: Sequence[int] = (),
+    config: pb.CallConfig | None = None,
+) -> pb.Task:
+    """A ``Task``: ``kind`` is ``"sub"``, ``"sub_group"``, ``"next_level"`` or
+    ``"next_level_group"``; one ``Args`` per member; NEXT_LEVEL targets in ``workers``."""
+    if isinstance(kind, str):
+        if kind.lower() not in _TASK_KINDS:
+            raise ValueError(f"unknown task kind {kind!r} (choose one of {', '.join(_TASK_KINDS)})")
+        kind = _TASK_KINDS[kind.lower()]
+    out = pb.Task(kind=kind, hashid=hashid, members=list(members), workers=list(workers))  # type: ignore[arg-type]
+    if config is not None:
+        out.config.CopyFrom(config)
+    return out
+
+
+def sub_task(
+    hashid: str,
+    tensors: Iterable[pb.TensorRef] = (),
+    scalars: Iterable[int] = (),
+    config: pb.CallConfig | None = None,
+) -> pb.Task:
+    """One SUB call of ``hashid``."""
+    return task("sub", hashid, [make_args(tensors, scalars)], config=config)
+
+
+def raise_for_status(status: pb.RunStatus) -> pb.RunStatus:
+    """Return a COMPLETED status; raise ``TaskError`` / ``RunCancelled`` for a failed one."""
+    if status.state == pb.RUN_STATE_COMPLETED:
+        return status
+    if status.state not in TERMINAL_STATES:
+        raise TimeoutError(
+            f"run {status.run_id} is still {pb.RunState.Name(status.state).removeprefix('RUN_STATE_')}"
+        )
+    err = status.error
+    cls = RunCancelled if status.state == pb.RUN_STATE_CANCELLED else TaskError
+    raise cls(
+        err.message or f"run {status.run_id} {pb.RunState.Name(status.state)}",
+        run_id=status.run_id,
+        worker_id=err.worker_id if err.HasField("worker_id") else None,
+        hashid=err.hashid or None,
+        dispatch_id=err.dispatch_id or None,
+        outcome=err.outcome or "TASK_FAILURE",
+        remote_text=err.remote_text,
+    )
+
+
+def submit_request(
+    tasks: Sequence[pb.Task], key: str, label: str, wait_seconds: float | None
+) -> pb.SubmitRunRequest:
+    request = pb.SubmitRunRequest(tasks=list(tasks), idempotency_key=key, label=label)
+    if wait_seconds is not None:
+        request.wait_seconds = wait_seconds
+    return request
+
+
+def orchestration_request(
+    hashid: str, args: pb.Args | None, config: pb.CallConfig | None, key: str, label: str
+) -> pb.RunOrchestrationRequest:
+    request = pb.RunOrchestrationRequest(hashid=hashid, idempotency_key=key, label=label)
+    if args is not None:
+        request.args.CopyFrom(args)
+    if config is not None:
+        request.config.CopyFrom(config)
+    return request
+
+
+def register_request(
+    import_path: str, kind: str, workers: Sequence[int]
+) -> pb.RegisterCallableRequest:
+    """``kind``: ``"sub"``, ``"orchestration"`` or ``"chip"`` (else UNSPECIFIED, refused by
+    the daemon with a message naming the field)."""
+    return pb.RegisterCallableRequest(
+        import_path=import_path,
+        kind=_CALLABLE_KINDS.get(kind, pb.CALLABLE_KIND_UNSPECIFIED),
+        workers=list(workers),
+    )
+
+
+def alloc_request(shape: Sequence[int], dtype: Any, label: str) -> pb.AllocBufferRequest:
+    return pb.AllocBufferRequest(
+        shape=[int(d) for d in shape], dtype=np.dtype(dtype).name, label=label
+    )
+
+
+def read_request(
+    buffer_id: int, offset: int, length: int, generation: int, chunk_bytes: int
+) -> pb.ReadBufferRequest:
+    return pb.ReadBufferRequest(
+        buffer_id=buffer_id,
+        generation=generation,
+        offset=offset,
+        length=length,
+        chunk_bytes=chunk_bytes,
+    )
+
+
+def write_requests(
+    buffer_id: int, data: Any, offset: int, generation: int, chunk: int
+) -> Iterator[pb.WriteBufferRequest]:
+    """The WriteBuffer stream: the target first, then ``data`` in ``chunk``-byte pieces."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    yield pb.WriteBufferRequest(
+        target=pb.WriteBufferTarget(buffer_id=buffer_id, generation=generation, offset=offset)
+    )
+    for start in range(0, len(view), chunk):
+        yield pb.WriteBufferRequest(data=bytes(view[start : start + chunk]))
+
+
+def write_chunk(max_message: int, chunk: int | None) -> int:
+    """Bytes per WriteBuffer message: ``chunk`` (default ``WRITE_CHUNK``) below the daemon's
+    ``max_message_bytes`` less room for the envelope."""
+    limit = max(1, max_message - 1024)
+    return min(chunk or WRITE_CHUNK, limit)
+
+
+def array_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    """The bytes of ``array`` in C order (copied only when it is not contiguous)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+
+def wait_request(run_id: int, timeout: float | None) -> pb.WaitRunRequest:
+    request = pb.WaitRunRequest(run_id=run_id)
+    if timeout is not None:
+        request.timeout_seconds = timeout
+    return request
+
+
+def drain_request(grace: float | None, shutdown: bool) -> pb.DrainRequest:
+    request = pb.DrainRequest(shutdown=shutdown)
+    if grace is not None:
+        request.grace_seconds = grace
+    return request
+
+
+def add_remote_request(
+    endpoint: str, num_sub_workers: int, num_chips: int, options: dict[str, Any]
+) -> pb.AddRemoteWorkerRequest:
+    """``options``: the other ``AddRemoteWorkerRequest`` fields (``session_timeout_s``...)."""
+    return pb.AddRemoteWorkerRequest(
+        endpoint=endpoint, num_sub_workers=num_sub_workers, num_chips=num_chips, **options
+    )

@@ -1,0 +1,521 @@
+"""Request validation: a SubmitRun / RunOrchestration / RegisterCallable request -> a plan.
+
+::
+
+    SubmitRun.tasks[i] --Planner.plan_run--> [Planned(kind, handle, members, config, targets)]
+                                               |  (every field checked; heap views built)
+                                               v
+                                  declarative(plan, bind) -> the run's orchestration function
+
+A request is validated completely before anything is submitted, so a bad field
+is an ``INVALID_ARGUMENT`` naming it (``tasks[3].members[0].tensors[1].dtype``)
+and never a half-built run. Tensors are views of heap buffers built from the
+``TensorRef`` numbers; the engine maps each view back to its buffer and byte
+range for dependency inference. Nothing here submits, records or answers: the
+servicer (``service.py``) does that with what this module returns.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+from simpler_daemon.args import MAX_NDIM, MAX_OUTPUT_PREFIX, CallConfig, Tag, TaskArgs, dtype_code
+from simpler_daemon.callables import CallableHandle, digest_of, parse_import_path
+from simpler_daemon.errors import RegistrationError, SimplerError
+from simpler_daemon.heap import Buffer
+from simpler_daemon.orchestrator import Run
+from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.config import CallablesConfig, LimitsConfig
+from simpler_daemon.server.status import (
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    error_text,
+)
+from simpler_daemon.worker import Worker
+
+__all__ = [
+    "MAX_KEY",
+    "MAX_LABEL",
+    "REGISTER_KINDS",
+    "Planned",
+    "Planner",
+    "check_label",
+    "check_reason",
+    "declarative",
+    "timeout_field",
+]
+
+MAX_LABEL: Final = 256
+MAX_KEY: Final = 256
+_MAX_DTYPE_NAME: Final = 32
+_U63: Final = 1 << 63
+
+_TAGS: Final[dict[int, Tag]] = {
+    pb.TAG_INPUT: Tag.INPUT,
+    pb.TAG_OUTPUT: Tag.OUTPUT,
+    pb.TAG_INOUT: Tag.INOUT,
+    pb.TAG_OUTPUT_EXISTING: Tag.OUTPUT_EXISTING,
+    pb.TAG_NO_DEP: Tag.NO_DEP,
+}
+#: CallableKind -> the engine's callable role.
+REGISTER_KINDS: Final[dict[int, str]] = {
+    pb.CALLABLE_KIND_SUB: "sub",
+    pb.CALLABLE_KIND_ORCHESTRATION: "orchestration",
+    pb.CALLABLE_KIND_CHIP: "chip",
+}
+_TASK_KIND_NAMES: Final[dict[int, str]] = {
+    pb.TASK_KIND_SUB: "SUB",
+    pb.TASK_KIND_SUB_GROUP: "SUB_GROUP",
+    pb.TASK_KIND_NEXT_LEVEL: "NEXT_LEVEL",
+    pb.TASK_KIND_NEXT_LEVEL_GROUP: "NEXT_LEVEL_GROUP",
+}
+
+
+# --------------------------------------------------------------------------- small fields
+
+
+def timeout_field(request: Any, name: str) -> float:
+    """A seconds field that must be finite and >= 0 (INVALID_ARGUMENT otherwise)."""
+    value = float(getattr(request, name))
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(name, f"must be >= 0, got {value}")
+    return value
+
+
+def check_label(label: str, field: str = "label") -> None:
+    if len(label) > MAX_LABEL:
+        raise InvalidArgument(field, f"{len(label)} characters, at most {MAX_LABEL}")
+
+
+def check_reason(reason: str) -> None:
+    check_label(reason, "reason")
+
+
+# --------------------------------------------------------------------------- planning
+
+
+class Planned:
+    """One validated task of a SubmitRun: ready to hand to the Orchestrator."""
+
+    __slots__ = ("config", "handle", "kind", "members", "targets")
+
+    def __init__(
+        self,
+        kind: int,
+        handle: CallableHandle,
+        members: list[TaskArgs],
+        config: CallConfig | None,
+        targets: list[int],
+    ) -> None:
+        self.kind = kind
+        self.handle = handle
+        self.members = members
+        self.config = config
+        self.targets = targets
+
+
+class Planner:
+    """Checks requests against one started ``Worker`` (its heap, registry, workers) and
+    the configured limits; every refusal is a ``RequestError`` naming the field."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        limits: LimitsConfig,
+        callables: CallablesConfig,
+        *,
+        credentials_dir: str = "",
+    ) -> None:
+        self._worker = worker
+        self._limits = limits
+        self._callables = callables
+        self._credentials_dir = credentials_dir
+        self._dtypes: dict[str, np.dtype[Any]] = {}
+
+    # -- single fields -------------------------------------------------------------------
+
+    def dtype(self, name: str, field: str) -> np.dtype[Any]:
+        dt = self._dtypes.get(name)
+        if dt is not None:
+            return dt
+        if not name:
+            raise InvalidArgument(field, "required (a NumPy dtype name such as 'float32')")
+        if len(name) > _MAX_DTYPE_NAME:
+            raise InvalidArgument(field, f"dtype name of {len(name)} characters is too long")
+        try:
+            dt = np.dtype(name)
+            dtype_code(dt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(field, f"unknown or unsupported dtype {name!r}") from exc
+        self._dtypes[name] = dt
+        return dt
+
+    def buffer(self, buffer_id: int, generation: int, field: str) -> Buffer:
+        if buffer_id == 0:
+            raise InvalidArgument(f"{field}.buffer_id" if field else "buffer_id", "required")
+        try:
+            buf = self._worker.heap.get(buffer_id)
+        except KeyError as exc:
+            where = f"{field}.buffer_id" if field else "buffer_id"
+            raise NotFound(where, f"buffer {buffer_id} is not allocated") from exc
+        if generation and generation != buf.generation:
+            where = f"{field}.generation" if field else "generation"
+            raise NotFound(
+                where,
+                f"buffer {buffer_id} generation {generation} is gone "
+                f"(the current generation is {buf.generation})",
+            )
+        return buf
+
+    def handle(self, hashid: str, field: str) -> CallableHandle:
+        if not hashid:
+            raise InvalidArgument(field, "required ('sha256:' followed by 64 lowercase hex digits)")
+        try:
+            digest_of(hashid)
+        except RegistrationError as exc:
+            raise InvalidArgument(field, exc.args[0].partition(": ")[2] or str(exc)) from exc
+        entry = self._worker.registry.lookup(hashid)
+        if entry is None or entry.state != "active":
+            raise NotFound(field, f"callable {hashid} is not registered")
+        return entry.spec.handle
+
+    def orchestration_handle(self, hashid: str, field: str) -> CallableHandle:
+        handle = self.handle(hashid, field)
+        if handle.role != "orchestration":
+            raise InvalidArgument(
+                field,
+                f"{handle.name} is registered as {handle.role}, not as an orchestration function",
+            )
+        return handle
+
+    def call_config(self, msg: Any, field: str) -> CallConfig:
+        if msg.deadline_ms >= _U63:
+            raise InvalidArgument(f"{field}.deadline_ms", f"{msg.deadline_ms} is too large")
+        if msg.threads >= 1 << 31:
+            raise InvalidArgument(f"{field}.threads", f"{msg.threads} is too large")
+        prefix_len = len(msg.output_prefix.encode())
+        if prefix_len > MAX_OUTPUT_PREFIX:
+            raise InvalidArgument(
+                f"{field}.output_prefix",
+                f"{prefix_len} bytes, the limit is {MAX_OUTPUT_PREFIX}",
+            )
+        try:
+            return CallConfig(
+                deadline_ms=msg.deadline_ms,
+                threads=msg.threads,
+                enable_profile=msg.enable_profile,
+                enable_dump_args=msg.enable_dump_args,
+                output_prefix=msg.output_prefix,
+            )
+        except ValueError as exc:
+            raise InvalidArgument(field, str(exc)) from exc
+
+    def task_args(self, msg: Any, field: str) -> TaskArgs:
+        """TaskArgs of heap views from an ``Args`` message, every number checked."""
+        out = TaskArgs()
+        tensors = msg.tensors
+        scalars = msg.scalars
+        limits = self._limits
+        if len(tensors) > limits.max_tensors_per_task:
+            raise LimitExceeded(
+                f"{field}.tensors",
+                f"{len(tensors)} tensors, limits.max_tensors_per_task = "
+                f"{limits.max_tensors_per_task}",
+            )
+        if len(scalars) > limits.max_scalars_per_task:
+            raise LimitExceeded(
+                f"{field}.scalars",
+                f"{len(scalars)} scalars, limits.max_scalars_per_task = "
+                f"{limits.max_scalars_per_task}",
+            )
+        if scalars:
+            out.scalars = list(scalars)
+        if not tensors:
+            return out
+        heap = self._worker.heap
+        for t, ref in enumerate(tensors):
+            where = f"{field}.tensors[{t}]"
+            tag = _TAGS.get(ref.tag)
+            if tag is None:
+                raise InvalidArgument(
+                    f"{where}.tag",
+                    "required" if ref.tag == pb.TAG_UNSPECIFIED else f"unknown tag {ref.tag}",
+                )
+            buf = self.buffer(ref.buffer_id, ref.generation, where)
+            dt = self.dtype(ref.dtype, f"{where}.dtype")
+            shape = tuple(ref.shape)
+            if len(shape) > MAX_NDIM:
+                raise InvalidArgument(
+                    f"{where}.shape", f"{len(shape)} dimensions, at most {MAX_NDIM}"
+                )
+            strides: tuple[int, ...] | None = tuple(ref.strides) or None
+            if strides is not None and len(strides) != len(shape):
+                raise InvalidArgument(
+                    f"{where}.strides",
+                    f"{len(strides)} strides for {len(shape)} dimensions",
+                )
+            try:
+                desc = heap.describe_buffer(
+                    buf.buffer_id,
+                    byte_offset=ref.byte_offset,
+                    shape=shape,
+                    dtype=dt,
+                    strides=strides,
+                )
+                view: np.ndarray[Any, Any] = np.ndarray(
+                    shape,
+                    dtype=dt,
+                    buffer=heap.mmap,
+                    offset=buf.offset + ref.byte_offset,
+                    strides=desc.strides,
+                )
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise InvalidArgument(where, error_text(exc)) from exc
+            out.tensors.append(view)
+            out.tags.append(tag)
+        return out
+
+    def next_level_ids(self) -> set[int]:
+        manager = self._worker.manager
+        return set(manager.next_level) if manager is not None else set()
+
+    # -- whole requests --------------------------------------------------------------------
+
+    def register_target(self, request: Any) -> tuple[str, str, str]:
+        """``(module, qualname, role)`` of a RegisterCallableRequest.
+
+        Raises ``InvalidArgument`` (``import_path``, ``kind``, ``workers``) or
+        ``PermissionDenied`` (a module outside ``callables.allowed_modules``).
+        """
+        path = request.import_path
+        if not path:
+            raise InvalidArgument("import_path", "required ('module:qualname')")
+        try:
+            module, qualname = parse_import_path(path)
+        except RegistrationError as exc:
+            raise InvalidArgument("import_path", exc.args[0].partition(": ")[2]) from exc
+        allowed = self._callables
+        if not allowed.allows(module):
+            raise PermissionDenied(
+                "import_path",
+                f"module {module!r} is not under callables.allowed_modules "
+                f"({', '.join(allowed.allowed_modules) or 'nothing'})",
+            )
+        kind = REGISTER_KINDS.get(request.kind)
+        if kind is None:
+            raise InvalidArgument(
+                "kind",
+                "required"
+                if request.kind == pb.CALLABLE_KIND_UNSPECIFIED
+                else f"unknown callable kind {request.kind}",
+            )
+        if request.workers:
+            if self._worker.level == 3:
+                raise InvalidArgument(
+                    "workers", "only a level-4 daemon takes an explicit worker list"
+                )
+            known = self.next_level_ids()
+            for j, wid in enumerate(request.workers):
+                if wid not in known:
+                    raise NotFound(
+                        f"workers[{j}]",
+                        f"worker {wid} is not a NEXT_LEVEL worker of this daemon "
+                        f"(known: {sorted(known)})",
+                    )
+        return module, qualname, kind
+
+    def remote_spec(self, request: Any) -> RemoteWorkerSpec:
+        """The ``RemoteWorkerSpec`` an ``AddRemoteWorkerRequest`` asks for.
+
+        Unset fields take the ``RemoteWorkerSpec`` defaults. Raises
+        ``InvalidArgument`` naming the field (``endpoint``, ``num_chips``, ...) or
+        ``PermissionDenied`` for a credential file outside
+        ``workers.remote_credentials_dir``.
+        """
+        if not request.endpoint:
+            raise InvalidArgument("endpoint", "required ('IP:PORT' of a simpler-remote-worker)")
+        try:
+            parse_endpoint(request.endpoint, "endpoint")
+        except ValueError as exc:
+            raise InvalidArgument("endpoint", str(exc)) from exc
+        kwargs: dict[str, Any] = {"endpoint": request.endpoint, "num_chips": request.num_chips}
+        # 0 SUB workers is meaningful only beside chips; with neither, the default (1).
+        if request.num_sub_workers or request.num_chips:
+            kwargs["num_sub_workers"] = request.num_sub_workers
+        if request.HasField("session_timeout_s"):
+            value = request.session_timeout_s
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument("session_timeout_s", f"must be > 0, got {value}")
+            kwargs["session_timeout_s"] = value
+        if request.heap_bytes:
+            kwargs["heap_bytes"] = request.heap_bytes
+        if request.chip_pipeline_depth:
+            if request.chip_pipeline_depth not in (1, 2):
+                raise InvalidArgument(
+                    "chip_pipeline_depth", f"must be 1 or 2, got {request.chip_pipeline_depth}"
+                )
+            kwargs["chip_pipeline_depth"] = request.chip_pipeline_depth
+        for name in ("token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(request, name)
+            if path:
+                kwargs[name] = self._credential_file(name, path)
+        if request.tls_server_name:
+            if "tls_ca_file" not in kwargs:
+                raise InvalidArgument("tls_server_name", "requires tls_ca_file (TLS)")
+            kwargs["tls_server_name"] = request.tls_server_name
+        if ("tls_cert_file" in kwargs) != ("tls_key_file" in kwargs):
+            missing = "tls_key_file" if "tls_cert_file" in kwargs else "tls_cert_file"
+            raise InvalidArgument(missing, "tls_cert_file and tls_key_file go together")
+        if "tls_cert_file" in kwargs and "tls_ca_file" not in kwargs:
+            raise InvalidArgument("tls_ca_file", "a client certificate needs tls_ca_file (TLS)")
+        try:
+            return RemoteWorkerSpec(**kwargs)
+        except ValueError as exc:  # a rule of the spec the checks above do not repeat
+            raise InvalidArgument("", str(exc)) from exc
+
+    def _credential_file(self, field: str, path: str) -> str:
+        """A client-named credential file, allowed only inside the configured directory:
+        the daemon would otherwise send any file it can read to any endpoint."""
+        base = self._credentials_dir
+        if not base:
+            raise PermissionDenied(
+                field,
+                "cannot use a credential file named by a client: "
+                "workers.remote_credentials_dir is not set",
+            )
+        if not os.path.isabs(path) or "\0" in path:
+            raise InvalidArgument(field, f"{path!r} must be an absolute path")
+        real, root = os.path.realpath(path), os.path.realpath(base)
+        if os.path.commonpath([real, root]) != root:
+            raise PermissionDenied(
+                field, f"{path!r} is outside workers.remote_credentials_dir ({base})"
+            )
+        return real
+
+    def plan_run(self, request: Any) -> tuple[list[Planned], int]:
+        """Validate every task of a SubmitRun; returns the plan and the call count."""
+        tasks = request.tasks
+        limits = self._limits
+        if not tasks:
+            raise InvalidArgument("tasks", "a run needs at least one task")
+        if len(tasks) > limits.max_tasks_per_run:
+            raise LimitExceeded(
+                "tasks",
+                f"{len(tasks)} tasks, limits.max_tasks_per_run = {limits.max_tasks_per_run}",
+            )
+        level = self._worker.level
+        handles: dict[str, CallableHandle] = {}
+        next_level: set[int] | None = None
+        plan: list[Planned] = []
+        total = 0
+        empty = TaskArgs()
+        for i, task in enumerate(tasks):
+            where = f"tasks[{i}]"
+            kind = task.kind
+            kind_name = _TASK_KIND_NAMES.get(kind)
+            if kind_name is None:
+                raise InvalidArgument(
+                    f"{where}.kind",
+                    "required" if kind == pb.TASK_KIND_UNSPECIFIED else f"unknown task kind {kind}",
+                )
+            handle = handles.get(task.hashid)
+            if handle is None:
+                handle = self.handle(task.hashid, f"{where}.hashid")
+                handles[task.hashid] = handle
+            sub = kind in (pb.TASK_KIND_SUB, pb.TASK_KIND_SUB_GROUP)
+            if sub and handle.role != "sub":
+                raise InvalidArgument(
+                    f"{where}.hashid",
+                    f"{handle.name} is registered as {handle.role}; a {kind_name} task needs "
+                    "a SUB callable",
+                )
+            if not sub and (handle.role == "sub" or (level == 3 and handle.role != "chip")):
+                raise InvalidArgument(
+                    f"{where}.hashid",
+                    f"{handle.name} is registered as {handle.role}; a {kind_name} task needs "
+                    + (
+                        "a CHIP kernel" if level == 3 else "a chip kernel or orchestration function"
+                    ),
+                )
+            members = task.members
+            group = kind in (pb.TASK_KIND_SUB_GROUP, pb.TASK_KIND_NEXT_LEVEL_GROUP)
+            if not members:
+                raise InvalidArgument(f"{where}.members", "at least one member is required")
+            if not group and len(members) != 1:
+                raise InvalidArgument(
+                    f"{where}.members",
+                    f"a {kind_name} task has exactly one member, got {len(members)}",
+                )
+            workers = list(task.workers)
+            if sub and workers:
+                raise InvalidArgument(f"{where}.workers", f"must be empty for a {kind_name} task")
+            if not sub:
+                want = len(members) if group else 1
+                if len(workers) != want:
+                    raise InvalidArgument(
+                        f"{where}.workers",
+                        f"a {kind_name} task needs {want} target worker(s), got {len(workers)}",
+                    )
+                if len(set(workers)) != len(workers):
+                    raise InvalidArgument(f"{where}.workers", f"targets {workers} are not distinct")
+                if next_level is None:
+                    next_level = self.next_level_ids()
+                for j, wid in enumerate(workers):
+                    if wid not in next_level:
+                        raise NotFound(
+                            f"{where}.workers[{j}]",
+                            f"worker {wid} is not a NEXT_LEVEL worker of this daemon "
+                            f"(known: {sorted(next_level)})",
+                        )
+            config = (
+                self.call_config(task.config, f"{where}.config")
+                if task.HasField("config")
+                else None
+            )
+            args_list: list[TaskArgs] = []
+            for m, member in enumerate(members):
+                if not member.tensors and not member.scalars:
+                    args_list.append(empty)
+                else:
+                    args_list.append(self.task_args(member, f"{where}.members[{m}]"))
+            total += len(args_list)
+            plan.append(Planned(kind, handle, args_list, config, workers))
+        return plan, total
+
+
+def declarative(plan: list[Planned], bind: Callable[[Run], None]) -> Callable[..., None]:
+    """The orchestration function of a SubmitRun: submit the validated plan in order.
+
+    ``bind`` is called with the engine's Run before the first task is submitted.
+    """
+
+    def orch(o: Any, _args: Any, _config: Any) -> None:
+        bind(o.run)
+        try:
+            for p in plan:
+                kind = p.kind
+                if kind == pb.TASK_KIND_SUB:
+                    o.submit_sub(p.handle, p.members[0], p.config)
+                elif kind == pb.TASK_KIND_SUB_GROUP:
+                    o.submit_sub_group(p.handle, p.members, p.config)
+                elif kind == pb.TASK_KIND_NEXT_LEVEL:
+                    o.submit_next_level(p.handle, p.members[0], p.config, worker=p.targets[0])
+                else:
+                    o.submit_next_level_group(p.handle, p.members, p.config, workers=p.targets)
+        except SimplerError:
+            # The run already failed (a task failed while later ones were being
+            # submitted) or the daemon is closing: the run carries that error.
+            if o.run.error is None:
+                raise
+        finally:
+            plan.clear()  # drop the heap views: the slots hold descriptors now
+
+    return orch

@@ -1,0 +1,152 @@
+"""Request errors and the one table from exception type to gRPC status code.
+
+Handlers and the validation layer (``plan.py``, ``runs.py``) raise a
+``RequestError`` subclass naming the offending field; engine exceptions that
+reach a handler are mapped by :data:`STATUS_TABLE`::
+
+    InvalidArgument("tasks[3].members[0].tensors[1].dtype", "...")  -> INVALID_ARGUMENT
+    RegistrationError(code="NOT_REGISTERED")                        -> REGISTRATION_STATUS
+    KeyError / MemoryError / TimeoutError ...                       -> STATUS_TABLE row
+    anything else                                                   -> INTERNAL
+
+Nothing here imports the servicer; it is the bottom of the server's layers.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import grpc
+
+from simpler_daemon.errors import RegistrationError, SimplerError, WorkerClosedError
+
+__all__ = [
+    "REGISTRATION_STATUS",
+    "STATUS_TABLE",
+    "InvalidArgument",
+    "LimitExceeded",
+    "NotFound",
+    "PermissionDenied",
+    "Precondition",
+    "RequestError",
+    "Unavailable",
+    "Unimplemented",
+    "at_field",
+    "error_text",
+    "status_of",
+]
+
+Code = grpc.StatusCode
+
+
+class RequestError(SimplerError):
+    """A request the daemon refuses; the subclass picks the status (see STATUS_TABLE).
+
+    ``field`` is the offending field path (``tasks[3].members[0].tensors[1].buffer_id``)
+    or "" when the request as a whole is refused.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class InvalidArgument(RequestError):
+    """A malformed field."""
+
+
+class NotFound(RequestError):
+    """An unknown run, buffer, hashid or worker."""
+
+
+class PermissionDenied(RequestError):
+    """An import path outside ``callables.allowed_modules``."""
+
+
+class LimitExceeded(RequestError):
+    """A configured size or count limit."""
+
+
+class Precondition(RequestError):
+    """The daemon's state forbids the request (draining, stopping, wrong callable role...)."""
+
+
+class Unimplemented(RequestError):
+    """A feature this build does not have."""
+
+
+class Unavailable(RequestError):
+    """A peer the request needs cannot be reached (a remote worker that does not start)."""
+
+
+#: The one table from exception type to status code; the first matching row wins.
+STATUS_TABLE: Final[tuple[tuple[type[BaseException], grpc.StatusCode], ...]] = (
+    (InvalidArgument, Code.INVALID_ARGUMENT),
+    (NotFound, Code.NOT_FOUND),
+    (PermissionDenied, Code.PERMISSION_DENIED),
+    (LimitExceeded, Code.RESOURCE_EXHAUSTED),
+    (Precondition, Code.FAILED_PRECONDITION),
+    (Unimplemented, Code.UNIMPLEMENTED),
+    (Unavailable, Code.UNAVAILABLE),
+    (RegistrationError, Code.INVALID_ARGUMENT),  # refined by code below
+    (WorkerClosedError, Code.FAILED_PRECONDITION),
+    (MemoryError, Code.RESOURCE_EXHAUSTED),  # the shared heap is full
+    (KeyError, Code.NOT_FOUND),  # heap lookups
+    (LookupError, Code.NOT_FOUND),
+    (PermissionError, Code.PERMISSION_DENIED),
+    (TimeoutError, Code.DEADLINE_EXCEEDED),
+    (NotImplementedError, Code.UNIMPLEMENTED),
+    (ValueError, Code.INVALID_ARGUMENT),
+    (TypeError, Code.INVALID_ARGUMENT),
+)
+
+#: RegistrationError codes (ARCHITECTURE section 9) that are not INVALID_ARGUMENT.
+REGISTRATION_STATUS: Final[dict[str, grpc.StatusCode]] = {
+    "HASHID_FORMAT_INVALID": Code.INVALID_ARGUMENT,
+    "HASHID_DESCRIPTOR_MISMATCH": Code.FAILED_PRECONDITION,
+    "NOT_REGISTERED": Code.NOT_FOUND,
+    "LOCAL_SLOT_EXHAUSTED": Code.RESOURCE_EXHAUSTED,
+    # Every target child failed to load it: the import path does not resolve there.
+    "REGISTER_PARTIAL_FAILURE": Code.INVALID_ARGUMENT,
+    "REGISTER_CLEANUP_UNCERTAIN": Code.INTERNAL,
+    "REGISTER_TOMBSTONE_ACTIVE": Code.FAILED_PRECONDITION,
+    "UNREGISTER_TOMBSTONE_ACTIVE": Code.FAILED_PRECONDITION,
+    "CONTROL_FAILED": Code.INTERNAL,
+}
+
+
+class _AtField(RequestError):
+    """An engine exception re-expressed with the request field it concerns; keeps the
+    status STATUS_TABLE gave the original."""
+
+    def __init__(self, field: str, exc: BaseException) -> None:
+        super().__init__(field, error_text(exc))
+        self.code = status_of(exc)
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code for an exception (``INTERNAL`` when no row of STATUS_TABLE matches)."""
+    if isinstance(exc, _AtField):
+        return exc.code
+    if isinstance(exc, RegistrationError):
+        return REGISTRATION_STATUS.get(exc.code, Code.INVALID_ARGUMENT)
+    for exc_type, code in STATUS_TABLE:
+        if isinstance(exc, exc_type):
+            return code
+    return Code.INTERNAL
+
+
+def error_text(exc: BaseException) -> str:
+    """The message a client sees (a KeyError's bare argument, not its repr)."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
+
+
+def at_field(field: str, exc: BaseException) -> RequestError:
+    """Re-express an engine exception as a RequestError naming ``field`` (same status)."""
+    if isinstance(exc, RequestError):
+        return exc
+    err = _AtField(field, exc)
+    err.__cause__ = exc
+    return err
