@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--only",
         type=lambda s: _csv(s.upper(), tuple(WORKLOADS), "workload"),
-        help="comma-separated workloads (default: all, W1 to W8)",
+        help=f"comma-separated workloads of {','.join(WORKLOADS)} (default: all)",
     )
     ap.add_argument(
         "--peers",
@@ -220,15 +220,16 @@ def spawn_cell(
     return result
 
 
-def _describe(res: dict[str, Any], workload: str) -> str:
+def _describe(res: dict[str, Any], workload: str, system: str) -> str:
     if res.get("status") != "ok":
         return f"{res.get('status')}: {res.get('reason', '')}"
     reps = res["reps"]
     metrics = WORKLOADS[workload].metrics
     parts = []
     for m in metrics:
-        vals = sorted(r[m.key] for r in reps)
-        parts.append(f"{m.label} {report.num(vals[len(vals) // 2])}")
+        vals = sorted(r[m.key] for r in reps if m.key in r)
+        if m.applies(system) and vals:
+            parts.append(f"{m.label} {report.num(vals[len(vals) // 2])}")
     return ", ".join(parts) + f" ({len(reps)} reps, {res.get('elapsed_s', 0):.1f} s)"
 
 
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{wid} {LABELS[system]} ...", end=" ", flush=True)
             result = spawn_cell(wid, system, args, timeout)
             wl["systems"].update(result)
-            print("; ".join(f"{LABELS[k]}: {_describe(r, wid)}" for k, r in result.items()))
+            print("; ".join(f"{LABELS[k]}: {_describe(r, wid, k)}" for k, r in result.items()))
         for peer in PEER_KEYS:
             wl["systems"].setdefault(
                 peer, {"status": "not_run", "reason": "not selected (--peers)"}

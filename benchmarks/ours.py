@@ -322,6 +322,10 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             from benchmarks import w6
 
             return w6.measure(p, repeat)
+        if workload == "W7":
+            from benchmarks import w7
+
+            return w7.measure(p, repeat)
         if workload == "S1":
             from benchmarks.staging import run_staging
 

@@ -24,6 +24,7 @@ from benchmarks.workloads import (
     PENDING_TARGETS,
     TARGETS,
     TIMES,
+    VARIANT_TAGS,
     WORKLOADS,
     Target,
     median,
@@ -123,24 +124,56 @@ def finalize(doc: Doc) -> Doc:
     """Add medians (and min/max) across repetitions, ratios and target verdicts."""
     for wid, wl in doc["workloads"].items():
         spec = WORKLOADS[wid]
-        for res in wl.get("systems", {}).values():
+        for system, res in wl.get("systems", {}).items():
             if not _ok(res):
                 continue
             for key in ("median", "min", "max"):
                 res[key] = {}
             for metric in spec.metrics:
-                values = [rep[metric.key] for rep in res["reps"]]
+                # A metric some variants do not report (W7's x4 ratio needs the one-worker
+                # figure of the same cell) is left out rather than invented.
+                values = [rep[metric.key] for rep in res["reps"] if metric.key in rep]
+                if not metric.applies(system) or not values:
+                    continue
                 res["median"][metric.key] = median(values)
                 res["min"][metric.key] = min(values)
                 res["max"][metric.key] = max(values)
     doc["ratios"] = ratios(doc)
     doc["targets"] = verdicts(doc)
+    if "W7" in doc["workloads"]:
+        doc["remote_hop"] = remote_hop(doc)
     return doc
 
 
 def value(doc: Doc, wid: str, system: str, metric: str) -> float | None:
     res = doc["workloads"].get(wid, {}).get("systems", {}).get(system)
-    return res["median"][metric] if _ok(res) else None
+    return res["median"].get(metric) if _ok(res) else None
+
+
+def remote_hop(doc: Doc) -> dict[str, Any]:
+    """W7 beside W1 of the same invocation: what the remote hop adds to a one-task run.
+
+    ``hop_us`` is W7's median minus W1's (same API: run or run_async); the x4
+    figure is the median of per-repetition ratios measured inside the W7 cell.
+    """
+    out: dict[str, Any] = {}
+    for variant in ("ours", "ours_async"):
+        w7 = value(doc, "W7", variant, "median_us")
+        w1 = value(doc, "W1", variant, "median_us")
+        out[variant] = {
+            "w7_median_us": w7,
+            "w1_median_us": w1,
+            "hop_us": w7 - w1 if w7 is not None and w1 is not None else None,
+            "ratio": w7 / w1 if w7 is not None and w1 else None,
+        }
+    bare = value(doc, "W7", "ours_bare", "median_us")
+    w7 = value(doc, "W7", "ours", "median_us")
+    out["inner_l3_us"] = w7 - bare if w7 is not None and bare is not None else None
+    out["bare_median_us"] = bare
+    out["x4_tasks_per_s"] = value(doc, "W7", "ours_x4", "tasks_per_s")
+    out["one_tasks_per_s"] = value(doc, "W7", "ours", "tasks_per_s")
+    out["x4_ratio"] = value(doc, "W7", "ours_x4", "x4_ratio")
+    return out
 
 
 def ratios(doc: Doc) -> dict[str, Any]:
@@ -152,6 +185,8 @@ def ratios(doc: Doc) -> dict[str, Any]:
             continue
         for metric in spec.metrics:
             for variant in spec.ours_variants:
+                if not metric.applies(variant):
+                    continue
                 ours = value(doc, wid, variant, metric.key)
                 row = out.setdefault(wid, {}).setdefault(metric.key, {}).setdefault(variant, {})
                 for peer in doc["peers"]:
@@ -205,7 +240,8 @@ def verdicts(doc: Doc) -> list[dict[str, Any]]:
         if target.workload not in doc["workloads"]:
             continue
         for variant in WORKLOADS[target.workload].ours_variants:
-            rows.append(_verdict(doc, target, variant))
+            if target.variants is None or variant in target.variants:
+                rows.append(_verdict(doc, target, variant))
     for wid, text in PENDING_TARGETS.items():
         if wid in doc["workloads"]:
             rows.append(
@@ -247,7 +283,7 @@ def _cell(doc: Doc, wid: str, system: str, metric: str, notes: _Notes) -> str:
     if res is None:
         return "not run"
     if _ok(res):
-        return num(res["median"][metric])
+        return num(res["median"].get(metric))
     status = res.get("status", "?")
     reason = res.get("reason", "")
     if status == "n/a":
@@ -258,7 +294,7 @@ def _cell(doc: Doc, wid: str, system: str, metric: str, notes: _Notes) -> str:
 def _row_label(wid: str, metric_label: str, variant: str, variants: tuple[str, ...]) -> str:
     if len(variants) == 1:
         return f"{wid} {metric_label}"
-    return f"{wid} {metric_label} ({'run_async' if variant == 'ours_async' else 'run'})"
+    return f"{wid} {metric_label} ({VARIANT_TAGS.get(variant, variant)})"
 
 
 def markdown(doc: Doc) -> str:
@@ -284,6 +320,8 @@ def markdown(doc: Doc) -> str:
             continue
         for metric in spec.metrics:
             for variant in spec.ours_variants:
+                if not metric.applies(variant):
+                    continue
                 v = verdict_of.get((wid, metric.key, variant))
                 cells = [
                     _row_label(wid, metric.label, variant, spec.ours_variants),
@@ -301,7 +339,10 @@ def markdown(doc: Doc) -> str:
                         verdict += f" {notes.ref(v['why'])}"
                     cells += [ratio, v["target"], verdict]
                 lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", *_ratio_table(doc), "", *_params(doc)]
+    lines += ["", *_ratio_table(doc)]
+    if "remote_hop" in doc:
+        lines += ["", *_remote_lines(doc)]
+    lines += ["", *_params(doc)]
     profile = doc.get("profile")
     if profile:
         files = ", ".join(profile.get("files", [])) or f"none ({profile.get('reason')})"
@@ -336,10 +377,46 @@ def _ratio_table(doc: Doc) -> list[str]:
     ]
     for wid, by_metric in doc["ratios"].items():
         spec = WORKLOADS[wid]
+        if not spec.peers:  # ours only (W6, W7, S1): no row of dashes
+            continue
         for metric in spec.metrics:
-            for variant, row in by_metric[metric.key].items():
+            for variant, row in by_metric.get(metric.key, {}).items():
                 label = _row_label(wid, metric.label, variant, spec.ours_variants)
                 lines.append(f"| {label} | " + " | ".join(num(row[p]) for p in peers) + " |")
+    if len(lines) == 4:
+        return ["No ratios: the selected workloads have no peer counterpart."]
+    return lines
+
+
+def _remote_lines(doc: Doc) -> list[str]:
+    """W7 beside W1: the cost of the hop, where it goes, and what 4 workers give."""
+    hop = doc["remote_hop"]
+    lines = ["Remote L3 (W7) beside in-process W1, same invocation:", ""]
+    for variant, api in (("ours", "run"), ("ours_async", "run_async")):
+        h = hop[variant]
+        if h["w7_median_us"] is None:
+            continue
+        if h["hop_us"] is None:
+            lines.append(f"- {api}: W7 median {num(h['w7_median_us'])} µs; W1 not measured")
+            continue
+        lines.append(
+            f"- {api}: W7 median {num(h['w7_median_us'])} µs vs W1 {num(h['w1_median_us'])} µs:"
+            f" the hop adds {num(h['hop_us'])} µs ({num(h['ratio'])} {TIMES} W1)"
+        )
+    if hop["inner_l3_us"] is not None:
+        lines.append(
+            f"- bare session round trip (the L3 orchestration submits nothing): "
+            f"{num(hop['bare_median_us'])} µs; the inner L3 run with its SUB task adds "
+            f"{num(hop['inner_l3_us'])} µs"
+        )
+    if hop["x4_tasks_per_s"] is not None:
+        ratio = "—" if hop["x4_ratio"] is None else f"{num(hop['x4_ratio'])} {TIMES}"
+        lines.append(
+            f"- 4 remote workers, one task each per run: {num(hop['x4_tasks_per_s'])} tasks/s, "
+            f"{ratio} one worker's {num(hop['one_tasks_per_s'])} tasks/s"
+        )
+    if len(lines) == 2:
+        lines.append("- W7 not measured (see the notes)")
     return lines
 
 
@@ -379,23 +456,31 @@ def charts(doc: Doc, out: Path, stamp: str) -> list[Path]:
         plt.close(fig)
         made.append(path)
 
-    if "W1" in doc["workloads"] and _systems(doc, "W1"):
+    def cdf(series: list[tuple[str, dict[str, Any]]], title: str, name: str) -> None:
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for system, res in _systems(doc, "W1"):
+        for label, res in series:
             samples = sorted(s for rep in res["reps"] for s in rep["samples_us"])
             ys = [(i + 1) / len(samples) for i in range(len(samples))]
-            ax.plot(
-                samples, ys, label=f"{LABELS[system]} (median {num(res['median']['median_us'])} µs)"
-            )
+            ax.plot(samples, ys, label=f"{label} (median {num(res['median']['median_us'])} µs)")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("round trip, µs (log)")
         ax.set_ylabel("fraction of runs")
-        ax.set_title("W1 — one empty task per run, latency CDF")
+        ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        save(fig, "w1_latency")
+        save(fig, name)
+
+    if "W1" in doc["workloads"] and _systems(doc, "W1"):
+        series = [(LABELS[s], r) for s, r in _systems(doc, "W1")]
+        cdf(series, "W1 — one empty task per run, latency CDF", "w1_latency")
+    if "W7" in doc["workloads"] and _systems(doc, "W7"):
+        # Our in-process W1 of the same invocation beside the remote runs: the hop's cost.
+        series = [(f"W7 {LABELS[s]}", r) for s, r in _systems(doc, "W7")]
+        if "W1" in doc["workloads"]:
+            series += [(f"W1 {LABELS[s]}", r) for s, r in _systems(doc, "W1") if s == "ours"]
+        cdf(series, "W7 — one remote L3 task per run over loopback, latency CDF", "w7_latency")
 
     bars = {
         "W2": ("tasks_per_s", "tasks/s", "W2 — empty tasks, throughput", None),
