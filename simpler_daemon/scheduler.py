@@ -348,6 +348,9 @@ class Scheduler(SubmitSink):
                 self._maybe_finish_run(g.run)
                 did = True
                 continue
+            for m in lanes:
+                if m is not None:
+                    self._notice_dead(m)
             reserved = set(g.targets)
             self._check_stall(g, lanes)
             break
@@ -360,8 +363,11 @@ class Scheduler(SubmitSink):
                 continue
             target = manager.next_level.get(wid)
             if target is None or not target.idle():
-                if target is not None and target.gone is not None:
-                    did |= self._fail_queue(q, wid, target.gone)
+                if target is not None:
+                    if target.gone is not None:
+                        did |= self._fail_queue(q, wid, target.gone)
+                    else:
+                        self._notice_dead(target)
                 continue
             while q:
                 slot = q.popleft()
@@ -429,6 +435,12 @@ class Scheduler(SubmitSink):
                     self._send(idle[i], WorkerDispatch(slot, i))
                 did = True
         return did
+
+    def _notice_dead(self, lane: WorkerThread) -> None:
+        """Work waits for a lane whose endpoint failed with nothing in flight (no completion
+        reported it: a remote session that failed in a control or between runs)."""
+        if lane.endpoint.poisoned and not lane.inflight and lane not in self._suspect:
+            self._suspect.add(lane)
 
     def _fail_queue(self, q: deque[TaskSlot], wid: int, reason: str) -> bool:
         """Fail every single queued for a lane that will never run again."""

@@ -396,7 +396,12 @@ class RemoteFleet:
         ep = self.endpoint(worker_id, name)
         if self._deferred_frees:
             await self._flush_frees()
-        return await self._send(ep, name, body)
+        try:
+            return await self._send(ep, name, body)
+        except (EndpointError, TimeoutError):
+            if ep.poisoned:
+                self._failed_idle(ep)  # no task completion will report it: reconnect now
+            raise
 
     async def _send(self, ep: Any, name: str, body: bytes) -> bytes:
         # Bound: the loop that runs this coroutine reads the sockets and delivers the reply.

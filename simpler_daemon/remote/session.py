@@ -277,6 +277,9 @@ class SessionRunner:
                     if proto is not self.command and proto.transport is not None:
                         proto.transport.abort()
             if code_reason is None:
+                # Attached: nobody may connect any more, and a late candidate must be
+                # refused by the kernel, not left waiting in a listen backlog.
+                self._close_listeners()
                 self._send_hello()
                 assert self.health is not None
                 self.health.beat_event.set()
@@ -566,11 +569,15 @@ class SessionRunner:
             self.health.beat_event.set()
             if self.health.is_alive():
                 self.health.join(timeout=HEALTH_INTERVAL_S * 5 + HEALTH_CANDIDATE_S)
+        self._close_listeners()
+        if self.inner is not None:
+            self.inner.close()
+
+    def _close_listeners(self) -> None:
         for sock in (self.command_listener, self.health_listener):
             if sock is not None:
                 sock.close()
-        if self.inner is not None:
-            self.inner.close()
+        self.command_listener = self.health_listener = None
 
 
 def _write_ready(fd: int, reply: HandshakeReply) -> None:
