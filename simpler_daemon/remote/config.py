@@ -13,6 +13,8 @@ Layers, later wins (the same scheme as ``simpler-daemon``)::
 
 Every failure is a ``ConfigError`` whose ``key`` is the dotted setting. Loading has no
 side effects; :func:`load_credentials` reads the token and certificate files at start.
+The layering itself is :mod:`simpler_daemon.configfile`; this module holds the structs
+and rules.
 """
 
 from __future__ import annotations
@@ -20,16 +22,23 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-import re
 import ssl
 import stat
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, get_args, get_origin
+from typing import Final, Literal
 
 import msgspec
 
+from simpler_daemon.configfile import (
+    ConfigSchema,
+    Invalid,
+    check_host_port,
+    check_module_names,
+    check_path,
+    default_allowed_modules,
+    parse_host_port,
+)
 from simpler_daemon.errors import ConfigError
 from simpler_daemon.remote.manifest import (
     MAX_MANIFEST_BYTES,
@@ -37,7 +46,6 @@ from simpler_daemon.remote.manifest import (
     ManifestLimits,
     module_allowed,
 )
-from simpler_daemon.server.config import parse_host_port
 
 __all__ = [
     "DEFAULT_LISTEN",
@@ -64,7 +72,6 @@ DEFAULT_LISTEN: Final = f"127.0.0.1:{DEFAULT_PORT}"
 ENV_PREFIX: Final = "SIMPLER_REMOTE_WORKER__"
 
 _GIB: Final = 1 << 30
-_IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class WorkerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -123,14 +130,10 @@ class SessionsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """Seconds between SIGTERM and SIGKILL when a runner failed to start."""
 
 
-def _default_allowed_modules() -> list[str]:
-    return ["simpler_daemon.examples"]
-
-
 class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[callables]`` section: which code a session may install."""
 
-    allowed_modules: list[str] = msgspec.field(default_factory=_default_allowed_modules)
+    allowed_modules: list[str] = msgspec.field(default_factory=default_allowed_modules)
     """A module is allowed when it equals an entry or lies below one (``entry.``)."""
     python_path: list[str] = []
     """Absolute directories put in front of the runners' import path (PYTHONPATH)."""
@@ -157,9 +160,12 @@ class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         return parse_host_port(self.worker.listen, key="worker.listen")
 
 
-_SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
-    f.encode_name: f.type for f in msgspec.structs.fields(RemoteWorkerConfig)
-}
+_SCHEMA: Final = ConfigSchema(
+    root=RemoteWorkerConfig,
+    env_prefix=ENV_PREFIX,
+    env_origin=" (from {name})",
+    override_origin=" (from the command line)",
+)
 
 
 def manifest_limits(config: RemoteWorkerConfig) -> ManifestLimits:
@@ -188,17 +194,6 @@ def is_loopback(host: str) -> bool:
 # --------------------------------------------------------------------------- validation
 
 
-class _Invalid(Exception):
-    """One bad setting; ``load`` adds the file and where the value came from."""
-
-    def __init__(self, key: str, after: str, before: str = "") -> None:
-        super().__init__(key)
-        self.key, self.after, self.before = key, after, before
-
-    def text(self, origin: str = "") -> str:
-        return f"{self.before}{self.key}{origin}{self.after}"
-
-
 def validate(config: RemoteWorkerConfig, *, insecure: bool = False) -> None:
     """Check ranges and cross-field rules; ``ConfigError`` naming the key on the first problem.
 
@@ -207,40 +202,37 @@ def validate(config: RemoteWorkerConfig, *, insecure: bool = False) -> None:
     """
     try:
         _check(config, insecure)
-    except _Invalid as exc:
-        raise ConfigError(exc.text(), key=exc.key) from None
+    except Invalid as exc:
+        raise exc.error() from None
 
 
 def _check(config: RemoteWorkerConfig, insecure: bool) -> None:
     w, tls, s = config.worker, config.tls, config.sessions
-    try:
-        host, _ = parse_host_port(w.listen, key="worker.listen")
-    except ConfigError as exc:
-        raise _Invalid("worker.listen", str(exc).removeprefix("worker.listen")) from None
+    host, _ = check_host_port("worker.listen", w.listen)
     if not (math.isfinite(w.shutdown_grace) and w.shutdown_grace >= 0):
-        raise _Invalid("worker.shutdown_grace", f": must be >= 0, got {w.shutdown_grace}")
-    _check_path("worker.spec_dir", w.spec_dir)
+        raise Invalid("worker.shutdown_grace", f": must be >= 0, got {w.shutdown_grace}")
+    check_path("worker.spec_dir", w.spec_dir)
 
-    _check_path("auth.token_file", config.auth.token_file)
+    check_path("auth.token_file", config.auth.token_file)
     for name in ("cert_file", "key_file", "client_ca_file"):
-        _check_path(f"tls.{name}", getattr(tls, name))
+        check_path(f"tls.{name}", getattr(tls, name))
     if bool(tls.cert_file) != bool(tls.key_file):
         missing = "tls.key_file" if tls.cert_file else "tls.cert_file"
         given = "tls.cert_file" if tls.cert_file else "tls.key_file"
-        raise _Invalid(missing, f" is required when {given} is set")
+        raise Invalid(missing, f" is required when {given} is set")
     if tls.client_ca_file and not tls.cert_file:
-        raise _Invalid(
+        raise Invalid(
             "tls.client_ca_file", " requires tls.cert_file and tls.key_file (mutual TLS is TLS)"
         )
 
     for name in ("max", "max_connections", "max_manifest_bytes", "max_heap_bytes"):
         if getattr(s, name) <= 0:
-            raise _Invalid(f"sessions.{name}", f": must be > 0, got {getattr(s, name)}")
+            raise Invalid(f"sessions.{name}", f": must be > 0, got {getattr(s, name)}")
     for name in ("max_callables", "max_sub_workers", "max_chips"):
         if getattr(s, name) < 0:
-            raise _Invalid(f"sessions.{name}", f": must be >= 0, got {getattr(s, name)}")
+            raise Invalid(f"sessions.{name}", f": must be >= 0, got {getattr(s, name)}")
     if s.max_manifest_bytes > MAX_MANIFEST_BYTES:
-        raise _Invalid(
+        raise Invalid(
             "sessions.max_manifest_bytes",
             f": must be at most {MAX_MANIFEST_BYTES} (the protocol's limit), "
             f"got {s.max_manifest_bytes}",
@@ -248,22 +240,20 @@ def _check(config: RemoteWorkerConfig, insecure: bool) -> None:
     for name in ("handshake_timeout", "max_session_timeout", "max_startup"):
         value = getattr(s, name)
         if not (math.isfinite(value) and value > 0):
-            raise _Invalid(f"sessions.{name}", f": must be > 0, got {value}")
+            raise Invalid(f"sessions.{name}", f": must be > 0, got {value}")
     if not (math.isfinite(s.kill_grace) and s.kill_grace >= 0):
-        raise _Invalid("sessions.kill_grace", f": must be >= 0, got {s.kill_grace}")
+        raise Invalid("sessions.kill_grace", f": must be >= 0, got {s.kill_grace}")
 
-    for i, entry in enumerate(config.callables.allowed_modules):
-        name = entry[:-1] if entry.endswith(".") else entry
-        if not (name and all(_IDENT.match(part) for part in name.split("."))):
-            raise _Invalid(
-                f"callables.allowed_modules[{i}]", f": {entry!r} is not a dotted module name"
-            )
+    # "pkg." is allowed too: module_allowed() strips the dot.
+    check_module_names(
+        "callables.allowed_modules", config.callables.allowed_modules, trailing_dot=True
+    )
     for i, path in enumerate(config.callables.python_path):
         if not path:
-            raise _Invalid(f"callables.python_path[{i}]", ": is empty")
-        _check_path(f"callables.python_path[{i}]", path)
+            raise Invalid(f"callables.python_path[{i}]", ": is empty")
+        check_path(f"callables.python_path[{i}]", path)
         if ":" in path:
-            raise _Invalid(
+            raise Invalid(
                 f"callables.python_path[{i}]", f": {path!r} contains ':', the PYTHONPATH separator"
             )
 
@@ -277,47 +267,13 @@ def _check(config: RemoteWorkerConfig, insecure: bool) -> None:
             if not have
         ]
         if lacking:
-            raise _Invalid(
+            raise Invalid(
                 "worker.listen",
                 f": {w.listen} is reachable from other hosts but {' and '.join(lacking)} "
                 f"{'is' if len(lacking) == 1 else 'are'} not configured; anyone who can reach "
                 "the port could run code as this user. Configure TLS and a token, or pass "
                 "--insecure on a trusted network",
             )
-
-
-def _check_path(key: str, path: str) -> None:
-    if "\0" in path:
-        raise _Invalid(key, ": contains a NUL byte")
-    if path and not os.path.isabs(path):
-        raise _Invalid(key, f": {path!r} must be an absolute path")
-
-
-def _field_type(section: str, key: str) -> Any:
-    cls = _SECTIONS.get(section)
-    if cls is None:
-        return None
-    for f in msgspec.structs.fields(cls):
-        if f.encode_name == key:
-            return f.type
-    return None
-
-
-def _from_validation_error(exc: msgspec.ValidationError) -> _Invalid:
-    """``Expected `int`, got `str` - at `$.sessions.max``` -> the key and the problem."""
-    problem, sep, where = str(exc).partition(" - at `$")
-    path = where.rstrip("`").lstrip(".") if sep else ""
-    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", problem)
-    if unknown:
-        key = f"{path}.{unknown[1]}" if path else unknown[1]
-        return _Invalid(key, "", before="unknown key ")
-    problem = problem.replace("`object`", "table").replace("`", "")
-    section, _, key = path.partition(".")
-    ftype = _field_type(section, key.partition("[")[0])
-    if problem.startswith("Invalid enum value") and get_origin(ftype) is Literal:
-        choices = ", ".join(repr(c) for c in get_args(ftype))
-        problem = f"{problem} (choose one of {choices})"
-    return _Invalid(path or "config", f": {problem}")
 
 
 # --------------------------------------------------------------------------- loading
@@ -337,85 +293,13 @@ def load(
     taken as text. ``overrides`` maps dotted keys (``"worker.listen"``) to values.
     Raises ``ConfigError`` (``key`` = the dotted setting) naming the file.
     """
-    env = os.environ if env is None else env
-    where = f" {os.fspath(path)}" if path is not None else ""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config{where}: {exc.strerror or exc}") from exc
-        try:
-            raw = tomllib.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"cannot parse config{where}: not UTF-8: {exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"cannot parse config{where}: {exc}") from exc
+    environ = os.environ if env is None else env
 
-    # Where a value came from when it was not the file; named in error messages.
-    origins: dict[str, str] = {}
-
-    def fail(exc: _Invalid) -> ConfigError:
-        base = exc.key.partition("[")[0]
-        origin = origins.get(base, "")
-        return ConfigError(f"cannot load config{where}: {exc.text(origin)}", key=exc.key)
-
-    def put(section: str, key: str, value: object, origin: str) -> None:
-        table = raw.get(section)
-        if not isinstance(table, dict):
-            table = raw[section] = {}
-        table[key] = value
-        origins[f"{section}.{key}"] = origin
-
-    for name in sorted(env):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        parts = name[len(ENV_PREFIX) :].split("__")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(
-                f"cannot load config{where}: environment variable {name}: "
-                f"expected {ENV_PREFIX}<SECTION>__<KEY>",
-                key=name,
-            )
-        section, key = parts[0].lower(), parts[1].lower()
-        put(section, key, _parse_value(section, key, env[name]), f" (from {name})")
-
-    for dotted, value in (overrides or {}).items():
-        section, dot, key = dotted.partition(".")
-        if not (section and dot and key) or "." in key:
-            raise ConfigError(
-                f"cannot load config{where}: override {dotted!r}: expected section.key",
-                key=dotted,
-            )
-        if isinstance(value, str):
-            value = _parse_value(section, key, value)
-        put(section, key, value, " (from the command line)")
-
-    try:
-        config = msgspec.convert(raw, type=RemoteWorkerConfig)
-    except msgspec.ValidationError as exc:
-        raise fail(_from_validation_error(exc)) from None
-    try:
+    def finish(config: RemoteWorkerConfig) -> RemoteWorkerConfig:
         _check(config, insecure)
-    except _Invalid as exc:
-        raise fail(exc) from None
-    return config
+        return config
 
-
-def _parse_value(section: str, key: str, text: str) -> object:
-    """A TOML value when ``text`` is one, else the text; ``str`` settings keep the text
-    unless it is a quoted TOML string."""
-    try:
-        parsed = tomllib.loads(f"v = {text}")
-    except tomllib.TOMLDecodeError:
-        return text
-    if set(parsed) != {"v"}:
-        return text
-    value = parsed["v"]
-    if _field_type(section, key) is str and not isinstance(value, str):
-        return text
-    return value
+    return _SCHEMA.load(path, env=environ, overrides=overrides, finish=finish)
 
 
 # --------------------------------------------------------------------------- credentials

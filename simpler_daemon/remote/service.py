@@ -49,6 +49,7 @@ from typing import Any, Final
 import msgspec
 
 from simpler_daemon import __version__
+from simpler_daemon.configfile import add_set_option, overrides_from_set
 from simpler_daemon.errors import ConfigError, ProtocolError, StartupError
 from simpler_daemon.remote import config as cfg
 from simpler_daemon.remote.manifest import (
@@ -65,6 +66,9 @@ from simpler_daemon.remote.manifest import (
     read_lp,
     validate_manifest,
 )
+
+# The exit statuses of simpler-daemon: units of both rely on 3 = cannot start.
+from simpler_daemon.server.main import EXIT_CONFIG, EXIT_OK, EXIT_STARTUP
 from simpler_daemon.server.notify import SystemdNotifier
 
 __all__ = [
@@ -76,10 +80,6 @@ __all__ = [
     "SessionInfo",
     "main",
 ]
-
-EXIT_OK: Final = 0
-EXIT_CONFIG: Final = 2
-EXIT_STARTUP: Final = 3
 
 #: Test hook: a JSON list replacing the runner command (see the module docstring).
 RUNNER_ARGV_ENV: Final = "SIMPLER_REMOTE_RUNNER_ARGV"
@@ -661,13 +661,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a non-loopback listener without TLS and a token (trusted networks only)",
     )
-    serve.add_argument(
-        "--set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override one setting, e.g. --set sessions.max=4 (repeatable)",
-    )
+    add_set_option(serve, example="sessions.max=4")
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("--insecure", action="store_true", help="as for serve")
     check.add_argument("file", metavar="FILE")
@@ -675,12 +669,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected section.key=value", key=item)
-        out[key.strip()] = value
+    out = overrides_from_set(args.set)
     # Flags win over --set: they are the more specific spelling.
     # Text settings take the text as written (no TOML quoting needed or applied).
     if args.listen is not None:

@@ -13,21 +13,29 @@ Layers, later wins::
 
 Every failure is a ``ConfigError`` whose ``key`` is the dotted setting and whose
 message names the file (and where a value came from when it was not the file).
-Loading has no side effects: nothing is created, bound or imported here.
+Loading has no side effects: nothing is created, bound or imported here. The layering
+itself is :mod:`simpler_daemon.configfile`; this module holds the structs and rules.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
-import tomllib
 from collections.abc import Mapping
-from typing import Any, Final, Literal, get_args, get_origin
+from typing import Final, Literal
 
 import msgspec
 
-from simpler_daemon.errors import ConfigError
+from simpler_daemon.configfile import (
+    ConfigSchema,
+    Invalid,
+    check_host_port,
+    check_module_names,
+    check_path,
+    default_allowed_modules,
+    is_dotted,
+    parse_host_port,
+)
 
 __all__ = [
     "DEFAULT_CONFIG_TOML",
@@ -62,9 +70,6 @@ ENV_PREFIX: Final = "SIMPLER_DAEMON__"
 _GRPC_MAX_MESSAGE: Final = (1 << 31) - 1
 # sun_path is 108 bytes including the terminating NUL.
 _UNIX_PATH_MAX: Final = 107
-
-_IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_PORT: Final = re.compile(r"[0-9]{1,5}\Z")
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -173,14 +178,10 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_finished_runs_kept: int = 10_000
 
 
-def _default_allowed_modules() -> list[str]:
-    return ["simpler_daemon.examples"]
-
-
 class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[callables]`` section: which code clients may register by import path."""
 
-    allowed_modules: list[str] = msgspec.field(default_factory=_default_allowed_modules)
+    allowed_modules: list[str] = msgspec.field(default_factory=default_allowed_modules)
     """A module is allowed when it equals an entry or lies below one (``entry.``)."""
     preload: list[str] = []
     """``module:qualname`` paths registered at start; each must be allowed."""
@@ -263,104 +264,16 @@ preload = []
 listen = ""
 """
 
-_SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
-    f.encode_name: f.type for f in msgspec.structs.fields(DaemonConfig)
-}
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class _Invalid(Exception):
-    """A problem with one setting; ``load`` adds the file and the value's origin.
-
-    The message reads ``before + key + <origin> + after``.
-    """
-
-    def __init__(self, key: str, after: str, before: str = "") -> None:
-        super().__init__(key)
-        self.key = key
-        self.after = after
-        self.before = before
-
-    def text(self, origin: str = "") -> str:
-        return f"{self.before}{self.key}{origin}{self.after}"
-
-
-def _field_type(section: str, key: str) -> Any:
-    cls = _SECTIONS.get(section)
-    if cls is None:
-        return None
-    for f in msgspec.structs.fields(cls):
-        if f.encode_name == key:
-            return f.type
-    return None
-
-
-def _path_type(path: str) -> Any:
-    """The annotated type at a dotted path such as ``workers.remote[0].callables[1].kind``."""
-    current: Any = DaemonConfig
-    for part in path.split("."):
-        name = part.partition("[")[0]
-        if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
-            return None
-        current = next(
-            (f.type for f in msgspec.structs.fields(current) if f.encode_name == name), None
-        )
-        if "[" in part and get_origin(current) is list:
-            current = get_args(current)[0]
-    return current
-
-
-def _from_validation_error(exc: msgspec.ValidationError) -> _Invalid:
-    """Turn ``Expected `int`, got `str` - at `$.limits.x``` into a key and a problem."""
-    message = str(exc)
-    problem, sep, where = message.partition(" - at `$")
-    path = where.rstrip("`").lstrip(".") if sep else ""
-    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", problem)
-    if unknown:
-        key = f"{path}.{unknown[1]}" if path else unknown[1]
-        return _Invalid(key, "", before="unknown key ")
-    missing = re.fullmatch(r"Object missing required field `(.*)`", problem)
-    if missing:
-        key = f"{path}.{missing[1]}" if path else missing[1]
-        return _Invalid(key, ": required")
-    problem = problem.replace("`object`", "table").replace("`", "")
-    ftype = _path_type(path)
-    if problem.startswith("Invalid enum value") and get_origin(ftype) is Literal:
-        choices = ", ".join(repr(c) for c in get_args(ftype))
-        problem = f"{problem} (choose one of {choices})"
-    return _Invalid(path or "config", f": {problem}")
+_SCHEMA: Final = ConfigSchema(
+    root=DaemonConfig,
+    env_prefix=ENV_PREFIX,
+    env_origin=" (from environment variable {name})",
+    override_origin=" (from override)",
+    default_text=DEFAULT_CONFIG_TOML,
+)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def parse_host_port(text: str, *, key: str = "address") -> tuple[str, int]:
-    """Split ``"host:port"`` (``"[::1]:9090"`` for IPv6) into ``(host, port)``.
-
-    Raises ``ConfigError`` naming ``key`` when the host is empty, an IPv6 host
-    is not bracketed, or the port is not an integer in 0..65535.
-    """
-    try:
-        return _split_host_port(text)
-    except ValueError as exc:
-        raise ConfigError(f"{key}: {exc}", key=key) from None
-
-
-def _split_host_port(text: str) -> tuple[str, int]:
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{text!r} is not host:port")
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise ValueError(f"{text!r}: unbalanced brackets around the host")
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{text!r}: an IPv6 host must be in brackets, e.g. [::1]:{port_text}")
-    if not _PORT.match(port_text) or int(port_text) > 65535:
-        raise ValueError(f"{text!r}: the port must be an integer in 0..65535")
-    return host, int(port_text)
 
 
 def _split_import_path(text: str) -> tuple[str, str]:
@@ -368,15 +281,11 @@ def _split_import_path(text: str) -> tuple[str, str]:
     if len(parts) != 2:
         raise ValueError(f"{text!r} must be 'module:qualname' with exactly one colon")
     module, qualname = parts
-    if not _is_dotted(module):
+    if not is_dotted(module):
         raise ValueError(f"{text!r}: module {module!r} must be an absolute dotted name")
-    if not _is_dotted(qualname):
+    if not is_dotted(qualname):
         raise ValueError(f"{text!r}: qualname {qualname!r} must be dotted identifiers")
     return module, qualname
-
-
-def _is_dotted(name: str) -> bool:
-    return bool(name) and all(_IDENT.match(part) for part in name.split("."))
 
 
 def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
@@ -417,90 +326,86 @@ def validate(config: DaemonConfig) -> None:
     """Check ranges and cross-field rules; ``ConfigError`` naming the key on the first problem."""
     try:
         _check(config)
-    except _Invalid as exc:
-        raise ConfigError(exc.text(), key=exc.key) from None
+    except Invalid as exc:
+        raise exc.error() from None
 
 
 def _check(config: DaemonConfig) -> None:
     service, workers, grpc = config.daemon, config.workers, config.grpc
 
     if not (math.isfinite(service.startup_timeout) and service.startup_timeout > 0):
-        raise _Invalid("daemon.startup_timeout", f": must be > 0, got {service.startup_timeout}")
+        raise Invalid("daemon.startup_timeout", f": must be > 0, got {service.startup_timeout}")
     if not (math.isfinite(service.shutdown_grace) and service.shutdown_grace >= 0):
-        raise _Invalid("daemon.shutdown_grace", f": must be >= 0, got {service.shutdown_grace}")
-    _check_path("daemon.runtime_dir", service.runtime_dir)
+        raise Invalid("daemon.shutdown_grace", f": must be >= 0, got {service.shutdown_grace}")
+    check_path("daemon.runtime_dir", service.runtime_dir)
 
     for name in ("num_sub_workers", "num_chips"):
         if getattr(workers, name) < 0:
-            raise _Invalid(f"workers.{name}", f": must be >= 0, got {getattr(workers, name)}")
+            raise Invalid(f"workers.{name}", f": must be >= 0, got {getattr(workers, name)}")
     if workers.heap_bytes <= 0:
-        raise _Invalid("workers.heap_bytes", f": must be > 0, got {workers.heap_bytes}")
-    _check_path("workers.remote_credentials_dir", workers.remote_credentials_dir)
+        raise Invalid("workers.heap_bytes", f": must be > 0, got {workers.heap_bytes}")
+    check_path("workers.remote_credentials_dir", workers.remote_credentials_dir)
     if workers.remote and service.level != 4:
-        raise _Invalid(
+        raise Invalid(
             "workers.remote",
             f": [[workers.remote]] tables need daemon.level = 4 (it is {service.level})",
         )
     for i, remote in enumerate(workers.remote):
         _check_remote(f"workers.remote[{i}]", remote)
 
-    _check_path("grpc.unix_socket", grpc.unix_socket)
+    check_path("grpc.unix_socket", grpc.unix_socket)
     if len(os.fsencode(grpc.unix_socket)) > _UNIX_PATH_MAX:
-        raise _Invalid(
+        raise Invalid(
             "grpc.unix_socket",
             f": {grpc.unix_socket!r} is {len(os.fsencode(grpc.unix_socket))} bytes, "
             f"a Unix socket path may have at most {_UNIX_PATH_MAX}",
         )
     if not 0 <= grpc.socket_mode <= 0o777:
-        raise _Invalid("grpc.socket_mode", f": {grpc.socket_mode:#o} is outside 0o000..0o777")
+        raise Invalid("grpc.socket_mode", f": {grpc.socket_mode:#o} is outside 0o000..0o777")
     if grpc.tcp_listen:
-        _check_host_port("grpc.tcp_listen", grpc.tcp_listen)
+        check_host_port("grpc.tcp_listen", grpc.tcp_listen)
         if not (grpc.tls_cert and grpc.tls_key):
-            raise _Invalid(
+            raise Invalid(
                 "grpc.tcp_listen",
                 " requires grpc.tls_cert and grpc.tls_key: a TCP listener is refused without TLS",
             )
         if not grpc.token_file:
-            raise _Invalid(
+            raise Invalid(
                 "grpc.tcp_listen",
                 " requires grpc.token_file: a TCP listener is refused without a bearer token",
             )
     elif grpc.tls_client_ca:
-        raise _Invalid(
+        raise Invalid(
             "grpc.tls_client_ca", " requires grpc.tcp_listen: client certificates apply to TCP only"
         )
 
     for f in msgspec.structs.fields(LimitsConfig):
         value = getattr(config.limits, f.name)
         if value <= 0:
-            raise _Invalid(f"limits.{f.name}", f": must be > 0, got {value}")
+            raise Invalid(f"limits.{f.name}", f": must be > 0, got {value}")
     if config.limits.max_message_bytes > _GRPC_MAX_MESSAGE:
-        raise _Invalid(
+        raise Invalid(
             "limits.max_message_bytes",
             f": must be at most {_GRPC_MAX_MESSAGE} (gRPC's limit), "
             f"got {config.limits.max_message_bytes}",
         )
 
     callables = config.callables
-    for i, entry in enumerate(callables.allowed_modules):
-        if not _is_dotted(entry):
-            raise _Invalid(
-                f"callables.allowed_modules[{i}]", f": {entry!r} is not a dotted module name"
-            )
+    check_module_names("callables.allowed_modules", callables.allowed_modules)
     for i, target in enumerate(callables.preload):
         try:
             module, _ = _split_import_path(target)
         except ValueError as exc:
-            raise _Invalid(f"callables.preload[{i}]", f": {exc}") from None
+            raise Invalid(f"callables.preload[{i}]", f": {exc}") from None
         if not callables.allows(module):
             allowed = ", ".join(callables.allowed_modules) or "nothing"
-            raise _Invalid(
+            raise Invalid(
                 f"callables.preload[{i}]",
                 f": module {module!r} is not under callables.allowed_modules ({allowed})",
             )
 
     if config.metrics.listen:
-        _check_host_port("metrics.listen", config.metrics.listen)
+        check_host_port("metrics.listen", config.metrics.listen)
 
 
 def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:
@@ -510,48 +415,34 @@ def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:
     try:
         parse_endpoint(remote.endpoint, "endpoint")
     except ValueError as exc:
-        raise _Invalid(f"{key}.endpoint", f": {str(exc).partition(': ')[2] or exc}") from None
+        raise Invalid(f"{key}.endpoint", f": {str(exc).partition(': ')[2] or exc}") from None
     for name in ("num_sub_workers", "num_chips"):
         if getattr(remote, name) < 0:
-            raise _Invalid(f"{key}.{name}", f": must be >= 0, got {getattr(remote, name)}")
+            raise Invalid(f"{key}.{name}", f": must be >= 0, got {getattr(remote, name)}")
     if remote.num_sub_workers == 0 and remote.num_chips == 0:
-        raise _Invalid(
+        raise Invalid(
             f"{key}.num_sub_workers", ": the remote L3 needs num_sub_workers or num_chips > 0"
         )
     if remote.heap_bytes <= 0:
-        raise _Invalid(f"{key}.heap_bytes", f": must be > 0, got {remote.heap_bytes}")
+        raise Invalid(f"{key}.heap_bytes", f": must be > 0, got {remote.heap_bytes}")
     timeout = remote.session_timeout_s
     if not (math.isfinite(timeout) and timeout > 0):
-        raise _Invalid(f"{key}.session_timeout_s", f": must be > 0, got {timeout}")
+        raise Invalid(f"{key}.session_timeout_s", f": must be > 0, got {timeout}")
     for name in ("token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
-        _check_path(f"{key}.{name}", getattr(remote, name))
+        check_path(f"{key}.{name}", getattr(remote, name))
     if bool(remote.tls_cert_file) != bool(remote.tls_key_file):
         missing = "tls_key_file" if remote.tls_cert_file else "tls_cert_file"
-        raise _Invalid(
+        raise Invalid(
             f"{key}.{missing}", ": tls_cert_file and tls_key_file go together (mutual TLS)"
         )
     for name in ("tls_cert_file", "tls_server_name"):
         if getattr(remote, name) and not remote.tls_ca_file:
-            raise _Invalid(f"{key}.{name}", f" requires {key}.tls_ca_file (TLS to the worker)")
+            raise Invalid(f"{key}.{name}", f" requires {key}.tls_ca_file (TLS to the worker)")
     for j, entry in enumerate(remote.callables):
         try:
             _split_import_path(entry.target)
         except ValueError as exc:
-            raise _Invalid(f"{key}.callables[{j}].target", f": {exc}") from None
-
-
-def _check_path(key: str, path: str) -> None:
-    if path and not os.path.isabs(path):
-        raise _Invalid(key, f": {path!r} must be an absolute path")
-    if "\0" in path:
-        raise _Invalid(key, ": contains a NUL byte")
-
-
-def _check_host_port(key: str, text: str) -> None:
-    try:
-        _split_host_port(text)
-    except ValueError as exc:
-        raise _Invalid(key, f": {exc}") from None
+            raise Invalid(f"{key}.callables[{j}].target", f": {exc}") from None
 
 
 # --------------------------------------------------------------------------- loading
@@ -576,97 +467,15 @@ def load(
     read or parsed, a key is unknown, a value has the wrong type, or a rule of
     :func:`validate` is broken.
     """
-    env = os.environ if env is None else env
-    where = f" {os.fspath(path)}" if path is not None else ""
-    if path is None:
-        text = DEFAULT_CONFIG_TOML
-    else:
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config{where}: {exc.strerror or exc}") from exc
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"cannot parse config{where}: not UTF-8: {exc}") from exc
-    try:
-        raw: dict[str, Any] = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"cannot parse config{where}: {exc}") from exc
+    environ = os.environ if env is None else env
 
-    # Where a value came from when it was not the file; named in error messages.
-    origins: dict[str, str] = {}
-
-    def fail(exc: _Invalid) -> ConfigError:
-        base = exc.key.partition("[")[0]
-        origin = origins.get(base, "")
-        if not origin:
-            origin = next((o for k, o in origins.items() if k.startswith(base + ".")), "")
-        return ConfigError(f"cannot load config{where}: {exc.text(origin)}", key=exc.key)
-
-    def put(section: str, key: str, value: object, origin: str) -> None:
-        table = raw.get(section)
-        if not isinstance(table, dict):
-            table = raw[section] = {}
-        table[key] = value
-        origins[f"{section}.{key}"] = origin
-
-    for name in sorted(env):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        parts = name[len(ENV_PREFIX) :].split("__")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(
-                f"cannot load config{where}: environment variable {name}: "
-                f"expected {ENV_PREFIX}<SECTION>__<KEY>",
-                key=name,
-            )
-        section, key = parts[0].lower(), parts[1].lower()
-        put(
-            section,
-            key,
-            _parse_value(section, key, env[name]),
-            f" (from environment variable {name})",
-        )
-
-    for dotted, value in (overrides or {}).items():
-        section, dot, key = dotted.partition(".")
-        if not (section and dot and key) or "." in key:
-            raise ConfigError(
-                f"cannot load config{where}: override {dotted!r}: expected section.key",
-                key=dotted,
-            )
-        if isinstance(value, str):
-            value = _parse_value(section, key, value)
-        put(section, key, value, " (from override)")
-
-    try:
-        config = msgspec.convert(raw, type=DaemonConfig)
-    except msgspec.ValidationError as exc:
-        raise fail(_from_validation_error(exc)) from None
-    try:
+    def finish(config: DaemonConfig) -> DaemonConfig:
         _check(config)
-        config = resolve(config, env)
+        config = resolve(config, environ)
         _check(config)  # the derived socket path must fit too
-    except _Invalid as exc:
-        raise fail(exc) from None
-    return config
+        return config
 
-
-def _parse_value(section: str, key: str, text: str) -> object:
-    """A TOML value when ``text`` is one, else the text itself; ``str`` settings keep the text
-    unless it is a quoted TOML string."""
-    try:
-        parsed = tomllib.loads(f"v = {text}")
-    except tomllib.TOMLDecodeError:
-        return text
-    if set(parsed) != {"v"}:
-        return text
-    value = parsed["v"]
-    if _field_type(section, key) is str and not isinstance(value, str):
-        return text
-    return value
+    return _SCHEMA.load(path, env=environ, overrides=overrides, finish=finish)
 
 
 # --------------------------------------------------------------------------- dumping

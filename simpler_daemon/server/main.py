@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from simpler_daemon import __version__
+from simpler_daemon.configfile import add_set_option, overrides_from_set
 from simpler_daemon.errors import ConfigError, StartupError
 
 __all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_STARTUP", "main"]
@@ -44,26 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config", metavar="FILE", help="TOML configuration (default: the embedded default)"
     )
-    serve.add_argument(
-        "--set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override one setting, e.g. --set workers.num_sub_workers=4 (repeatable)",
-    )
+    add_set_option(serve, example="workers.num_sub_workers=4")
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("file", metavar="FILE")
     return ap
-
-
-def _overrides(items: Sequence[str]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected section.key=value", key=item)
-        out[key.strip()] = value
-    return out
 
 
 def _err(text: str) -> None:
@@ -90,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     from simpler_daemon.server.notify import SystemdNotifier
 
     try:
-        config = load(args.config, overrides=_overrides(args.set))
+        config = load(args.config, overrides=overrides_from_set(args.set))
     except ConfigError as exc:
         _err(str(exc))
         return EXIT_CONFIG
