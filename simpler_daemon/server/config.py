@@ -130,8 +130,9 @@ class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     num_sub_workers: int = 0
     """SUB worker processes; 0 = one per CPU available to the daemon at level 3, none
     at level 4 (a pod parent's work runs on its L3 workers)."""
-    num_chips: int = 2
-    """Simulated chip children (NEXT_LEVEL workers 0..num_chips-1)."""
+    num_chips: int | None = None
+    """Simulated chip children (NEXT_LEVEL workers 0..num_chips-1); unset = 2 at level 3,
+    0 at level 4 (a pod parent's chips belong to its L3 workers)."""
     chip_pipeline_depth: Literal[1, 2] = 2
     heap_bytes: int = 256 * MIB
     """Size of the shared heap that tensors live in."""
@@ -229,7 +230,7 @@ watchdog = true
 
 [workers]
 num_sub_workers = 0         # 0 = one per CPU
-num_chips = 2
+# num_chips unset: 2 simulated chips at level 3
 chip_pipeline_depth = 2
 heap_bytes = 268435456      # 256 MiB
 heap_shared = true          # /dev/shm name local clients can map
@@ -316,6 +317,8 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
     workers = config.workers
     if workers.num_sub_workers == 0 and service.level == 3:
         workers = replace(workers, num_sub_workers=_available_cpus())
+    if workers.num_chips is None:
+        workers = replace(workers, num_chips=2 if service.level == 3 else 0)
     return replace(config, daemon=service, grpc=grpc, workers=workers)
 
 
@@ -340,8 +343,15 @@ def _check(config: DaemonConfig) -> None:
     check_path("daemon.runtime_dir", service.runtime_dir)
 
     for name in ("num_sub_workers", "num_chips"):
-        if getattr(workers, name) < 0:
-            raise Invalid(f"workers.{name}", f": must be >= 0, got {getattr(workers, name)}")
+        value = getattr(workers, name)
+        if value is not None and value < 0:
+            raise Invalid(f"workers.{name}", f": must be >= 0, got {value}")
+    if service.level == 4 and workers.num_chips:
+        raise Invalid(
+            "workers.num_chips",
+            f": is {workers.num_chips}, but a level-4 daemon has no chips of its own (they "
+            "belong to its L3 workers); set 0 or leave it out",
+        )
     if workers.heap_bytes <= 0:
         raise Invalid("workers.heap_bytes", f": must be > 0, got {workers.heap_bytes}")
     check_path("workers.remote_credentials_dir", workers.remote_credentials_dir)
@@ -419,10 +429,6 @@ def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:
     for name in ("num_sub_workers", "num_chips"):
         if getattr(remote, name) < 0:
             raise Invalid(f"{key}.{name}", f": must be >= 0, got {getattr(remote, name)}")
-    if remote.num_sub_workers == 0 and remote.num_chips == 0:
-        raise Invalid(
-            f"{key}.num_sub_workers", ": the remote L3 needs num_sub_workers or num_chips > 0"
-        )
     if remote.heap_bytes <= 0:
         raise Invalid(f"{key}.heap_bytes", f": must be > 0, got {remote.heap_bytes}")
     timeout = remote.session_timeout_s

@@ -282,7 +282,7 @@ class Daemon:
             worker = Worker(
                 level=cfg.daemon.level,
                 num_sub_workers=workers.num_sub_workers,
-                num_chips=workers.num_chips,
+                num_chips=workers.num_chips or 0,  # resolve() filled it in
                 chip_pipeline_depth=workers.chip_pipeline_depth,
                 heap_bytes=workers.heap_bytes,
                 heap_name=heap_name() if workers.heap_shared else None,
