@@ -181,7 +181,9 @@ def test_scalar_type_errors(bad: Any) -> None:
 
 def test_add_tensor_type_errors(heap: Heap) -> None:
     ta = TaskArgs()
-    with pytest.raises(TypeError, match=r"NumPy array from Worker\.alloc or a RemoteTensorRef .*, got list"):
+    with pytest.raises(
+        TypeError, match=r"NumPy array from Worker\.alloc or a RemoteTensorRef .*, got list"
+    ):
         ta.add_tensor([1, 2, 3])
     with pytest.raises(ValueError):
         ta.add_tensor(heap.alloc(2), tag=99)  # type: ignore[arg-type]
