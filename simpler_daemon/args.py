@@ -4,11 +4,14 @@ Tensor data never travels through a mailbox: a tensor is a descriptor naming a
 range of the shared heap, and the child rebuilds a zero-copy NumPy view::
 
     blob = [i32 T][i32 S][TensorDesc x T][u64 x S]          (little-endian)
-    TensorDesc (168 B) = u32 buffer_id, u8 dtype, u8 tag, u8 ndim, u8 remote,
+    TensorDesc (168 B) = u32 buffer_id, u8 dtype, u8 tag, u8 ndim, u8 location,
                          u64 generation, u64 buffer_offset (in the heap),
                          u64 byte_offset (element 0, from the buffer start),
-                         (a remote tensor, remote=1: buffer_offset is the owner worker id)
                          u64 buffer_nbytes, i64 shape[8], i64 strides[8]
+
+    location 0: this Worker's own shared heap
+             1: a remote worker's heap (buffer_offset holds the owner worker id)
+             2: the parent Worker's heap (a nested L3 forwards its L4's tensor down)
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ MAX_NDIM: Final = 8
 MAX_TENSORS: Final = (MAILBOX_ARGS_CAPACITY - 8) // TENSOR_DESC_SIZE
 MAX_OUTPUT_PREFIX: Final = 1024
 U64_MASK: Final = (1 << 64) - 1
+#: The descriptor's location byte (see the module docstring).
+LOCATION_LOCAL: Final = 0
+LOCATION_REMOTE: Final = 1
+LOCATION_PARENT: Final = 2
 
 
 class Tag(IntEnum):
@@ -92,6 +99,9 @@ class TensorDesc:
     tag: Tag = Tag.INPUT
     #: In a remote worker's heap: ``buffer_offset`` holds the owner worker id.
     remote: bool = False
+    #: On the parent Worker's heap (inherited mapping): a nested L3 child forwarding a
+    #: tensor of its L4's task; ``buffer_offset`` is the offset in that heap.
+    parent: bool = False
 
     def byte_range(self) -> tuple[int, int]:
         """Half-open byte range ``[lo, hi)`` the view touches, relative to its buffer."""
@@ -119,13 +129,17 @@ class TensorDesc:
             self.strides,
             tag,
             self.remote,
+            self.parent,
         )
 
     @property
-    def key(self) -> int | tuple[int, int, int]:
-        """Dependency key of the buffer: its id, or (owner, id, generation) when remote."""
+    def key(self) -> int | tuple[Any, ...]:
+        """Dependency key of the buffer: its id, (owner, id, generation) when remote,
+        ("parent", id) on the parent's heap (never equal to an own buffer's key)."""
         if self.remote:
             return (self.buffer_offset, self.buffer_id, self.generation)
+        if self.parent:
+            return ("parent", self.buffer_id)
         return self.buffer_id
 
 
@@ -253,7 +267,7 @@ def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
             d.dtype,
             int(d.tag),
             nd,
-            int(d.remote),
+            LOCATION_PARENT if d.parent else int(d.remote),
             d.generation,
             d.buffer_offset,
             d.byte_offset,
@@ -278,11 +292,16 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
     off = _HEADER.size
     for _ in range(t):
         f = _DESC.unpack_from(blob, off)
-        buffer_id, dtype, tag, nd, remote = f[0], f[1], f[2], f[3], f[4]
-        if nd > MAX_NDIM or dtype >= len(_CODE_DTYPE) or tag > Tag.OUTPUT_EXISTING or remote > 1:
+        buffer_id, dtype, tag, nd, location = f[0], f[1], f[2], f[3], f[4]
+        if (
+            nd > MAX_NDIM
+            or dtype >= len(_CODE_DTYPE)
+            or tag > Tag.OUTPUT_EXISTING
+            or location > LOCATION_PARENT
+        ):
             raise ValueError(
                 f"malformed tensor descriptor {len(descs)}: ndim={nd} dtype={dtype} tag={tag} "
-                f"remote={remote}"
+                f"location={location}"
             )
         descs.append(
             TensorDesc(
@@ -295,7 +314,8 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
                 tuple(f[9 : 9 + nd]),
                 tuple(f[17 : 17 + nd]),
                 Tag(tag),
-                bool(remote),
+                location == LOCATION_REMOTE,
+                location == LOCATION_PARENT,
             )
         )
         off += TENSOR_DESC_SIZE

@@ -10,6 +10,14 @@ unlinked at close and swept at start when its creator is gone.
 
 Freed buffers are reused only after every task slot that captured them has
 retired: slots ``pin`` buffers at submit and ``unpin`` them when they retire.
+
+A nested L3 Worker's heap also knows its **parent** heap (the L4's, mapped
+before either was forked, so the L3 child and its SUB/chip grandchildren see it
+at the same address). While the L3 child runs one of its parent's tasks, the
+buffers of that task are **granted**: an array on one of them describes as a
+parent-heap descriptor (location 2), which a grandchild views through the same
+inherited mapping. The L4 pins those buffers for the whole task; the L3 never
+pins them.
 """
 
 from __future__ import annotations
@@ -83,6 +91,10 @@ class Heap:
         )
         self.closed = False
         self.owner_pid = os.getpid()
+        #: The heap of the Worker this one is a nested L3 child of (set by ``add_worker``).
+        self.parent: Heap | None = None
+        #: Parent buffers of the running parent task: sorted (offset, nbytes, id, generation).
+        self._grants: list[tuple[int, int, int, int]] = []
 
     # -- allocation -----------------------------------------------------------------
 
@@ -194,8 +206,12 @@ class Heap:
 
         Raises ``ValueError`` when the array is not on this heap or its buffer was freed.
         """
-        ptr = array.__array_interface__["data"][0] - self.address
+        addr = array.__array_interface__["data"][0]
+        ptr = addr - self.address
         if not 0 <= ptr < self.size:
+            parent = self.parent
+            if parent is not None and 0 <= addr - parent.address < parent.size:
+                return self._describe_granted(array, addr - parent.address)
             raise ValueError(
                 "cannot describe tensor: the array is not on the shared heap; "
                 "allocate it with Worker.alloc"
@@ -224,6 +240,45 @@ class Heap:
                 f"{buf.buffer_id} of {buf.nbytes} bytes"
             )
         return desc
+
+    # -- the parent heap (nested L3) ---------------------------------------------
+
+    def grant(self, descs: list[TensorDesc]) -> None:
+        """The parent buffers of the task now running (its own-heap descriptors)."""
+        self._grants = sorted(
+            {
+                (d.buffer_offset, d.buffer_nbytes, d.buffer_id, d.generation)
+                for d in descs
+                if not d.remote and not d.parent
+            }
+        )
+
+    def revoke(self) -> None:
+        """The parent task finished: its buffers may be freed and reused by the parent."""
+        self._grants = []
+
+    def _describe_granted(self, array: np.ndarray[Any, Any], ptr: int) -> TensorDesc:
+        for offset, nbytes, buffer_id, generation in self._grants:
+            if offset <= ptr <= offset + nbytes:
+                desc = TensorDesc(
+                    buffer_id,
+                    generation,
+                    offset,
+                    ptr - offset,
+                    nbytes,
+                    dtype_code(array.dtype),
+                    tuple(int(d) for d in array.shape),
+                    tuple(int(s) for s in array.strides),
+                    parent=True,
+                )
+                lo, hi = desc.byte_range()
+                if lo >= 0 and hi <= nbytes:
+                    return desc
+        raise ValueError(
+            f"cannot describe tensor at parent heap offset {ptr}: it is on the parent "
+            "Worker's heap but in no buffer of the running task (an L3 orchestration may "
+            "forward only the tensors its parent passed to it)"
+        )
 
     def describe_buffer(
         self,
@@ -269,6 +324,16 @@ class Heap:
                 f"cannot view tensor: buffer {desc.buffer_id} lives on remote worker "
                 f"{desc.buffer_offset}, not on this host's shared heap"
             )
+        if desc.parent:
+            if self.parent is None:
+                raise ValueError(
+                    f"cannot view tensor: buffer {desc.buffer_id} is on a parent heap, and "
+                    "this Worker is not a nested child"
+                )
+            return self.parent._view_own(desc)
+        return self._view_own(desc)
+
+    def _view_own(self, desc: TensorDesc) -> np.ndarray[Any, Any]:
         lo, hi = desc.byte_range()
         start = desc.buffer_offset
         if lo < 0 or hi > desc.buffer_nbytes or start + desc.buffer_nbytes > self.size:

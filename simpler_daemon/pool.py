@@ -3,7 +3,8 @@
 ::
 
     ChildPool(heap, registry, driver)        owns heap, doorbell, mailboxes, children, endpoints
-      start()    doorbell + one mailbox per child; fork SUB children, then chips
+      start()    doorbell + one mailbox per child; fork SUB children, then chips, then the
+                 nested L3 children of a level-4 Worker (each inits its own subtree inside)
                  (single-threaded) -> startup barrier (one deadline for all) -> fork server
                  any failure -> rollback: SHUTDOWN to ready children, SIGTERM to starting
                  ones, reap, unmap; StartupError names the child and why
@@ -20,6 +21,7 @@ Scheduler and the driver.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -32,12 +34,14 @@ from simpler_daemon.callables import CallableRegistry
 from simpler_daemon.children.chip import ChipContext, run_chip_child
 from simpler_daemon.children.forkserver import ForkServer
 from simpler_daemon.children.loop import ChildContext, run_child
+from simpler_daemon.children.nested import NestedContext, StatusPage, run_nested_child
 from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
 from simpler_daemon.doorbell import Doorbell
 from simpler_daemon.driver import Driver
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import ControlError, EndpointError, StartupError
 from simpler_daemon.heap import Heap
+from simpler_daemon.local_l3 import LocalL3Set, worker_row
 from simpler_daemon.mailbox import BASE_FRAME, Mailbox, MailboxState
 from simpler_daemon.manager import WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.registration import LocalTarget
@@ -46,12 +50,13 @@ from simpler_daemon.scheduler import Scheduler
 # The logger of the Worker these children belong to (their messages predate this module).
 log = logging.getLogger("simpler_daemon.worker")
 
-#: (kind "sub" / "chip", index, mailbox, process) of a child forked by ``start``.
+#: (kind "sub" / "chip" / "l3", index, mailbox, process) of a child forked by ``start``.
 _Starting = tuple[str, int, Mailbox, ChildProcess]
 
 
 class ChildPool:
-    """The SUB and chip children under one Worker, their mailboxes and the fork server."""
+    """The SUB, chip and nested L3 children under one Worker, their mailboxes and the
+    fork server."""
 
     def __init__(
         self,
@@ -84,8 +89,12 @@ class ChildPool:
         self.mailboxes: list[Mailbox] = []
         self.sub_endpoints: list[LocalMailboxEndpoint] = []
         self.chip_endpoints: list[LocalMailboxEndpoint] = []
+        #: Level 4: the local L3 children (added before init) and their endpoints.
+        self.l3_endpoints: list[LocalMailboxEndpoint] = []
+        self.l3 = LocalL3Set(self.l3_endpoints)
+        self._l3_status: dict[int, StatusPage] = {}
         self.forkserver: ForkServer | None = None
-        #: Replacement children started, by kind ("sub" / "chip").
+        #: Replacement children started, by kind ("sub" / "chip", and "l3" at level 4).
         self.restarts: dict[str, int] = {"sub": 0, "chip": 0}
         #: Replace dead children only while the Worker serves (the facade keeps it in step).
         self.serving = False
@@ -99,7 +108,8 @@ class ChildPool:
     # -- startup ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Fork SUB children first, then chips; one startup deadline for all of them.
+        """Fork SUB children first, then chips, then nested L3 children; one startup
+        deadline for all of them (an L3 child inits its subtree within it).
 
         On any failure every child is stopped and reaped, and ``StartupError`` raised.
         """
@@ -108,6 +118,9 @@ class ChildPool:
             role: [e.spec for e in self.registry.active() if e.spec.handle.role == role]
             for role in ("sub", "chip")
         }
+        l3_specs = self.l3.fork_specs(self.registry)
+        if self.l3.workers:
+            self.restarts.setdefault("l3", 0)
         deadline = time.monotonic() + self.startup_timeout
         starting: list[_Starting] = []
         self._ready_pids = set()
@@ -155,6 +168,32 @@ class ChildPool:
                 self.children.append(child)
                 starting.append(("chip", j, mb, child))
                 self._child_specs[("chip", j)] = (chip_ctx, run_chip_child)
+            for wid, inner in sorted(self.l3.workers.items()):
+                mb = Mailbox()
+                self.mailboxes.append(mb)
+                page = self._l3_status[wid] = StatusPage()
+                nctx = NestedContext(
+                    worker_id=wid,
+                    label=f"child worker {wid}",
+                    mailbox=mb,
+                    heap=self.heap,
+                    doorbell=self.doorbell,
+                    specs=l3_specs,
+                    parent_pid=self._pid,
+                    spin_ns=self.child_spin_ns,
+                    inner=inner,
+                    deadline=deadline,
+                    startup_timeout=self.startup_timeout,
+                    status=page,
+                )
+                child = fork_child(lambda c=nctx: run_nested_child(c), nctx.label)  # type: ignore[misc]
+                self.children.append(child)
+                starting.append(("l3", wid, mb, child))
+                # A replacement gets a fresh budget, not what is left of init's deadline.
+                self._child_specs[("l3", wid)] = (
+                    dataclasses.replace(nctx, deadline=0.0),
+                    run_nested_child,
+                )
             self._startup_barrier(starting, deadline)
             if self.restart_children:
                 # Last fork of init: later replacements come from this single-threaded server.
@@ -168,6 +207,8 @@ class ChildPool:
         for kind, index, mb, child in starting:
             if kind == "sub":
                 self.sub_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
+            elif kind == "l3":
+                self.l3_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
             else:
                 frames = 2 if mb.pipeline_depth() >= 2 else 1
                 self.chip_endpoints.append(
@@ -227,9 +268,11 @@ class ChildPool:
         self.children.clear()
         self.sub_endpoints.clear()
         self.chip_endpoints.clear()
+        self.l3_endpoints.clear()
         for mb in self.mailboxes:
             mb.close()
         self.mailboxes.clear()
+        self._close_status()
         if self.doorbell is not None:
             self.doorbell.close()
             self.doorbell = None
@@ -277,7 +320,10 @@ class ChildPool:
         assert self.forkserver is not None and self._scheduler is not None
         if lane.endpoint is not old or not old.poisoned:
             return  # already replaced
-        kind = "chip" if lane.worker_type is WorkerType.NEXT_LEVEL else "sub"
+        if any(ep is old for ep in self.l3_endpoints):
+            kind = "l3"
+        else:
+            kind = "chip" if lane.worker_type is WorkerType.NEXT_LEVEL else "sub"
         assert isinstance(old, LocalMailboxEndpoint)
         mb = old.mailbox
         ctx, _ = self._child_specs[(kind, lane.worker_id)]
@@ -303,29 +349,11 @@ class ChildPool:
         ep = LocalMailboxEndpoint(
             lane.worker_id, mb, child, task_frame_count=old.caps.task_frame_count, label=old.label
         )
-        target = LocalTarget(ep)
-        role = "chip" if kind == "chip" else "sub"
-        inherited = {s.handle.hashid for s in ctx.specs}
-        replayed: set[str] = set()
         try:
-            # The child inherited the callables of init time: install what was registered
-            # since (until nothing new appears), then drop what was unregistered since.
-            while True:
-                todo = [
-                    e.spec
-                    for e in self.registry.active()
-                    if e.spec.handle.role == role
-                    and e.spec.handle.hashid not in inherited | replayed
-                ]
-                if not todo:
-                    break
-                for spec in todo:
-                    await target.install(spec)
-                    replayed.add(spec.handle.hashid)
-            active = {e.spec.handle.hashid for e in self.registry.active()}
-            for spec in ctx.specs:
-                if spec.handle.hashid not in active:
-                    await target.uninstall(spec)
+            if kind == "l3":
+                await self.l3.replay(ep, ctx.specs, self.registry)
+            else:
+                await self._replay(ep, "chip" if kind == "chip" else "sub", ctx.specs)
         except (ControlError, EndpointError) as exc:
             log.error("%s replacement could not replay registrations: %s", old.label, exc)
             ep.request_stop()
@@ -334,7 +362,8 @@ class ChildPool:
         lane.endpoint = ep
         lane.active = lane.staged = None
         lane.inflight = 0
-        eps = self.chip_endpoints if kind == "chip" else self.sub_endpoints
+        by_kind = {"chip": self.chip_endpoints, "sub": self.sub_endpoints, "l3": self.l3_endpoints}
+        eps = by_kind[kind]
         eps[eps.index(old)] = ep
         self.restarts[kind] += 1
         key = (kind, lane.worker_id)
@@ -342,6 +371,28 @@ class ChildPool:
         self._watch_exit(child)
         log.warning("%s replaced: %s -> pid %d", old.label, old.poison_reason, child.pid)
         self._scheduler.wake()
+
+    async def _replay(self, ep: LocalMailboxEndpoint, role: str, inherited: list[Any]) -> None:
+        """The child inherited the callables of init time: install what was registered
+        since (until nothing new appears), then drop what was unregistered since."""
+        target = LocalTarget(ep)
+        had = {s.handle.hashid for s in inherited}
+        replayed: set[str] = set()
+        while True:
+            todo = [
+                e.spec
+                for e in self.registry.active()
+                if e.spec.handle.role == role and e.spec.handle.hashid not in had | replayed
+            ]
+            if not todo:
+                break
+            for spec in todo:
+                await target.install(spec)
+                replayed.add(spec.handle.hashid)
+        active = {e.spec.handle.hashid for e in self.registry.active()}
+        for spec in inherited:
+            if spec.handle.hashid not in active:
+                await target.uninstall(spec)
 
     async def _await_init(self, mb: Mailbox, child: ChildProcess, deadline: float) -> str | None:
         delay = 0.0005
@@ -363,13 +414,16 @@ class ChildPool:
 
     # -- introspection ------------------------------------------------------------------------------
 
-    def registration_targets(self, role: str) -> list[LocalTarget]:
-        """Live children of ``role`` (a dead one's replacement replays registrations)."""
+    def registration_targets(self, role: str, *, nested: bool = True) -> list[Any]:
+        """Live children of ``role`` (a dead one's replacement replays registrations);
+        at level 4 every local L3 child receives the SUB and orchestration callables
+        (``nested=False``: not a RemoteCallable's)."""
+        l3 = self.l3.targets(role) if nested else []
         if role == "sub":
-            return [LocalTarget(ep) for ep in self.sub_endpoints if not ep.poisoned]
+            return [LocalTarget(ep) for ep in self.sub_endpoints if not ep.poisoned] + l3
         if role == "chip":
             return [LocalTarget(ep) for ep in self.chip_endpoints if not ep.poisoned]
-        return []
+        return l3
 
     def list_workers(self, manager: WorkerManager | None) -> list[dict[str, Any]]:
         """One row per child: kind, id, pid, liveness, pipeline depth and lane state."""
@@ -399,6 +453,17 @@ class ChildPool:
                         "restarts": self._worker_restarts.get((kind, ep.worker_id), 0),
                     }
                 )
+        for ep in self.l3_endpoints:
+            page = self._l3_status.get(ep.worker_id)
+            out.append(
+                worker_row(
+                    ep.worker_id,
+                    ep,
+                    manager.next_level.get(ep.worker_id) if manager is not None else None,
+                    self._worker_restarts.get(("l3", ep.worker_id), 0),
+                    page.read() if page is not None else None,
+                )
+            )
         return out
 
     # -- stop ---------------------------------------------------------------------------------------
@@ -443,8 +508,16 @@ class ChildPool:
             mb.close()
         if self.doorbell is not None:
             self.doorbell.close()
-        self.heap.close()
+        self.release_memory()
 
     def release_memory(self) -> None:
-        """Unmap the heap only (no child was started, or ``start`` already rolled back)."""
+        """Unmap the heap (no child was started, or ``start`` already rolled back), the
+        status pages and the nested L3 Workers' own heaps in this process."""
+        self._close_status()
+        self.l3.close()
         self.heap.close()
+
+    def _close_status(self) -> None:
+        for page in self._l3_status.values():
+            page.close()
+        self._l3_status.clear()

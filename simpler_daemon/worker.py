@@ -21,7 +21,9 @@ This module is the facade only; the pieces are:
   loop. One Worker uses one style;
 * ``registration``: the register/unregister broadcast with rollback;
 * ``remote.fleet.RemoteFleet``: a level-4 Worker's remote L3 workers (sessions,
-  callables installed into them, their buffers).
+  callables installed into them, their buffers);
+* ``local_l3.LocalL3Set`` (held by the pool): its local L3 children (``add_worker``),
+  forked by the pool, run by ``children/nested.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from simpler_daemon.driver import Driver
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import RunCancelled, StartupError, WorkerClosedError
 from simpler_daemon.heap import Heap
+from simpler_daemon.local_l3 import plan_install
 from simpler_daemon.mailbox import ControlOp, Mailbox
 from simpler_daemon.manager import WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.orchestrator import Orchestrator, Run, RunState
@@ -195,6 +198,10 @@ class Worker:
             restart_children=restart_children,
         )
         self._fleet = RemoteFleet(startup_timeout=startup_timeout, reconnect=restart_children)
+        # A RemoteCallable's orchestration never goes to the local L3 children.
+        self._pool.l3.remote_only = self._fleet.installs.__contains__
+        #: Set while this Worker is a local L3 child of a level-4 Worker (frozen here).
+        self._attached: str | None = None
         #: NEXT_LEVEL ids: chips 0..num_chips-1 at level 3, L3 children in the order added.
         self._next_worker_id = num_chips
         self.state = WorkerState.NEW
@@ -281,17 +288,17 @@ class Worker:
         self._check_usable("register")
         if self.state is WorkerState.NEW:
             if isinstance(fn, RemoteCallable) or workers is not None:
-                spec, kind2, targets = self._next_level_install(fn, kind, workers)
-                self._fleet.install(spec, kind2, targets)
+                spec, kind2, remote, local = plan_install(self, fn, kind, workers)
+                if remote:
+                    self._fleet.install(spec, kind2, remote)
+                if local:
+                    self._pool.l3.install(spec, local)
                 if kind2 == "orchestration" and self.registry.begin_register(
-                    spec, frozenset(targets)
+                    spec, frozenset(remote)
                 ):
                     self.registry.commit_register(spec.handle.hashid)
                 return spec.handle
-            spec = spec_for(fn, kind)
-            if self.registry.begin_register(spec, frozenset()):
-                self.registry.commit_register(spec.handle.hashid)
-            return spec.handle
+            return self.register_spec(spec_for(fn, kind))
         return self._driver.drive(self.register_async(fn, kind, workers))  # type: ignore[no-any-return]
 
     async def register_async(
@@ -303,39 +310,29 @@ class Worker:
         """``register`` after ``init`` without blocking the event loop."""
         self._check_ready("register")
         if isinstance(fn, RemoteCallable) or workers is not None:
-            spec, kind2, targets = self._next_level_install(fn, kind, workers)
-            await self._fleet.install_live(spec, kind2, targets)
+            spec, kind2, remote, local = plan_install(self, fn, kind, workers)
+            if local:
+                await self._pool.l3.install_live(spec, local)
+            if remote:
+                try:
+                    await self._fleet.install_live(spec, kind2, remote)
+                except BaseException:
+                    await self._pool.l3.drop(spec.handle.hashid, local)
+                    raise
             if kind2 == "orchestration":
                 return await register_on_all(self.registry, spec, [])
             return spec.handle
         spec = spec_for(fn, kind)
         return await register_on_all(self.registry, spec, self._targets_for(spec))
 
-    def _next_level_install(
-        self, fn: Any, kind: str, workers: list[int] | None
-    ) -> tuple[CallableSpec, str, list[int]]:
-        """What ``register(..., workers=)`` or a ``RemoteCallable`` installs, and where."""
-        if self.level < 4:
-            raise ValueError(
-                "cannot register into NEXT_LEVEL workers: a level-3 Worker has no L3 children "
-                "(workers= and RemoteCallable need Worker(level=4))"
-            )
-        if isinstance(fn, RemoteCallable):
-            spec, kind = spec_for(fn.target, "orchestration"), "orchestration"
-        elif not isinstance(fn, str):
-            raise TypeError(
-                "cannot register into remote workers: pass an import path 'pkg.mod:fn' (a "
-                f"local {type(fn).__name__} cannot cross hosts)"
-            )
-        else:
-            spec = spec_for(fn, kind)  # type: ignore[arg-type]
-        targets = self._fleet.check_workers(workers, f"register {spec.handle.name}")
-        if not targets:
-            raise ValueError(
-                f"cannot register {spec.handle.name} into NEXT_LEVEL workers: none was added "
-                "(add_remote_worker first)"
-            )
-        return spec, kind, targets
+    def register_spec(self, spec: CallableSpec) -> CallableHandle:
+        """Register an identified callable (a nested L3 keeps its parent's hashid)."""
+        if self.state is WorkerState.NEW:
+            if self.registry.begin_register(spec, frozenset()):
+                self.registry.commit_register(spec.handle.hashid)
+            return spec.handle
+        coro = register_on_all(self.registry, spec, self._targets_for(spec))
+        return self._driver.drive(coro)  # type: ignore[no-any-return]
 
     def unregister(self, handle: CallableHandle) -> None:
         """Drop one reference; the last one removes the callable from every child."""
@@ -345,30 +342,43 @@ class Worker:
                 f"cannot unregister: expected a CallableHandle, got {type(handle).__name__}"
             )
         if self.state is WorkerState.NEW:
-            self._fleet.uninstall(handle.hashid)
-            if self.registry.begin_unregister(handle.hashid) is not None:
+            workers = self._fleet.uninstall(handle.hashid)
+            local = self._pool.l3.uninstall(handle.hashid)
+            if local is not None:
+                self._pool.l3.uninstall_now(local)
+            mine = (workers is None and local is None) or handle.hashid in self.registry
+            if mine and self.registry.begin_unregister(handle.hashid) is not None:
                 self.registry.finish_unregister(handle.hashid)
             return
         self._driver.drive(self.unregister_async(handle))
 
     async def unregister_async(self, handle: CallableHandle) -> None:
         self._check_ready("unregister")
+        remote_only = self._pool.l3.remote_only(handle.hashid)  # before the fleet forgets it
         workers = self._fleet.uninstall(handle.hashid)
+        local = self._pool.l3.uninstall(handle.hashid)
         if workers:
             await self._fleet.uninstall_live(handle.hashid, handle.name, workers)
-        if workers is None or handle.hashid in self.registry:
-            await unregister_on_all(self.registry, handle, self._targets_for)
+        if local is not None and local.workers:
+            await self._pool.l3.uninstall_live(local)
+        if (workers is None and local is None) or handle.hashid in self.registry:
+
+            def targets(spec: CallableSpec) -> list[RegistrationTarget]:
+                return self._pool.registration_targets(spec.handle.role, nested=not remote_only)
+
+            await unregister_on_all(self.registry, handle, targets)
 
     def _targets_for(self, spec: CallableSpec) -> list[RegistrationTarget]:
         """Where a spec must be installed: the live children of its role."""
-        return list(self._pool.registration_targets(spec.handle.role))
+        nested = not self._pool.l3.remote_only(spec.handle.hashid)
+        return self._pool.registration_targets(spec.handle.role, nested=nested)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def init(self) -> None:
         """Fork every child and wait until all are ready, or roll back and raise ``StartupError``."""
-        if self.state is not WorkerState.NEW:
-            raise StartupError(f"cannot init: worker is {self.state.name}")
+        if self.state is not WorkerState.NEW or self._attached:
+            raise StartupError(f"cannot init: worker is {self._attached or self.state.name}")
         self.state = WorkerState.INITIALIZING
         deadline = time.monotonic() + self.startup_timeout  # one for the whole tree
         pool = self._pool
@@ -386,9 +396,10 @@ class Worker:
             pool.abort()
             raise
         manager = WorkerManager()
-        for wid, rep in sorted(self._fleet.endpoints.items()):
-            manager.add_next_level_at(wid, rep)
-        for ep in pool.chip_endpoints:
+        for ep in sorted(
+            [*self._fleet.endpoints.values(), *pool.chip_endpoints, *pool.l3_endpoints],
+            key=lambda e: e.worker_id,
+        ):
             manager.add_next_level_at(ep.worker_id, ep)
         for ep in pool.sub_endpoints:
             manager.add_sub(ep)
@@ -423,7 +434,26 @@ class Worker:
         elif self._local_lane_dead is not None:
             self._local_lane_dead(lane)
 
-    # -- remote L3 workers (level 4) ---------------------------------------------------------------
+    # -- L3 workers (level 4) ------------------------------------------------------------------------
+
+    def add_worker(self, worker: Worker) -> int:
+        """Add a local L3 child (a NEW ``Worker(level=3)``, forked with its subtree at
+        ``init``; frozen from now on: reach it through ``register(..., workers=[id])``) and
+        return its stable worker id. Raises ``ValueError`` / ``TypeError`` naming why."""
+        self._check_usable("add a worker")
+        self._pool.l3.check_new(self, worker)
+        wid = self._next_worker_id
+        self._next_worker_id += 1
+        worker._attached = f"this worker is L3 worker {wid} of a level-4 Worker"
+        self._pool.l3.add(wid, worker, self.heap)
+        return wid
+
+    def _adopt_in_child(self, startup_timeout: float) -> None:
+        """Inside the forked L3 child: this process now owns the worker (its parent only
+        held it), within what is left of the root startup budget."""
+        self._attached = None
+        self._pid = self._pool._pid = os.getpid()
+        self.startup_timeout = self._pool.startup_timeout = startup_timeout
 
     def add_remote_worker(self, spec: RemoteWorkerSpec) -> int:
         """Add a remote L3 worker and return its stable worker id.
@@ -500,6 +530,8 @@ class Worker:
         self._driver.drive(self._fleet.release(ref, worker))
 
     def _check_usable(self, what: str) -> None:
+        if self._attached:
+            raise WorkerClosedError(f"cannot {what}: {self._attached} (go through it)")
         if self.state in (WorkerState.CLOSED, WorkerState.FAILED):
             raise WorkerClosedError(f"cannot {what}: worker is {self.state.name}")
 
@@ -631,8 +663,8 @@ class Worker:
     def close(self, timeout: float | None = None) -> None:
         """Drain admitted runs within ``timeout`` (default ``close_timeout``), cancel the
         rest, stop every child and release all memory. A second call is a no-op."""
-        if self.state is WorkerState.CLOSED:
-            return
+        if self.state is WorkerState.CLOSED or self._attached:
+            return  # an attached L3 worker is closed by its level-4 parent
         if os.getpid() != self._pid:  # a forked child must never tear down its parent's pool
             return
         budget = self.close_timeout if timeout is None else timeout
@@ -690,7 +722,7 @@ class Worker:
         manager.stop_workers()
         # Remote sessions first: SHUTDOWN fails their task in flight at once (a remote
         # task cannot be stopped any other way), so draining local frames never waits on it.
-        self._fleet.shutdown(min(2.0, max(0.1, deadline - time.monotonic())))
+        self._fleet.shutdown(max(0.1, deadline - time.monotonic()))
         self._pool.stop(deadline)
         sched.round()  # poisoned endpoints release their withheld completions now
         self._runs.abandon_unfinished()

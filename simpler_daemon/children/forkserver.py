@@ -31,10 +31,10 @@ from typing import Any
 from simpler_daemon.children.process import ChildProcess, fork_child
 from simpler_daemon.errors import StartupError
 
-_REQ = struct.Struct("<4sBi")  # magic, kind (0 sub, 1 chip), index
+_REQ = struct.Struct("<4sBi")  # magic, kind (0 sub, 1 chip, 2 nested L3), index
 _REP = struct.Struct("<4si")  # magic, pid (negative errno on failure)
 _MAGIC = b"SLFS"
-KINDS = {"sub": 0, "chip": 1}
+KINDS = {"sub": 0, "chip": 1, "l3": 2}
 
 Spawner = Callable[[Any], int]
 

@@ -237,7 +237,7 @@ class MailboxLoop:
             r0, r1 = self.control(op, digest, payload)
         except BaseException as exc:
             error = ERR_CONTROL
-            message = f"{type(exc).__name__}: {exc}"
+            message = self.control_error_text(exc)
         _mb.store64(buf, CTRL_OFF_RESULT0, r0)
         _mb.store64(buf, CTRL_OFF_RESULT1, r1)
         _mb.store32(buf, OFF_ERROR, error)
@@ -246,6 +246,10 @@ class MailboxLoop:
         # Never overwrite a SHUTDOWN that arrived meanwhile.
         _mb.cas32(buf, OFF_STATE, CONTROL_REQUEST, CONTROL_DONE)
         self.ctx.doorbell.ring_if_parked()
+
+    def control_error_text(self, exc: BaseException) -> str:
+        """The text a failed control reports to the parent (at most 255 bytes arrive)."""
+        return f"{type(exc).__name__}: {exc}"
 
     def control(self, op: int, digest: bytes, payload: bytes) -> tuple[int, int]:
         if op == ControlOp.PING:
