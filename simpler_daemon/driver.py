@@ -48,6 +48,10 @@ class Driver:
         self._watches: dict[int, Callable[[], None]] = {}
         self._soon: list[Callable[[], None]] = []
         self._tasks: list[Callable[[], Awaitable[Any]]] = []
+        # Calls handed over by other threads (a session reopened in the background).
+        self._foreign: list[Callable[[], None]] = []
+        self._foreign_lock = threading.Lock()
+        self._stopped = False
 
     def start(self, scheduler: Scheduler, doorbell: Doorbell) -> None:
         """Drive ``scheduler``; ``doorbell`` is what parked rounds wait on."""
@@ -59,6 +63,9 @@ class Driver:
         """Forget every fd (they are about to be closed): nothing is driven any more."""
         self._poll = select.poll()
         self._watches.clear()
+        with self._foreign_lock:  # the doorbell's fd is about to be closed (and reused)
+            self._stopped = True
+            self._foreign.clear()
 
     def close_aux(self) -> None:
         if self._aux_loop is not None:
@@ -98,6 +105,8 @@ class Driver:
 
     def poll_now(self) -> None:
         """Handle whatever is readable right now, without waiting."""
+        if self._foreign:
+            self._run_foreign()
         self._handle_poll_events(self._poll.poll(0))
 
     def _handle_poll_events(self, events: list[tuple[int, int]]) -> None:
@@ -121,6 +130,31 @@ class Driver:
             loop.call_soon(fn)
         else:
             self._soon.append(fn)
+
+    def call_threadsafe(self, fn: Callable[[], None]) -> bool:
+        """From any thread: run ``fn`` on the bound loop, or before the next unbound round
+        (a parked round is woken through the doorbell). False once the driver stopped:
+        ``fn`` will never run."""
+        with self._foreign_lock:
+            if self._stopped:
+                return False
+            loop = self.loop
+            if loop is None:
+                self._foreign.append(fn)
+                if self._doorbell is not None:
+                    self._doorbell.ring()
+                return True
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        return True
+
+    def _run_foreign(self) -> None:
+        with self._foreign_lock:
+            calls, self._foreign = self._foreign, []
+        for fn in calls:
+            fn()
 
     def start_soon(self, make: Callable[[], Awaitable[Any]]) -> None:
         """Run ``make()`` as a task on the bound loop; unbound, to completion before the
@@ -154,8 +188,9 @@ class Driver:
                 "a different one"
             )
         assert self._scheduler is not None
-        with self.lock:
+        with self.lock, self._foreign_lock:
             self.loop = loop
+            foreign, self._foreign = self._foreign, []
             self._scheduler.attach(loop)
             # After attach: a watched fd the Scheduler also reads (a child pidfd) gets this
             # callback, which does what the Scheduler's would and more.
@@ -163,7 +198,7 @@ class Driver:
                 loop.add_reader(fd, self._fire, fd)
             soon, self._soon = self._soon, []
             tasks, self._tasks = self._tasks, []
-        for fn in soon:
+        for fn in [*foreign, *soon]:
             loop.call_soon(fn)
         for make in tasks:
             loop.create_task(_as_coro(make()))
@@ -227,6 +262,8 @@ class Driver:
         spin_until = now + spin_s
         with self.lock:
             while True:
+                if self._foreign:
+                    self._run_foreign()
                 if self._soon:
                     self._run_soon()
                 if self._tasks:

@@ -18,8 +18,8 @@ sockets.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -75,6 +75,8 @@ class RemoteFleet:
         self.installs: dict[str, _Install] = {}
         self.buffers: dict[tuple[int, int, int], _Buffer] = {}
         self.reconnects: dict[int, int] = {}
+        #: Why a worker was given up (its session failed and no new one could be opened).
+        self.gone: dict[int, str] = {}
         #: Frees deferred while a task pinned the buffer; sent by the next control.
         self._deferred_frees: list[RemoteTensorRef] = []
         #: Only while the Worker serves are failed sessions replaced.
@@ -82,6 +84,7 @@ class RemoteFleet:
         self._scheduler: Scheduler | None = None
         self._driver: Driver | None = None
         self._replacing: set[int] = set()
+        self._reconnecting: set[threading.Thread] = set()
 
     # -- membership ---------------------------------------------------------------------
 
@@ -325,52 +328,78 @@ class RemoteFleet:
         ep = lane.endpoint
         if id(ep) in self._replacing or lane.gone is not None or self._scheduler is None:
             return
-        reason = f"{getattr(ep, 'label', lane.worker_id)} failed: {getattr(ep, 'failure', '?')}"
-        if not self.reconnect or not self.serving or self._driver is None:
-            self._give_up(lane, ep, reason)
-            return
-        self._replacing.add(id(ep))
-        self._driver.start_soon(lambda: self._reconnect(lane, ep, reason))
-
-    def _give_up(self, lane: WorkerThread, ep: Any, reason: str) -> None:
-        lane.gone = reason
+        wid = lane.worker_id
+        reason = f"{getattr(ep, 'label', wid)} failed: {getattr(ep, 'failure', '?')}"
         self._unwatch(ep)
-        ep.close()
-        self.forget_session(lane.worker_id)
+        ep.close()  # type: ignore[attr-defined]  # a remote lane's endpoint
+        self.forget_session(wid)
+        if not self.reconnect or not self.serving or self._driver is None:
+            self._give_up(lane, reason)
+            return
+        # Opening a session blocks for up to the startup timeout (a frozen host): do it on
+        # a thread of its own, so the other workers' runs go on meanwhile; the new
+        # endpoint joins the lane on the driving side.
+        self._replacing.add(id(ep))
+        thread = threading.Thread(
+            target=self._reopen, args=(lane, ep, reason), name=f"reconnect-{wid}", daemon=True
+        )
+        self._reconnecting.add(thread)
+        thread.start()
+
+    def _give_up(self, lane: WorkerThread, reason: str) -> None:
+        lane.gone = reason
+        self.gone[lane.worker_id] = reason
+        log.error("remote worker %d stays down: %s", lane.worker_id, reason)
         assert self._scheduler is not None
         self._scheduler.wake()
 
-    async def _reconnect(self, lane: WorkerThread, old: Any, reason: str) -> None:
+    def _reopen(self, lane: WorkerThread, old: Any, reason: str) -> None:
+        """On the reconnect thread: open a new session, hand it to the driving side."""
+        try:
+            self._reopen_now(lane, old, reason)
+        finally:
+            self._reconnecting.discard(threading.current_thread())
+
+    def _reopen_now(self, lane: WorkerThread, old: Any, reason: str) -> None:
         wid = lane.worker_id
         try:
-            self._unwatch(old)
-            old.close()
-            self.forget_session(wid)
-            deadline = time.monotonic() + self.startup_timeout
-            try:
-                ep = await asyncio.to_thread(self.open_one, wid, deadline)
-            except Exception as exc:  # StartupError, or anything opening raised
-                log.error("remote worker %d stays down: %s; reconnect failed: %s", wid, reason, exc)
-                lane.gone = f"{reason}; reconnect failed: {exc}"
-                return
-            if not self.serving:
-                ep.shutdown(0.5)
-                return
-            self.endpoints[wid] = ep
-            lane.endpoint = ep
-            lane.active = lane.staged = None
-            lane.inflight = 0
-            self.reconnects[wid] = self.reconnects.get(wid, 0) + 1
-            self._watch(ep)
-            log.warning("remote worker %d reconnected after: %s", wid, reason)
-        finally:
-            self._replacing.discard(id(old))
-            if self._scheduler is not None:
-                self._scheduler.wake()
+            ep: Any = self.open_one(wid, time.monotonic() + self.startup_timeout)
+            error: BaseException | None = None
+        except Exception as exc:  # StartupError, or anything opening raised
+            ep, error = None, exc
+        assert self._driver is not None
+        handed = self.serving and self._driver.call_threadsafe(
+            lambda: self._reopened(lane, old, reason, ep, error)
+        )
+        if not handed and ep is not None:
+            ep.shutdown(0.5)  # closed meanwhile: the new runner must not outlive the Worker
+
+    def _reopened(
+        self, lane: WorkerThread, old: Any, reason: str, ep: Any, error: BaseException | None
+    ) -> None:
+        self._replacing.discard(id(old))
+        if ep is None:
+            self._give_up(lane, f"{reason}; reconnect failed: {error}")
+            return
+        if not self.serving:
+            ep.shutdown(0.5)
+            return
+        wid = lane.worker_id
+        self.endpoints[wid] = ep
+        lane.endpoint = ep
+        lane.active = lane.staged = None
+        lane.inflight = 0
+        self.reconnects[wid] = self.reconnects.get(wid, 0) + 1
+        self._watch(ep)
+        log.warning("remote worker %d reconnected after: %s", wid, reason)
+        assert self._scheduler is not None
+        self._scheduler.wake()
 
     def forget_session(self, worker_id: int) -> None:
-        """A session ended: its buffers went with it (refs to them fail clearly)."""
-        self.endpoints.pop(worker_id, None)
+        """A session ended: its buffers went with it (refs to them fail clearly).
+
+        The failed endpoint stays in ``endpoints`` until a new session replaces it, so
+        its row keeps the failure and controls fail with its reason."""
         for key, buf in list(self.buffers.items()):
             if key[0] == worker_id:
                 del self.buffers[key]
@@ -381,10 +410,14 @@ class RemoteFleet:
         """SHUTDOWN every session and close its sockets (runners then exit on their own)."""
         deadline = time.monotonic() + max(0.0, timeout)
         self.serving = False
+        # A session being reopened must not outlive us: let its thread finish (it shuts
+        # the new session down itself once it sees we stopped serving).
+        for thread in list(self._reconnecting):
+            thread.join(max(0.0, deadline - time.monotonic()))
         for ep in self.endpoints.values():
             self._unwatch(ep)
             try:
-                ep.shutdown(max(0.05, deadline - time.monotonic()))
+                ep.shutdown(min(2.0, max(0.05, deadline - time.monotonic())))
             except Exception:  # closing must go on for the others
                 log.exception("remote worker %s: shutdown failed", ep.worker_id)
         self.endpoints.clear()
@@ -580,6 +613,14 @@ class RemoteFleet:
     # -- introspection ------------------------------------------------------------------------
 
     def rows(self) -> list[dict[str, Any]]:
+        driver = self._driver
+        if driver is not None and driver.loop is None and driver.lock.acquire(blocking=False):
+            # Blocking API between calls: nobody reads the sockets, so a session that died
+            # while idle would still look ready. Read them now (without waiting).
+            try:
+                driver.poll_now()
+            finally:
+                driver.lock.release()
         rows: list[dict[str, Any]] = []
         for wid, spec in sorted(self.specs.items()):
             ep = self.endpoints.get(wid)
@@ -592,13 +633,13 @@ class RemoteFleet:
                     "endpoint": spec.endpoint,
                     "session_id": getattr(session, "session_id", 0),
                     "pid": getattr(session, "pid", 0),
-                    "state": "closed" if ep is None else ("failed" if ep.poisoned else "ready"),
+                    "state": _state(ep, wid in self.gone, self.serving),
                     "health_age_s": ep.health_age() if ep is not None else None,
                     "round_trip_us": stats.get("round_trip_us"),
                     "failures": stats.get("failures", 0),
                     "reconnects": self.reconnects.get(wid, 0),
                     "restarts": self.reconnects.get(wid, 0),
-                    "reason": getattr(ep, "failure", None),
+                    "reason": self.gone.get(wid) or getattr(ep, "failure", None),
                 }
             )
         return rows
@@ -620,3 +661,10 @@ def _check_same_kind(entry: _Install, kind: str) -> None:
             f"cannot register {entry.spec.handle.name} as {kind}: it is registered on remote "
             f"workers as {entry.kind}",
         )
+
+
+def _state(ep: Any, gone: bool, serving: bool) -> str:
+    """ready / failed (the session failed: reconnecting, or given up) / closed."""
+    if ep is not None:
+        return "failed" if ep.poisoned else "ready"
+    return "failed" if gone or serving else "closed"

@@ -50,6 +50,8 @@ HEALTH_INTERVAL_S = 0.2
 #: How long one health-lane candidate may take to present its attach bytes: the
 #: lane is accepted one connection at a time, so a silent peer must not hold it.
 HEALTH_CANDIDATE_S = 2.0
+#: How long the health thread waits for a blocked loop to take a stop request.
+STOP_ACK_S = 1.0
 _COMMAND_TYPES = frozenset({FrameType.TASK, FrameType.CONTROL, FrameType.SHUTDOWN})
 
 
@@ -63,6 +65,8 @@ class LaneHost(Protocol):
     tls: ssl.SSLContext | None
     manifest: Manifest
     candidates: set[CommandProtocol]
+    #: Set by ``stop`` on the loop: the loop is responsive and is ending the session.
+    stop_seen: threading.Event
 
     def parent_gone(self) -> bool: ...
 
@@ -155,9 +159,14 @@ class HealthLane(threading.Thread):
                 self.sock.close()
         if reason is not None and not self.stop_event.is_set():
             self.runner.stop_threadsafe(1, reason)
-            # The loop may be held by an orchestration that never returns; past the
-            # close budget, leave anyway (inner children die by their PDEATHSIG).
-            grace = self.runner.close_budget() + 10.0
+            # The loop may be held by an orchestration that never returns: when it does
+            # not even take the stop request within a second, nobody is left to serve,
+            # so leave now (inner children die by their PDEATHSIG); a responsive loop
+            # gets its close budget to stop the inner worker cleanly.
+            if self.runner.stop_seen.wait(STOP_ACK_S):
+                grace = self.runner.close_budget() + 10.0
+            else:
+                grace = 0.0
             if not self.stop_event.wait(grace):
                 log.error("session did not end %.0f s after: %s; exiting now", grace, reason)
                 logging.shutdown()

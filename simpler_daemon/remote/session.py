@@ -39,6 +39,7 @@ import signal
 import socket
 import ssl
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -121,6 +122,7 @@ class SessionRunner:
         self.health_listener: socket.socket | None = None
         self.health: HealthLane | None = None
         self.candidates: set[CommandProtocol] = set()
+        self.stop_seen = threading.Event()
         self.command: CommandProtocol | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[tuple[int, str]] | None = None
@@ -230,6 +232,7 @@ class SessionRunner:
 
     def stop(self, code: int, reason: str) -> None:
         """Ask the session to end (first reason wins); safe to call repeatedly."""
+        self.stop_seen.set()
         fut = self._stopped
         if fut is None:
             self._early_stop = self._early_stop or (code, reason)
