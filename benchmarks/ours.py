@@ -5,7 +5,8 @@ be imported, or fails while being measured, every variant of the workload is
 reported ``unavailable (<reason>)`` and the peers are measured all the same.
 
 Variants: ``ours`` drives ``Worker.run`` (blocking); ``ours_async`` awaits
-``Worker.run_async`` under ``asyncio.Runner`` with uvloop when importable.
+``Worker.run_async`` under ``asyncio.Runner`` with uvloop when importable;
+W1's ``ours_nested`` is W1 through a local L3 (``benchmarks/nested.py``).
 """
 
 from __future__ import annotations
@@ -218,7 +219,17 @@ def _empty_tasks(eng: Any, n: int) -> Setup:
 
 
 def _w1(eng: Any, p: dict[str, int], repeat: int, profile: Path | None) -> dict[str, Result]:
-    return _both_variants(_empty_tasks(eng, 1), p["n"], repeat, latency_rep, profile)
+    out = _both_variants(_empty_tasks(eng, 1), p["n"], repeat, latency_rep, profile)
+    # W1 nested: the same one empty task one level down (L4 -> local L3 -> SUB), in the
+    # same cell so the report can subtract W1 for the cost of one level.
+    try:
+        from benchmarks import nested
+
+        out["ours_nested"] = nested.measure(p, repeat)
+    except Exception as exc:
+        traceback.print_exc()
+        out["ours_nested"] = unavailable(_describe(exc))
+    return out
 
 
 def _w2(eng: Any, p: dict[str, int], repeat: int, profile: Path | None) -> dict[str, Result]:

@@ -142,6 +142,8 @@ def finalize(doc: Doc) -> Doc:
     doc["targets"] = verdicts(doc)
     if "W7" in doc["workloads"]:
         doc["remote_hop"] = remote_hop(doc)
+    if "W1" in doc["workloads"]:
+        doc["nested_level"] = nested_level(doc)
     return doc
 
 
@@ -173,6 +175,21 @@ def remote_hop(doc: Doc) -> dict[str, Any]:
     out["x4_tasks_per_s"] = value(doc, "W7", "ours_x4", "tasks_per_s")
     out["one_tasks_per_s"] = value(doc, "W7", "ours", "tasks_per_s")
     out["x4_ratio"] = value(doc, "W7", "ours_x4", "x4_ratio")
+    return out
+
+
+def nested_level(doc: Doc) -> dict[str, Any]:
+    """W1 nested beside W1 (both ``Worker.run``, same cell): what one local level costs.
+
+    ``level_us`` / ``level_p99_us`` are W1 nested's median / p99 minus W1's.
+    """
+    out: dict[str, Any] = {}
+    for metric in ("median_us", "p99_us"):
+        nested = value(doc, "W1", "ours_nested", metric)
+        w1 = value(doc, "W1", "ours", metric)
+        out[f"nested_{metric}"] = nested
+        out[f"w1_{metric}"] = w1
+        out[f"level_{metric}"] = nested - w1 if nested is not None and w1 is not None else None
     return out
 
 
@@ -340,6 +357,8 @@ def markdown(doc: Doc) -> str:
                     cells += [ratio, v["target"], verdict]
                 lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_ratio_table(doc)]
+    if "nested_level" in doc:
+        lines += ["", *_nested_lines(doc)]
     if "remote_hop" in doc:
         lines += ["", *_remote_lines(doc)]
     lines += ["", *_params(doc)]
@@ -385,6 +404,25 @@ def _ratio_table(doc: Doc) -> list[str]:
                 lines.append(f"| {label} | " + " | ".join(num(row[p]) for p in peers) + " |")
     if len(lines) == 4:
         return ["No ratios: the selected workloads have no peer counterpart."]
+    return lines
+
+
+def _nested_lines(doc: Doc) -> list[str]:
+    """W1 nested beside W1: the cost of one nested local level."""
+    n = doc["nested_level"]
+    lines = ["W1 nested (L4 → local L3 → SUB) beside W1, same invocation, Worker.run:", ""]
+    if n["nested_median_us"] is None:
+        return [*lines, "- W1 nested not measured (see the notes)"]
+    lines.append(
+        f"- W1 nested: median {num(n['nested_median_us'])} µs, p99 {num(n['nested_p99_us'])} µs"
+    )
+    if n["level_median_us"] is None:
+        return [*lines, "- W1 not measured: no cost of one level"]
+    lines += [
+        f"- W1: median {num(n['w1_median_us'])} µs, p99 {num(n['w1_p99_us'])} µs",
+        f"- one level costs {num(n['level_median_us'])} µs at the median, "
+        f"{num(n['level_p99_us'])} µs at p99",
+    ]
     return lines
 
 

@@ -107,7 +107,8 @@ WORKLOADS: dict[str, Workload] = {
             LATENCY,
             full={"n": 2000},
             smoke={"n": 200},
-            ours_variants=("ours", "ours_async"),
+            # ours_nested: "W1 nested", the same task through L4 -> local L3 -> SUB.
+            ours_variants=("ours", "ours_async", "ours_nested"),
         ),
         Workload(
             "W2",
@@ -208,8 +209,27 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 TARGETS: tuple[Target, ...] = (
-    Target("W1", "median_us", "ratio", "<=", 0.2, "mp", f"median ≤ 0.2 {TIMES} mp.Pool"),
-    Target("W1", "p99_us", "ratio", "<=", 0.2, "mp", f"p99 ≤ 0.2 {TIMES} mp.Pool"),
+    # W1's targets judge the in-process variants; W1 nested is reported beside them.
+    Target(
+        "W1",
+        "median_us",
+        "ratio",
+        "<=",
+        0.2,
+        "mp",
+        f"median ≤ 0.2 {TIMES} mp.Pool",
+        variants=("ours", "ours_async"),
+    ),
+    Target(
+        "W1",
+        "p99_us",
+        "ratio",
+        "<=",
+        0.2,
+        "mp",
+        f"p99 ≤ 0.2 {TIMES} mp.Pool",
+        variants=("ours", "ours_async"),
+    ),
     Target("W2", "tasks_per_s", "ratio", ">=", 3.0, "mp", f"≥ 3 {TIMES} mp.Pool"),
     Target("W3", "efficiency", "absolute", ">=", 0.90, None, "efficiency ≥ 0.90"),
     Target("W4", "tasks_per_s", "ratio", ">=", 30.0, "ray", f"≥ 30 {TIMES} Ray"),
@@ -256,6 +276,7 @@ VARIANT_TAGS: dict[str, str] = {
     "ours_async": "run_async",
     "ours_bare": "bare session, run",
     "ours_x4": "4 workers, run",
+    "ours_nested": "W1 nested: L4 → local L3 → SUB, run",
 }
 
 PEER_KEYS: tuple[str, ...] = ("mp", "ppe", "loky", "ray", "dask")
@@ -266,6 +287,7 @@ LABELS: dict[str, str] = {
     "ours_async": "ours (async)",
     "ours_bare": "ours (bare session)",
     "ours_x4": "ours (4 remote workers)",
+    "ours_nested": "ours (W1 nested)",
     "mp": "mp.Pool",
     "ppe": "ProcessPoolExecutor",
     "loky": "loky",

@@ -4,7 +4,8 @@
 
     simplerctl [--socket PATH|HOST:PORT] [--json] COMMAND ...
       info                      daemon version, level, heap, limits, serving state
-      workers                   every worker and its state (+ remote L3 sessions)
+      workers                   every worker and its state: local L3 workers with their
+                                children indented, remote L3 sessions below
       callables                 every registered callable
       register PATH [--kind]    register "module:qualname" (kind sub, chip or orchestration)
       submit FILE [--wait|--watch] [--timeout S] [--idempotency-key K] [--label L]
@@ -68,6 +69,8 @@ from simpler_daemon.cli_output import (
     short_name,
     state_name,
     to_dict,
+    worker_header,
+    worker_rows,
 )
 from simpler_daemon.cli_spec import SpecBuilder, SpecError, SpecRpcError, get_field, load_spec
 from simpler_daemon.client import TERMINAL_STATES, Client
@@ -145,21 +148,7 @@ def cmd_workers(c: Client, a: argparse.Namespace, out: Out) -> int:
     if out.json:
         out.data([to_dict(w) for w in workers])
         return EXIT_OK
-    out.table(
-        ["ID", "KIND", "STATE", "PID", "TASKS", "RESTARTS", "MESSAGE"],
-        [
-            [
-                w.worker_id,
-                short_name(pb.WorkerKind.Name(w.kind)),
-                short_name(pb.WorkerState.Name(w.state)),
-                w.pid,
-                w.tasks_completed,
-                w.restarts,
-                w.message or w.endpoint,
-            ]
-            for w in workers
-        ],
-    )
+    out.table(worker_header(), worker_rows(workers))
     remotes = [w for w in workers if w.HasField("remote")]
     if remotes:
         out.line("")

@@ -25,6 +25,8 @@ __all__ = [
     "short_name",
     "state_name",
     "to_dict",
+    "worker_header",
+    "worker_rows",
 ]
 
 
@@ -114,6 +116,31 @@ def print_status(out: Out, status: pb.RunStatus) -> None:
     )
     if status.state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED) and status.error.message:
         out.line(f"  error: {status.error.message}")
+
+
+def worker_header() -> list[str]:
+    """The columns of :func:`worker_rows`."""
+    return ["ID", "KIND", "STATE", "PID", "TASKS", "RESTARTS", "MESSAGE"]
+
+
+def worker_rows(workers: Sequence[pb.WorkerInfo], depth: int = 0) -> list[list[Any]]:
+    """``simplerctl workers``: one row per worker, a local L3 worker's own SUB and chip
+    children right below it, their ids indented (the tree L4 -> L3 -> children)."""
+    rows: list[list[Any]] = []
+    for w in workers:
+        rows.append(
+            [
+                "  " * depth + str(w.worker_id),
+                short_name(pb.WorkerKind.Name(w.kind)),
+                short_name(pb.WorkerState.Name(w.state)),
+                w.pid,
+                w.tasks_completed,
+                w.restarts,
+                w.message or w.endpoint,
+            ]
+        )
+        rows += worker_rows(w.children, depth + 1)
+    return rows
 
 
 def remote_header() -> list[str]:

@@ -107,6 +107,16 @@ class NotifySocket:
             os.unlink(self.path)
 
 
+def tree_pids(workers: Any) -> list[int]:
+    """The pids of ``ListWorkers`` rows and, below a local L3 worker, of its children."""
+    out: list[int] = []
+    for w in workers:
+        if w.pid:
+            out.append(w.pid)
+        out += tree_pids(w.children)
+    return out
+
+
 class DaemonProcess:
     """One daemon subprocess with its config, notify socket, stdout and stderr files."""
 
@@ -156,7 +166,7 @@ class DaemonProcess:
 
         poll_for(ready, timeout=timeout, interval=0.01, message="daemon never sent READY=1")
         with self.client() as c:
-            self.worker_pids = [w.pid for w in c.list_workers()]
+            self.worker_pids = tree_pids(c.list_workers())
         return self
 
     def client(self, **kwargs: Any) -> Client:

@@ -89,6 +89,12 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "chip_pipeline_depth": 1,
         "heap_bytes": 4096,
         "heap_shared": False,
+        # No callables here: the section test keeps the default allowed_modules, the
+        # whole-config test does not (tests/test_daemon_local_l3.py round-trips them).
+        "local": [
+            cfg.LocalWorkerConfig(num_sub_workers=2, num_chips=1, chip_pipeline_depth=1),
+            cfg.LocalWorkerConfig(num_sub_workers=0, heap_bytes=4096),
+        ],
         "remote": [
             cfg.RemoteWorkerConfig(
                 endpoint="127.0.0.1:19073",
@@ -138,7 +144,7 @@ def test_non_default_table_covers_every_option() -> None:
 @pytest.mark.parametrize("section", list(NON_DEFAULTS))
 def test_each_section_round_trips_through_dump_and_load(tmp_path: Path, section: str) -> None:
     base = cfg.load(None, env={})
-    if section == "workers":  # [[workers.remote]] tables need a level-4 daemon
+    if section == "workers":  # [[workers.local/remote]] tables need a level-4 daemon
         base = msgspec.structs.replace(base, daemon=msgspec.structs.replace(base.daemon, level=4))
     changed = msgspec.structs.replace(getattr(base, section), **NON_DEFAULTS[section])
     config = msgspec.structs.replace(base, **{section: changed})

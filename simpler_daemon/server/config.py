@@ -46,6 +46,8 @@ __all__ = [
     "DaemonConfig",
     "GrpcConfig",
     "LimitsConfig",
+    "LocalCallableConfig",
+    "LocalWorkerConfig",
     "MetricsConfig",
     "RemoteCallableConfig",
     "RemoteWorkerConfig",
@@ -124,6 +126,30 @@ class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     callables: list[RemoteCallableConfig] = []
 
 
+class LocalCallableConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One ``callables`` entry of a ``[[workers.local]]`` table: installed into that L3."""
+
+    target: str
+    """``module:qualname`` under ``callables.allowed_modules``."""
+    kind: Literal["sub", "chip", "orchestration"]
+    """"sub" or "chip"; "orchestration" is refused: an orchestration is never installed
+    into one L3, a RegisterCallable of kind ORCHESTRATION (no workers) reaches every
+    local L3 worker."""
+
+
+class LocalWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[workers.local]]`` table (level 4): an L3 worker forked on this host, with
+    SUB and chip children of its own."""
+
+    num_sub_workers: int = 1
+    num_chips: int = 0
+    chip_pipeline_depth: Literal[1, 2] = 2
+    heap_bytes: int = 64 * MIB
+    """The L3's own heap (mapped by the daemon before it forks, so the L3's children
+    see the daemon's heap and this one zero-copy)."""
+    callables: list[LocalCallableConfig] = []
+
+
 class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[workers]`` section: the pre-forked pools."""
 
@@ -140,8 +166,12 @@ class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Expose the heap as /dev/shm/simpler-heap-<pid>-<id> so local clients running as
     the daemon's user map buffers zero-copy (Client.map_buffer); unlinked at stop,
     swept at start if a crashed daemon left it."""
+    local: list[LocalWorkerConfig] = []
+    """Level 4: ``[[workers.local]]`` L3 workers forked at start (NEXT_LEVEL workers;
+    ids 0.. in file order, before the remote ones)."""
     remote: list[RemoteWorkerConfig] = []
-    """Level 4: ``[[workers.remote]]`` sessions opened at start (NEXT_LEVEL workers)."""
+    """Level 4: ``[[workers.remote]]`` sessions opened at start (NEXT_LEVEL workers;
+    ids follow the local ones, in file order)."""
     remote_credentials_dir: str = ""
     """Directory the credential files named in an AddRemoteWorker request must lie in;
     "" = such a request may name none (the daemon never reads a client-chosen path
@@ -234,6 +264,7 @@ num_sub_workers = 0         # 0 = one per CPU
 chip_pipeline_depth = 2
 heap_bytes = 268435456      # 256 MiB
 heap_shared = true          # /dev/shm name local clients can map
+local = []                  # level 4: [[workers.local]] tables, see deploy/config/daemon.toml
 remote = []                 # level 4: [[workers.remote]] tables, see deploy/config/daemon.toml
 remote_credentials_dir = "" # where AddRemoteWorker credential files may live; "" = nowhere
 
@@ -355,6 +386,13 @@ def _check(config: DaemonConfig) -> None:
     if workers.heap_bytes <= 0:
         raise Invalid("workers.heap_bytes", f": must be > 0, got {workers.heap_bytes}")
     check_path("workers.remote_credentials_dir", workers.remote_credentials_dir)
+    if workers.local and service.level != 4:
+        raise Invalid(
+            "workers.local",
+            f": [[workers.local]] tables need daemon.level = 4 (it is {service.level})",
+        )
+    for i, local in enumerate(workers.local):
+        _check_local(f"workers.local[{i}]", local, config.callables)
     if workers.remote and service.level != 4:
         raise Invalid(
             "workers.remote",
@@ -403,19 +441,45 @@ def _check(config: DaemonConfig) -> None:
     callables = config.callables
     check_module_names("callables.allowed_modules", callables.allowed_modules)
     for i, target in enumerate(callables.preload):
-        try:
-            module, _ = _split_import_path(target)
-        except ValueError as exc:
-            raise Invalid(f"callables.preload[{i}]", f": {exc}") from None
-        if not callables.allows(module):
-            allowed = ", ".join(callables.allowed_modules) or "nothing"
-            raise Invalid(
-                f"callables.preload[{i}]",
-                f": module {module!r} is not under callables.allowed_modules ({allowed})",
-            )
+        _check_callable_target(f"callables.preload[{i}]", target, callables)
 
     if config.metrics.listen:
         check_host_port("metrics.listen", config.metrics.listen)
+
+
+def _check_callable_target(key: str, target: str, callables: CallablesConfig) -> None:
+    """``target`` is ``module:qualname`` and its module may be imported on this host."""
+    try:
+        module, _ = _split_import_path(target)
+    except ValueError as exc:
+        raise Invalid(key, f": {exc}") from None
+    if not callables.allows(module):
+        allowed = ", ".join(callables.allowed_modules) or "nothing"
+        raise Invalid(
+            key, f": module {module!r} is not under callables.allowed_modules ({allowed})"
+        )
+
+
+def _check_local(key: str, local: LocalWorkerConfig, callables: CallablesConfig) -> None:
+    for name in ("num_sub_workers", "num_chips"):
+        if getattr(local, name) < 0:
+            raise Invalid(f"{key}.{name}", f": must be >= 0, got {getattr(local, name)}")
+    if local.heap_bytes <= 0:
+        raise Invalid(f"{key}.heap_bytes", f": must be > 0, got {local.heap_bytes}")
+    for j, entry in enumerate(local.callables):
+        _check_callable_target(f"{key}.callables[{j}].target", entry.target, callables)
+        if entry.kind == "orchestration":
+            raise Invalid(
+                f"{key}.callables[{j}].kind",
+                ': "orchestration" is not installed into one local L3 worker; register it '
+                "with RegisterCallable (kind ORCHESTRATION, no workers) and it reaches every "
+                "local L3 worker",
+            )
+        if entry.kind == "chip" and not local.num_chips:
+            raise Invalid(
+                f"{key}.callables[{j}].kind",
+                f': "chip" needs chips, but {key}.num_chips is 0',
+            )
 
 
 def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:
@@ -532,7 +596,7 @@ def _toml_value(value: object) -> str:
         return '"' + "".join(out) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, msgspec.Struct):  # a [[workers.remote]] table, written inline
+    if isinstance(value, msgspec.Struct):  # a [[workers.local/remote]] table, written inline
         items = [
             f"{f.encode_name} = {_toml_value(getattr(value, f.name))}"
             for f in msgspec.structs.fields(value)

@@ -4,10 +4,11 @@
 
     main: load config -> Daemon(config)
       prepare()  sweep stale heaps, runtime dir, credentials,
-                 Worker(...).add_remote_worker([[workers.remote]]...)   (level 4)
-                       .register(preload..., remote callables...).init()   <- every fork
-                                                                     happens here, before
-                                                                     any thread exists
+                 Worker(...).add_worker(Worker(level=3), [[workers.local]]...)   (level 4)
+                       .add_remote_worker([[workers.remote]]...)                 (level 4)
+                       .register(preload..., local and remote callables...)
+                       .init()          <- every fork (the local L3 subtrees too) happens
+                                           here, before any thread exists
       serve()    (uvloop)  Worker.start_async -> DaemonService
                  -> grpc.aio on the Unix socket (0660, group)   [+ TCP: TLS + bearer token]
                  -> health SERVING, metrics listener -> READY=1, WATCHDOG=1 every ping period
@@ -39,12 +40,13 @@ from collections.abc import Callable
 from typing import Any, Final, TextIO
 
 from simpler_daemon.args import MAX_TENSORS
-from simpler_daemon.errors import ConfigError, StartupError
+from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
 from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
 from simpler_daemon.remote.spec import RemoteWorkerSpec
 from simpler_daemon.server.config import (
     DaemonConfig,
+    LocalWorkerConfig,
     RemoteWorkerConfig,
     ServiceConfig,
     parse_host_port,
@@ -60,6 +62,7 @@ __all__ = [
     "JsonFormatter",
     "check_limits",
     "configure_logging",
+    "local_worker_of",
     "remote_spec_of",
 ]
 
@@ -170,6 +173,28 @@ def remote_spec_of(remote: RemoteWorkerConfig, key: str) -> RemoteWorkerSpec:
         )
     except ValueError as exc:
         raise ConfigError(f"{key}: {exc}", key=key) from exc
+
+
+def local_worker_of(local: LocalWorkerConfig, key: str, startup_timeout: float) -> Worker:
+    """The NEW ``Worker(level=3)`` of one ``[[workers.local]]`` table, its callables
+    registered (its children inherit them when the daemon forks the L3).
+
+    Raises ``ConfigError`` naming ``key`` (or the callables entry) for a rule only the
+    Worker knows or a callable that cannot be imported.
+    """
+    try:
+        inner = Worker(
+            level=3,
+            num_sub_workers=local.num_sub_workers,
+            num_chips=local.num_chips,
+            chip_pipeline_depth=local.chip_pipeline_depth,
+            heap_bytes=local.heap_bytes,
+            startup_timeout=startup_timeout,
+            close_timeout=CLOSE_TIMEOUT,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}", key=key) from exc
+    return inner
 
 
 def configure_logging(service: ServiceConfig, stream: TextIO | None = None) -> None:
@@ -292,12 +317,14 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(f"cannot start the daemon: {exc}") from exc
         self.notifier.status(
-            f"starting {workers.num_sub_workers} SUB workers, {workers.num_chips} chips"
-            f" and {len(workers.remote)} remote workers"
+            f"starting {workers.num_sub_workers} SUB workers, {workers.num_chips} chips,"
+            f" {len(workers.local)} local L3 workers and {len(workers.remote)} remote workers"
         )
         try:
             for path in cfg.callables.preload:
                 worker.register(path)
+            # Locals first, then remotes: worker ids follow the file's order that way.
+            self._add_local_workers(worker)
             self._add_remote_workers(worker)
             worker.init()
         except BaseException:
@@ -305,12 +332,43 @@ class Daemon:
             raise
         self.worker = worker
         log.info(
-            "worker pool ready: %d SUB workers, %d chips, %d remote workers, heap %d bytes",
+            "worker pool ready: %d SUB workers, %d chips, %d local L3 workers, "
+            "%d remote workers, heap %d bytes",
             workers.num_sub_workers,
             workers.num_chips,
+            len(workers.local),
             len(workers.remote),
             worker.heap.size,
         )
+
+    def _add_local_workers(self, worker: Worker) -> None:
+        """Build every ``[[workers.local]]`` L3 with its callables and add it; ``init()``
+        forks it with its subtree (a child that does not come up fails start-up)."""
+        startup_timeout = self.config.daemon.startup_timeout
+        for i, local in enumerate(self.config.workers.local):
+            key = f"workers.local[{i}]"
+            inner = local_worker_of(local, key, startup_timeout)
+            try:
+                worker_id = worker.add_worker(inner)
+            except (ValueError, TypeError) as exc:
+                inner.close()
+                raise ConfigError(f"{key}: {exc}", key=key) from exc
+            log.info(
+                "local L3 worker %d: %d SUB workers, %d chips (%s)",
+                worker_id,
+                local.num_sub_workers,
+                local.num_chips,
+                key,
+            )
+            for j, entry in enumerate(local.callables):
+                try:
+                    worker.register(entry.target, kind=entry.kind, workers=[worker_id])
+                except (ValueError, TypeError, RegistrationError) as exc:
+                    raise ConfigError(
+                        f"{key}.callables[{j}]: cannot register {entry.target} on local L3 "
+                        f"worker {worker_id}: {exc}",
+                        key=f"{key}.callables[{j}]",
+                    ) from exc
 
     def _add_remote_workers(self, worker: Worker) -> None:
         """Declare every ``[[workers.remote]]`` session and its callables; ``init()`` opens
@@ -560,6 +618,11 @@ class Daemon:
             f"serving on unix:{path}; {worker.num_sub_workers} SUB workers, "
             f"{worker.num_chips} chips"
         )
+        if cfg.daemon.level == 4:
+            status += (
+                f", {len(cfg.workers.local)} local and {len(cfg.workers.remote)} remote "
+                "L3 workers from the config"
+            )
         log.info("ready: %s", status)
         self.notifier.ready(status)
         period = self.notifier.ping_period()

@@ -2,7 +2,10 @@
 
 A local child's row carries liveness and lane state; a remote L3 session's row
 (``kind == "remote"``) carries its endpoint, session id, runner pid, session
-state and health numbers, which become the ``remote`` sub-message.
+state and health numbers, which become the ``remote`` sub-message. A local L3
+child's row (``kind == "l3"``, level 4) carries its own SUB and chip rows under
+``children``; they become ``WorkerInfo.children``, so ListWorkers is the tree
+L4 -> L3 -> SUB / chip with every pid.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ _WORKER_KINDS: Final[dict[str, pb.WorkerKind]] = {
     "chip": pb.WORKER_KIND_CHIP,
     "nested": pb.WORKER_KIND_NESTED_L3,
     "nested_l3": pb.WORKER_KIND_NESTED_L3,
+    "l3": pb.WORKER_KIND_NESTED_L3,
     "remote": pb.WORKER_KIND_REMOTE_L3,
     "remote_l3": pb.WORKER_KIND_REMOTE_L3,
 }
@@ -66,6 +70,8 @@ def worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
         state = pb.WORKER_STATE_BUSY
     else:
         state = pb.WORKER_STATE_IDLE
+    # A local L3 child's subtree, as its last published status page lists it.
+    children = [worker_info(row, stopping=stopping) for row in info.get("children") or ()]
     return pb.WorkerInfo(
         worker_id=int(info.get("worker_id", 0)),
         kind=_WORKER_KINDS.get(str(info.get("kind", "")), pb.WORKER_KIND_UNSPECIFIED),
@@ -75,6 +81,7 @@ def worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
         tasks_completed=int(info.get("tasks_completed") or 0),
         restarts=int(info.get("restarts") or 0),
         message=str(poisoned or ("" if alive else "the child process exited")),
+        children=children,
     )
 
 
@@ -89,7 +96,8 @@ def _remote_worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
         state = pb.WORKER_STATE_BUSY if info.get("busy") else pb.WORKER_STATE_IDLE
     else:
         state = pb.WORKER_STATE_STARTING
-    message = info.get("poisoned") or info.get("message") or ""
+    # remote/fleet.py names a failed or removed session's cause "reason".
+    message = info.get("poisoned") or info.get("reason") or info.get("message") or ""
     return pb.WorkerInfo(
         worker_id=int(info.get("worker_id", 0)),
         kind=pb.WORKER_KIND_REMOTE_L3,

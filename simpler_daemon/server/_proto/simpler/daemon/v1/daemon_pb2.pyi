@@ -205,7 +205,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "kind", "state", "pid", "endpoint", "tasks_completed", "restarts", "message", "remote")
+    __slots__ = ("worker_id", "kind", "state", "pid", "endpoint", "tasks_completed", "restarts", "message", "remote", "children")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class WorkerInfo(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     kind: WorkerKind
     state: WorkerState
@@ -224,7 +225,8 @@ class WorkerInfo(_message.Message):
     restarts: int
     message: str
     remote: RemoteWorkerInfo
-    def __init__(self, worker_id: _Optional[int] = ..., kind: _Optional[_Union[WorkerKind, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., tasks_completed: _Optional[int] = ..., restarts: _Optional[int] = ..., message: _Optional[str] = ..., remote: _Optional[_Union[RemoteWorkerInfo, _Mapping]] = ...) -> None: ...
+    children: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, worker_id: _Optional[int] = ..., kind: _Optional[_Union[WorkerKind, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., tasks_completed: _Optional[int] = ..., restarts: _Optional[int] = ..., message: _Optional[str] = ..., remote: _Optional[_Union[RemoteWorkerInfo, _Mapping]] = ..., children: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class RemoteWorkerInfo(_message.Message):
     __slots__ = ("host", "port", "session_id", "runner_pid", "state", "health_age_seconds", "round_trip_us", "failures", "reconnects")
