@@ -633,6 +633,16 @@ class Worker:
                 f"run {run.run_id} not finished within {timeout}s (state {run.state.name})"
             )
 
+    def poll(self) -> None:
+        """Blocking API, between calls: notice children that died meanwhile and start
+        their replacements now (a bound Worker's loop does this on its own)."""
+        driver = self._driver
+        if self.state is not WorkerState.READY or driver.loop is not None:
+            return
+        with driver.lock:
+            driver.poll_now()
+            driver.run_tasks()
+
     def _drive_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """Unbound mode: run Scheduler rounds on this thread until ``done()`` or the timeout."""
         return self._driver.drive_until(done, timeout)

@@ -582,6 +582,25 @@ def test_sigkill_of_an_l3_child_mid_task_fails_that_run_only() -> None:
         assert w4.restarts["l3"] == 1
 
 
+def test_a_grandchild_that_dies_while_its_l3_is_idle_is_replaced_without_a_task() -> None:
+    w4 = l4_worker()
+    w4.add_worker(l3_worker(num_sub_workers=1))
+    w4.init()
+    with closing(w4) as seen:
+
+        def grandchild() -> int:
+            (l3,) = [r for r in w4.list_workers() if r["kind"] == "l3"]
+            (sub,) = [c for c in l3["children"] if c["kind"] == "sub"]
+            return int(sub["pid"])
+
+        old = grandchild()
+        seen |= subtree(w4)
+        os.kill(old, signal.SIGKILL)
+        # No run is submitted: the idle L3 child notices and replaces it on its own.
+        poll_for(lambda: grandchild() != old, timeout=10.0, message="grandchild not replaced")
+        seen |= subtree(w4)
+
+
 # -- no leaks over many runs --------------------------------------------------------------------------------------
 
 

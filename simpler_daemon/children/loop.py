@@ -155,10 +155,15 @@ class MailboxLoop:
                 self.handle_control()
                 continue
             idle = _mb.child_wait(buf, watch, (bst, st, 0), spin_ns, park) < 0
-            if idle and parent and os.getppid() != parent:
-                return 0
+            if idle:
+                if parent and os.getppid() != parent:
+                    return 0
+                self.on_idle()
         self.shutdown()
         return 0
+
+    def on_idle(self) -> None:
+        """Called after each idle park (``park_timeout``) with no work; a hook."""
 
     def run_task(self) -> None:
         buf = self.buf

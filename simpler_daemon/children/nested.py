@@ -291,6 +291,15 @@ class NestedLoop(MailboxLoop):
             heap.revoke()
         return 0, ""
 
+    def on_idle(self) -> None:
+        # Between tasks nothing drives the inner Worker: notice grandchildren that died
+        # (their replacement starts now, not at the next task) and refresh the rows.
+        try:
+            self.inner.poll()
+        except Exception:  # housekeeping must never take the L3 child down
+            pass
+        self.publish_status(force=True)
+
     def publish_status(self, *, force: bool = False) -> None:
         page = self.ctx.status
         now = time.monotonic()
