@@ -29,9 +29,9 @@ from simpler_daemon.children.nested import (
     control_text,
     encode_control,
 )
-from simpler_daemon.errors import ControlError, EndpointError, RegistrationError
+from simpler_daemon.errors import ControlError
 from simpler_daemon.mailbox import ControlOp
-from simpler_daemon.registration import spec_for
+from simpler_daemon.registration import install_all, spec_for, uninstall_all
 from simpler_daemon.remote.spec import RemoteCallable
 
 if TYPE_CHECKING:
@@ -189,39 +189,15 @@ class LocalL3Set:
         """
         entry = self.installs.get(spec.handle.hashid)
         todo = [w for w in workers if entry is None or w not in entry.workers]
-        done: list[NestedTarget] = []
-        failures: dict[int, str] = {}
-        for w in todo:
-            ep = self.endpoint(w)
-            if ep is None or ep.poisoned:
-                continue  # being replaced: the replacement replays what is installed
-            target = NestedTarget(ep, SCOPE_INNER)
-            try:
-                await target.install(spec)
-                done.append(target)
-            except (ControlError, EndpointError) as exc:
-                failures[w] = str(exc)
-        if failures:
-            cleanup: dict[int, str] = {}
-            for target in done:
-                try:
-                    await target.uninstall(spec)
-                except (ControlError, EndpointError) as exc:
-                    cleanup[target.worker_id] = str(exc)
-            detail = "; ".join(f"worker {w}: {m}" for w, m in failures.items())
-            if cleanup:
-                raise RegistrationError(
-                    "REGISTER_CLEANUP_UNCERTAIN",
-                    f"cannot register {spec.handle.name} into local L3 workers: {detail}; "
-                    "rollback also failed on "
-                    + "; ".join(f"worker {w}: {m}" for w, m in cleanup.items()),
-                    {**failures, **cleanup},
-                )
-            raise RegistrationError(
-                "REGISTER_PARTIAL_FAILURE",
-                f"cannot register {spec.handle.name} into local L3 workers: {detail}",
-                failures,
-            )
+        # A child being replaced is skipped: its replacement replays what is installed.
+        targets = (
+            NestedTarget(ep, SCOPE_INNER)
+            for ep in map(self.endpoint, todo)
+            if ep is not None and not ep.poisoned
+        )
+        await install_all(
+            spec, targets, f"cannot register {spec.handle.name} into local L3 workers"
+        )
         self._record(spec, workers)
 
     def _record(self, spec: CallableSpec, workers: list[int]) -> None:
@@ -251,22 +227,14 @@ class LocalL3Set:
                 registry.finish_unregister(entry.spec.handle.hashid)
 
     async def uninstall_live(self, entry: _Install) -> None:
-        failures: dict[int, str] = {}
-        for w in sorted(entry.workers):
-            ep = self.endpoint(w)
-            if ep is None or ep.poisoned:
-                continue  # its replacement replays only what is still installed
-            try:
-                await NestedTarget(ep, SCOPE_INNER).uninstall(entry.spec)
-            except (ControlError, EndpointError) as exc:
-                failures[w] = str(exc)
-        if failures:
-            raise RegistrationError(
-                "REGISTER_CLEANUP_UNCERTAIN",
-                f"cannot unregister {entry.spec.handle.name} from local L3 workers: "
-                + "; ".join(f"worker {w}: {m}" for w, m in failures.items()),
-                failures,
-            )
+        # A child being replaced is skipped: its replacement replays only what is installed.
+        targets = (
+            NestedTarget(ep, SCOPE_INNER)
+            for ep in map(self.endpoint, sorted(entry.workers))
+            if ep is not None and not ep.poisoned
+        )
+        name = entry.spec.handle.name
+        await uninstall_all(entry.spec, targets, f"cannot unregister {name} from local L3 workers")
 
     async def drop(self, hashid: str, workers: list[int]) -> None:
         """Undo an ``install_live`` on ``workers`` (the remote half of the same call failed)."""

@@ -27,10 +27,10 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from simpler_daemon import _mailbox as _mb
-from simpler_daemon.callables import CallableRegistry
+from simpler_daemon.callables import CallableRegistry, CallableSpec
 from simpler_daemon.children.chip import ChipContext, run_chip_child
 from simpler_daemon.children.forkserver import ForkServer
 from simpler_daemon.children.loop import ChildContext, run_child
@@ -52,6 +52,7 @@ log = logging.getLogger("simpler_daemon.worker")
 
 #: (kind "sub" / "chip" / "l3", index, mailbox, process) of a child forked by ``start``.
 _Starting = tuple[str, int, Mailbox, ChildProcess]
+_Ctx = TypeVar("_Ctx", bound=ChildContext)
 
 
 class ChildPool:
@@ -126,74 +127,45 @@ class ChildPool:
         self._ready_pids = set()
         try:
             for i in range(self.num_sub_workers):
-                mb = Mailbox()
-                self.mailboxes.append(mb)
-                ctx = ChildContext(
-                    worker_id=i,
-                    label=f"sub worker {i}",
-                    mailbox=mb,
-                    heap=self.heap,
-                    doorbell=self.doorbell,
-                    specs=specs["sub"],
-                    parent_pid=self._pid,
-                    spin_ns=self.child_spin_ns,
+                ctx = self._context(
+                    ChildContext,
+                    i,
+                    f"sub worker {i}",
+                    specs["sub"],
                     init_hook=self.init_hooks.get(i),
                 )
-                child = fork_child(lambda ctx=ctx: run_child(ctx), ctx.label)  # type: ignore[misc]
-                self.children.append(child)
-                starting.append(("sub", i, mb, child))
-                self._child_specs[("sub", i)] = (ctx, run_child)
+                self._fork(starting, "sub", ctx, run_child)
             for j in range(self.num_chips):
-                mb = Mailbox()
-                self.mailboxes.append(mb)
                 trace = (
                     os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl")
                     if self.chip_trace_dir
                     else None
                 )
-                chip_ctx = ChipContext(
-                    worker_id=j,
-                    label=f"chip {j}",
-                    mailbox=mb,
-                    heap=self.heap,
-                    doorbell=self.doorbell,
-                    specs=specs["chip"],
-                    parent_pid=self._pid,
-                    spin_ns=self.child_spin_ns,
+                chip_ctx = self._context(
+                    ChipContext,
+                    j,
+                    f"chip {j}",
+                    specs["chip"],
                     error_prefix="chip_worker",
                     pipeline_depth=self.chip_pipeline_depth,
                     trace_path=trace,
                 )
-                child = fork_child(lambda c=chip_ctx: run_chip_child(c), chip_ctx.label)  # type: ignore[misc]
-                self.children.append(child)
-                starting.append(("chip", j, mb, child))
-                self._child_specs[("chip", j)] = (chip_ctx, run_chip_child)
+                self._fork(starting, "chip", chip_ctx, run_chip_child)
             for wid, inner in sorted(self.l3.workers.items()):
-                mb = Mailbox()
-                self.mailboxes.append(mb)
                 page = self._l3_status[wid] = StatusPage()
-                nctx = NestedContext(
-                    worker_id=wid,
-                    label=f"child worker {wid}",
-                    mailbox=mb,
-                    heap=self.heap,
-                    doorbell=self.doorbell,
-                    specs=l3_specs,
-                    parent_pid=self._pid,
-                    spin_ns=self.child_spin_ns,
+                nctx = self._context(
+                    NestedContext,
+                    wid,
+                    f"child worker {wid}",
+                    l3_specs,
                     inner=inner,
                     deadline=deadline,
                     startup_timeout=self.startup_timeout,
                     status=page,
                 )
-                child = fork_child(lambda c=nctx: run_nested_child(c), nctx.label)  # type: ignore[misc]
-                self.children.append(child)
-                starting.append(("l3", wid, mb, child))
                 # A replacement gets a fresh budget, not what is left of init's deadline.
-                self._child_specs[("l3", wid)] = (
-                    dataclasses.replace(nctx, deadline=0.0),
-                    run_nested_child,
-                )
+                respawn = dataclasses.replace(nctx, deadline=0.0)
+                self._fork(starting, "l3", nctx, run_nested_child, respawn)
             self._startup_barrier(starting, deadline)
             if self.restart_children:
                 # Last fork of init: later replacements come from this single-threaded server.
@@ -216,6 +188,40 @@ class ChildPool:
                         index, mb, child, task_frame_count=frames, label=child.label
                     )
                 )
+
+    def _context(
+        self, cls: type[_Ctx], index: int, label: str, specs: list[CallableSpec], **extra: Any
+    ) -> _Ctx:
+        """A context of ``cls`` on a new mailbox: what every child gets, plus ``extra``."""
+        assert self.doorbell is not None
+        mb = Mailbox()
+        self.mailboxes.append(mb)
+        return cls(
+            worker_id=index,
+            label=label,
+            mailbox=mb,
+            heap=self.heap,
+            doorbell=self.doorbell,
+            specs=specs,
+            parent_pid=self._pid,
+            spin_ns=self.child_spin_ns,
+            **extra,
+        )
+
+    def _fork(
+        self,
+        starting: list[_Starting],
+        kind: str,
+        ctx: ChildContext,
+        run: Callable[[Any], int],
+        respawn: ChildContext | None = None,
+    ) -> None:
+        """Fork the child that runs ``run(ctx)``; the fork server replaces it with
+        ``run(respawn or ctx)``."""
+        child = fork_child(lambda: run(ctx), ctx.label)
+        self.children.append(child)
+        starting.append((kind, ctx.worker_id, ctx.mailbox, child))
+        self._child_specs[(kind, ctx.worker_id)] = (respawn if respawn is not None else ctx, run)
 
     def _startup_barrier(self, starting: list[_Starting], deadline: float) -> None:
         pending = list(starting)

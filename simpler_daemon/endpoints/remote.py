@@ -38,7 +38,7 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from simpler_daemon.endpoints.base import (
@@ -350,28 +350,39 @@ class RemoteL3Endpoint:
         if self.failure is None and self._queue:
             self._check_clocks(time.monotonic())
 
-    def _read_command(self) -> None:
-        sock = self._cmd
-        rbuf, rview, size = self._rbuf, self._rview, RECV_CHUNK
+    def _chunks(self, sock: socket.socket, is_ssl: bool, lane: str) -> Iterator[memoryview]:
+        """What ``sock`` holds now, one ``recv`` at a time (an empty chunk at EOF).
+
+        Ends when the socket would block, or after failing the endpoint on an error; a
+        caller that fails the endpoint itself stops iterating.
+        """
+        rbuf, rview = self._rbuf, self._rview
         while True:
             try:
                 n = sock.recv_into(rbuf)
             except _WOULD_BLOCK:
                 return
             except OSError as exc:
-                self._fail(f"command connection failed: {_os_reason(exc)}")
+                self._fail(f"{lane} failed: {_os_reason(exc)}")
                 return
-            if n == 0:
+            yield rview[:n]
+            if n < RECV_CHUNK and not (is_ssl and sock.pending()):  # type: ignore[attr-defined]
+                return
+
+    def _read_command(self) -> None:
+        dec = self._cmd_dec
+        for chunk in self._chunks(self._cmd, self._cmd_ssl, "command connection"):
+            if not chunk:
                 try:
-                    self._cmd_dec.eof()
+                    dec.eof()
                 except ProtocolError as exc:
                     self._fail(f"protocol error: {exc}")
                     return
                 self._fail("command connection closed")
                 return
-            self.bytes_received += n
+            self.bytes_received += len(chunk)
             try:
-                frames = self._cmd_dec.feed(rview[:n])
+                frames = dec.feed(chunk)
             except ProtocolError as exc:
                 self._fail(f"protocol error: {exc}")
                 return
@@ -379,33 +390,20 @@ class RemoteL3Endpoint:
                 self._on_reply(f)
                 if self.failure is not None:
                     return
-            if n < size and not (self._cmd_ssl and sock.pending()):  # type: ignore[attr-defined]
-                return
 
     def _read_health(self) -> None:
-        sock = self._health
-        rbuf, rview, size = self._rbuf, self._rview, RECV_CHUNK
-        while True:
-            try:
-                n = sock.recv_into(rbuf)
-            except _WOULD_BLOCK:
-                return
-            except OSError as exc:
-                self._fail(f"health lane failed: {_os_reason(exc)}")
-                return
-            if n == 0:
+        for chunk in self._chunks(self._health, self._health_ssl, "health lane"):
+            if not chunk:
                 self._fail("health lane closed")
                 return
             try:
-                frames = self._health_dec.feed(rview[:n])
+                frames = self._health_dec.feed(chunk)
             except ProtocolError as exc:
                 self._fail(f"protocol error on the health lane: {exc}")
                 return
             if frames:
                 self.last_health = time.monotonic()
                 self.health_frames += len(frames)
-            if n < size and not (self._health_ssl and sock.pending()):  # type: ignore[attr-defined]
-                return
 
     def _check_clocks(self, now: float) -> None:
         head = self._queue[0]
@@ -604,16 +602,14 @@ class RemoteL3Endpoint:
         poller = select.poll()
         registered = 0
         while True:
-            with self._lock:
-                if not req.done:
-                    self._safe_pump()
-                if req.done:
-                    return self._outcome(req)
-                want = select.POLLIN | (select.POLLOUT if self._out is not None else 0)
-                wait = self._wait_slice(req)
-                if self._unwatch is not None:
-                    # The loop thread may read our reply first; poll(2) would not wake us.
-                    wait = min(wait, 0.005)
+            step = self._pump_for(req)
+            if step is None:
+                return self._outcome(req)
+            writing, wait = step
+            want = select.POLLIN | (select.POLLOUT if writing else 0)
+            if self._unwatch is not None:
+                # The loop thread may read our reply first; poll(2) would not wake us.
+                wait = min(wait, 0.005)
             if want != registered:
                 for fd in (self._cmd_fd, self._health_fd):
                     poller.register(fd, want if fd == self._cmd_fd else select.POLLIN)
@@ -630,13 +626,10 @@ class RemoteL3Endpoint:
         assert fut is not None
         delay = 0.0005
         while True:
-            with self._lock:
-                if not req.done:
-                    self._safe_pump()
-                if req.done:
-                    return self._outcome(req)
-                writing = self._out is not None
-                wait = self._wait_slice(req)
+            step = self._pump_for(req)
+            if step is None:
+                return self._outcome(req)
+            writing, wait = step
             if self._unwatch is None:
                 # Nobody else reads the sockets: poll them on a short backoff.
                 wait = min(wait, delay)
@@ -656,6 +649,16 @@ class RemoteL3Endpoint:
         finally:
             loop.remove_writer(self._cmd_fd)
             ready.cancel()
+
+    def _pump_for(self, req: _Request) -> tuple[bool, float] | None:
+        """Pump once for a control's waiter: None once ``req`` is done, else whether a
+        write is pending and how long the waiter may sleep (``_wait_slice``)."""
+        with self._lock:
+            if not req.done:
+                self._safe_pump()
+            if req.done:
+                return None
+            return self._out is not None, self._wait_slice(req)
 
     def _wait_slice(self, req: _Request) -> float:
         """How long a control waiter may sleep before it must pump or check a clock.

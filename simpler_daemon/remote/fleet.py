@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ import numpy as np
 from simpler_daemon.args import TensorDesc, dtype_code
 from simpler_daemon.callables import CallableSpec
 from simpler_daemon.errors import ControlError, EndpointError, RegistrationError, StartupError
+from simpler_daemon.registration import cleanup_uncertain, fan_out, register_failed
 from simpler_daemon.remote import wire
 from simpler_daemon.remote.spec import RemoteTensorRef, RemoteWorkerSpec
 
@@ -39,6 +41,11 @@ if TYPE_CHECKING:
     from simpler_daemon.scheduler import Scheduler
 
 log = logging.getLogger("simpler_daemon.remote")
+
+#: What a control that failed on one remote worker raises (the others still get theirs).
+_CONTROL_ERRORS: tuple[type[Exception], ...] = (ControlError, EndpointError, TimeoutError)
+#: ``register_prepare`` also fails on a target the worker cannot import (``ValueError``).
+_PREPARE_ERRORS = (*_CONTROL_ERRORS, ValueError)
 
 #: Bytes per copy_to / copy_from / import control (the frame bound is 16 MiB).
 CHUNK = 4 << 20
@@ -163,53 +170,26 @@ class RemoteFleet:
             wire.RegisterPrepare(hashid=hashid, kind=kind, target=_target(spec))  # type: ignore[arg-type]
         )
         body = wire.encode_payload(wire.HashidBody(hashid=hashid))
-        prepared: list[int] = []
-        failures: dict[int, str] = {}
-        for w in todo:
-            try:
-                await self.control(w, "register_prepare", prepare)
-                prepared.append(w)
-            except (ControlError, EndpointError, TimeoutError, ValueError) as exc:
-                failures[w] = str(exc) or type(exc).__name__
-        uncertain: dict[int, str] = {}
+        what = f"cannot register {spec.handle.name} on remote workers"
+        prepared, failures = await self._control_each(
+            todo, "register_prepare", prepare, errors=_PREPARE_ERRORS
+        )
         if failures:
-            for w in prepared:
-                try:
-                    await self.control(w, "register_abort", body)
-                except (ControlError, EndpointError, TimeoutError) as exc:
-                    uncertain[w] = f"abort failed: {exc}"
-            detail = "; ".join(f"worker {w}: {m}" for w, m in failures.items())
-            if uncertain:
-                raise RegistrationError(
-                    "REGISTER_CLEANUP_UNCERTAIN",
-                    f"cannot register {spec.handle.name} on remote workers: {detail}; "
-                    + "; ".join(f"worker {w}: {m}" for w, m in uncertain.items()),
-                    {**failures, **uncertain},
-                )
-            raise RegistrationError(
-                "REGISTER_PARTIAL_FAILURE",
-                f"cannot register {spec.handle.name} on remote workers: {detail}",
-                failures,
+            _, uncertain = await self._control_each(
+                prepared, "register_abort", body, label="abort failed: "
             )
-        committed: list[int] = []
-        for w in prepared:
-            try:
-                await self.control(w, "register_commit", body)
-                committed.append(w)
-            except (ControlError, EndpointError, TimeoutError) as exc:
-                uncertain[w] = f"commit failed: {exc}"
+            if uncertain:
+                raise cleanup_uncertain(what, {**failures, **uncertain})
+            raise register_failed(what, failures, {})
+        committed, uncertain = await self._control_each(
+            prepared, "register_commit", body, label="commit failed: "
+        )
         if uncertain:
-            for w in committed:
-                try:
-                    await self.control(w, "unregister", body)
-                except (ControlError, EndpointError, TimeoutError) as exc:
-                    uncertain[w] = f"rollback failed: {exc}"
-            raise RegistrationError(
-                "REGISTER_CLEANUP_UNCERTAIN",
-                f"cannot register {spec.handle.name} on remote workers: "
-                + "; ".join(f"worker {w}: {m}" for w, m in uncertain.items())
-                + " (those workers are not used for it)",
-                uncertain,
+            _, undone = await self._control_each(
+                committed, "unregister", body, label="rollback failed: "
+            )
+            raise cleanup_uncertain(
+                what, {**uncertain, **undone}, " (those workers are not used for it)"
             )
         if entry is None:
             self.installs[hashid] = _Install(spec, kind, set(workers))
@@ -230,21 +210,26 @@ class RemoteFleet:
 
     async def uninstall_live(self, hashid: str, name: str, workers: list[int]) -> None:
         body = wire.encode_payload(wire.HashidBody(hashid=hashid))
-        failures: dict[int, str] = {}
-        for w in workers:
-            if w not in self.endpoints:
-                continue
-            try:
-                await self.control(w, "unregister", body)
-            except (ControlError, EndpointError, TimeoutError) as exc:
-                failures[w] = str(exc)
+        # A worker that has no session now (closing) is skipped.
+        live = (w for w in workers if w in self.endpoints)
+        _, failures = await self._control_each(live, "unregister", body)
         if failures:
-            raise RegistrationError(
-                "REGISTER_CLEANUP_UNCERTAIN",
-                f"cannot unregister {name} from remote workers: "
-                + "; ".join(f"worker {w}: {m}" for w, m in failures.items()),
-                failures,
-            )
+            raise cleanup_uncertain(f"cannot unregister {name} from remote workers", failures)
+
+    async def _control_each(
+        self,
+        workers: Iterable[int],
+        name: str,
+        body: bytes,
+        *,
+        errors: tuple[type[Exception], ...] = _CONTROL_ERRORS,
+        label: str = "",
+    ) -> tuple[list[int], dict[int, str]]:
+        """Send control ``name`` to each worker in turn: (those that confirmed it,
+        ``{worker: label + why}`` for the others)."""
+        return await fan_out(
+            workers, lambda w: self.control(w, name, body), _same, errors=errors, label=label
+        )
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -643,6 +628,10 @@ class RemoteFleet:
                 }
             )
         return rows
+
+
+def _same(worker_id: int) -> int:
+    return worker_id
 
 
 def _target(spec: CallableSpec) -> str:

@@ -56,6 +56,21 @@ _CONNECT_TIMEOUT: Final = 5.0
 _LINGER_RESET: Final = struct.pack("ii", 1, 0)
 
 
+def bind_listener(host: str, backlog: int, *, timeout: float | None) -> socket.socket:
+    """A TCP listener on an ephemeral port of ``host`` (``timeout=0.0``: non-blocking);
+    closed again if any step fails."""
+    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lst.bind((host, 0))
+        lst.listen(backlog)
+        lst.settimeout(timeout)
+    except OSError:
+        lst.close()
+        raise
+    return lst
+
+
 @dataclass(frozen=True)
 class _Faults:
     truncate_after: int | None = None
@@ -156,16 +171,7 @@ class ChaosProxy:
         """Bind an ephemeral port on ``listen_host``, start the thread, return the address."""
         if self._thread is not None:
             raise RuntimeError("cannot start chaos proxy: already started")
-        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lst.bind((self.listen_host, 0))
-            lst.listen(64)
-            lst.setblocking(False)
-        except OSError:
-            lst.close()
-            raise
-        self._listener = lst
+        lst = self._listener = bind_listener(self.listen_host, 64, timeout=0.0)
         host, port = lst.getsockname()[:2]
         self.address = (host, port)
         self._thread = threading.Thread(target=self._run, name="chaos-proxy", daemon=True)

@@ -50,7 +50,7 @@ from simpler_daemon.remote.manifest import (
     encode_lp_json,
     format_host_port,
 )
-from simpler_daemon.remote.proxy import ChaosProxy
+from simpler_daemon.remote.proxy import ChaosProxy, bind_listener
 
 __all__ = ["ProxiedSession", "SessionProxy"]
 
@@ -153,16 +153,7 @@ class SessionProxy:
         """Bind an ephemeral port on ``listen_host`` and start accepting; returns the address."""
         if self._acceptor is not None:
             raise RuntimeError("cannot start session proxy: already started")
-        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lst.bind((self.listen_host, 0))
-            lst.listen(16)
-            lst.settimeout(_POLL_S)
-        except OSError:
-            lst.close()
-            raise
-        self._listener = lst
+        lst = self._listener = bind_listener(self.listen_host, 16, timeout=_POLL_S)
         host, port = lst.getsockname()[:2]
         self.address = (host, port)
         self._acceptor = threading.Thread(
