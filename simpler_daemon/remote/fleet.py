@@ -622,6 +622,7 @@ class RemoteFleet:
                     "health_age_s": ep.health_age() if ep is not None else None,
                     "round_trip_us": stats.get("round_trip_us"),
                     "failures": stats.get("failures", 0),
+                    "tasks_completed": stats.get("tasks", 0),
                     "reconnects": self.reconnects.get(wid, 0),
                     "restarts": self.reconnects.get(wid, 0),
                     "reason": self.gone.get(wid) or getattr(ep, "failure", None),
