@@ -284,6 +284,14 @@ class Driver:
                 if deadline is not None and now >= deadline:
                     return False
                 if now < spin_until:
+                    if sched.socket_busy():
+                        # A remote reply shows on a socket, not on the word: look without
+                        # sleeping (poll(2) with no timeout releases the GIL), so its
+                        # arrival costs no wake-up of a parked thread.
+                        events = self._poll.poll(0)
+                        if events:
+                            self._handle_poll_events(events)
+                        continue
                     # Watch the one word every child bumps, in C, not each mailbox.
                     doorbell.spin(seen, 2048)
                     continue

@@ -637,10 +637,11 @@ class Scheduler(SubmitSink):
     def spin_budget(self) -> float:
         """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
         they typically run longer than that (spinning would only steal a core from them)."""
-        for lane in self._quiet_lanes:
-            if lane.inflight:
-                return 0.0  # its completion arrives on a socket: park in poll / the loop
         return self.spin_s if self.latency_ewma < self.spin_s else 0.0
+
+    def socket_busy(self) -> bool:
+        """A lane whose completion arrives on a socket (not the doorbell word) is busy."""
+        return any(lane.inflight for lane in self._quiet_lanes)
 
     def has_dispatchable(self) -> bool:
         head = self.admission.head

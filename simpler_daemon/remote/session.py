@@ -35,6 +35,7 @@ import faulthandler
 import hmac
 import logging
 import os
+import select
 import signal
 import socket
 import ssl
@@ -93,6 +94,9 @@ from simpler_daemon.worker import Worker
 
 log = logging.getLogger("simpler_daemon.remote.session")
 
+#: After a reply, spin this long for the parent's next request before the loop parks.
+LINGER_S = 0.0002
+
 
 class StartFailure(Exception):
     """Bring-up failed; the text goes into the ready line (``ok: false``)."""
@@ -123,6 +127,9 @@ class SessionRunner:
         self.health: HealthLane | None = None
         self.candidates: set[CommandProtocol] = set()
         self.stop_seen = threading.Event()
+        #: Seconds to spin for the next request after a reply (see ``_linger``).
+        self.linger_s = LINGER_S
+        self._linger_poll: select.poll | None = None
         self.command: CommandProtocol | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[tuple[int, str]] | None = None
@@ -439,6 +446,26 @@ class SessionRunner:
             self._busy = False
             self._current = None
         self._pump()
+        if not self._busy and not self._queue:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Spin briefly on the command socket after a reply: a parent that sends its next
+        request at once then finds this loop awake instead of paying the wake-up of a
+        parked process (the same spin-then-park as the mailbox children)."""
+        proto = self.command
+        transport = proto.transport if proto is not None else None
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or self.linger_s <= 0:
+            return
+        poller = self._linger_poll
+        if poller is None:
+            poller = self._linger_poll = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+        until = time.perf_counter() + self.linger_s
+        while time.perf_counter() < until:
+            if poller.poll(0):  # releases the GIL: the health thread is never held up
+                return
 
     def _control_now(self, seq: int, ctl: Control) -> bytes:
         assert self.controls is not None
