@@ -356,6 +356,10 @@ class RemoteTensors(Protocol):
 
     def unpin(self, key: tuple[int, int, int]) -> None: ...
 
+    def check_installed(self, handle: CallableHandle, targets: list[int], api: str) -> None:
+        """``ValueError`` when a remote target does not have ``handle`` installed."""
+        ...
+
 
 class SubmitSink:
     """What the Orchestrator needs from the Scheduler (kept narrow for tests)."""
@@ -436,6 +440,8 @@ class Orchestrator:
                 f"cannot submit_next_level: worker= must be an int, got {type(worker).__name__}"
             )
         self._sink.validate_targets([worker], "submit_next_level")
+        if self._sink.remote is not None:
+            self._sink.remote.check_installed(h, [worker], "submit_next_level")
         return self._submit(TaskKind.NEXT_LEVEL, h, [args or TaskArgs()], config, [worker])
 
     def submit_next_level_group(
@@ -460,6 +466,8 @@ class Orchestrator:
                 f"cannot submit_next_level_group: {len(targets)} workers for {len(args_list)} args"
             )
         self._sink.validate_targets(targets, "submit_next_level_group")
+        if self._sink.remote is not None:
+            self._sink.remote.check_installed(h, targets, "submit_next_level_group")
         return self._submit(TaskKind.NEXT_LEVEL_GROUP, h, list(args_list), config, targets)
 
     def _submit(

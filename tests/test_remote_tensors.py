@@ -12,7 +12,8 @@ import pytest
 from simpler_daemon.args import Tag, TaskArgs, decode_descs
 from simpler_daemon.heap import Heap
 from simpler_daemon.orchestrator import Orchestrator, Run, SlotState
-from simpler_daemon.remote.fleet import RemoteFleet, _Buffer
+from simpler_daemon.callables import spec_for_chip
+from simpler_daemon.remote.fleet import RemoteFleet, _Buffer, _Install
 from simpler_daemon.remote.spec import (
     RemoteCallable,
     RemoteTensorRef,
@@ -36,6 +37,8 @@ def fleet() -> RemoteFleet:
     f = RemoteFleet()
     f.add(1, RemoteWorkerSpec("127.0.0.1:19073"))
     f.add(2, RemoteWorkerSpec("127.0.0.1:19074"))
+    # The NEXT_LEVEL callable the tests submit is installed on both remote workers.
+    f.installs[CHIP.hashid] = _Install(spec_for_chip("tests.tasks:kernel"), "orchestration", {1, 2})
     return f
 
 
@@ -181,3 +184,17 @@ def test_remote_tensor_ref_strides_and_repr() -> None:
     with pytest.raises(ValueError, match="not supported"):
         RemoteTensorRef(1, 2, 3, (2,), "object", 16)
     assert np.dtype(r.dtype).itemsize == 8
+
+
+def test_a_callable_not_installed_on_the_remote_target_is_refused_at_submit(
+    heap: Heap, fleet: RemoteFleet
+) -> None:
+    fleet.installs[CHIP.hashid].workers = {1}
+    sink = sink_with(heap, fleet)
+    o = Orchestrator(sink, Run())
+    with pytest.raises(ValueError, match=r"not installed on remote worker 2 .*workers=\[2\]"):
+        o.submit_next_level(CHIP, TaskArgs(), worker=2)
+    with pytest.raises(ValueError, match="not installed on remote worker 2"):
+        o.submit_next_level_group(CHIP, [TaskArgs(), TaskArgs()], workers=[1, 2])
+    o.submit_next_level(CHIP, TaskArgs(), worker=1)
+    assert len(sink.added) == 1

@@ -161,6 +161,9 @@ class ParentPins:
     def unpin(self, key: Any) -> None:
         pass
 
+    def check_installed(self, handle: Any, targets: list[int], api: str) -> None:
+        pass  # no remote target below an L3
+
 
 @dataclass
 class NestedContext(ChildContext):

@@ -585,6 +585,19 @@ class RemoteFleet:
             remote=True,
         )
 
+    def check_installed(self, handle: Any, targets: list[int], api: str) -> None:
+        """A NEXT_LEVEL task for a remote worker must name an L3 orchestration installed
+        there: refuse it at submit instead of failing it on the remote host."""
+        entry = self.installs.get(handle.hashid)
+        for w in targets:
+            if w in self.specs and (entry is None or w not in entry.workers):
+                where = sorted(entry.workers) if entry is not None else []
+                raise ValueError(
+                    f"cannot {api}: {handle.name} is not installed on remote worker {w} "
+                    f"(installed on remote workers {where}); register "
+                    f"RemoteCallable('pkg.mod:fn') with workers=[{w}]"
+                )
+
     def pin(self, key: tuple[int, int, int]) -> None:
         self.buffers[key].pins += 1
 
