@@ -69,6 +69,9 @@ class Driver:
 
     def close_aux(self) -> None:
         if self._aux_loop is not None:
+            # Join the loop's executor threads too: a thread left behind would make the
+            # next fork in this process (a new Worker's init) refuse to run.
+            self._aux_loop.run_until_complete(self._aux_loop.shutdown_default_executor())
             self._aux_loop.close()
             self._aux_loop = None
 

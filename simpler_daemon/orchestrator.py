@@ -604,5 +604,12 @@ class Orchestrator:
                 )
             else:
                 assert target is not None
+                owner = getattr(t, "owner", target)
+                if owner != target and tag in (Tag.OUTPUT, Tag.INOUT, Tag.OUTPUT_EXISTING):
+                    raise ValueError(
+                        f"cannot {api}: {where} is tagged {tag.name}, but remote worker "
+                        f"{target} holds only a read-only snapshot of {t!r} (imported); "
+                        f"write it on its owner, worker {owner}"
+                    )
                 descs.append(remote.describe(t, target, f"{api}: {where}").with_tag(tag))
         return descs

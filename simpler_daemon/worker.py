@@ -59,7 +59,8 @@ from simpler_daemon.registration import (
     unregister_on_all,
 )
 from simpler_daemon.remote.fleet import RemoteFleet
-from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef, RemoteWorkerSpec
+from simpler_daemon.remote.methods import RemoteMethods
+from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef
 from simpler_daemon.runs import RunBuilder, wait_run
 from simpler_daemon.scheduler import Scheduler
 
@@ -122,7 +123,7 @@ class RunHandle:
         return f"RunHandle(run_id={self.run_id}, state={self.run.state.name})"
 
 
-class Worker:
+class Worker(RemoteMethods):
     """A level-3 node: SUB workers (Python callables) under one Scheduler.
 
     ``num_sub_workers`` defaults to the CPU count. ``heap_bytes`` sizes the
@@ -442,8 +443,7 @@ class Worker:
         return its stable worker id. Raises ``ValueError`` / ``TypeError`` naming why."""
         self._check_usable("add a worker")
         self._pool.l3.check_new(self, worker)
-        wid = self._next_worker_id
-        self._next_worker_id += 1
+        wid = self._take_worker_id()
         worker._attached = f"this worker is L3 worker {wid} of a level-4 Worker"
         self._pool.l3.add(wid, worker, self.heap)
         return wid
@@ -455,79 +455,16 @@ class Worker:
         self._pid = self._pool._pid = os.getpid()
         self.startup_timeout = self._pool.startup_timeout = startup_timeout
 
-    def add_remote_worker(self, spec: RemoteWorkerSpec) -> int:
-        """Add a remote L3 worker and return its stable worker id.
+    def _is_new(self) -> bool:
+        return self.state is WorkerState.NEW
 
-        Before ``init`` the session opens during ``init`` (after every local fork,
-        within the same startup deadline); after ``init`` it opens now.
-        Raises ``StartupError`` naming the worker and endpoint when it cannot.
-        """
-        self._check_usable("add a remote worker")
-        self._check_remote_spec(spec)
-        if self.state is WorkerState.NEW:
-            wid = self._next_worker_id
-            self._next_worker_id += 1
-            self._fleet.add(wid, spec)
-            return wid
-        return self._driver.drive(self.add_remote_worker_async(spec))  # type: ignore[no-any-return]
+    def _ready(self) -> bool:
+        return self.state is WorkerState.READY
 
-    async def add_remote_worker_async(self, spec: RemoteWorkerSpec) -> int:
-        """``add_remote_worker`` after ``init`` without blocking the event loop."""
-        self._check_ready("add a remote worker")
-        self._check_remote_spec(spec)
+    def _take_worker_id(self) -> int:
         wid = self._next_worker_id
-        self._next_worker_id += 1  # a failed attempt burns its id: ids are never reused
-        self._fleet.add(wid, spec)
-        try:
-            ep = await asyncio.to_thread(
-                self._fleet.open_one, wid, time.monotonic() + self.startup_timeout
-            )
-        except BaseException:
-            del self._fleet.specs[wid]
-            raise
-        if self.state is not WorkerState.READY:
-            ep.shutdown(0.5)
-            raise WorkerClosedError(f"cannot add remote worker {wid}: the worker closed meanwhile")
-        self._fleet.attach_live(wid, ep)
+        self._next_worker_id += 1
         return wid
-
-    def _check_remote_spec(self, spec: Any) -> None:
-        if self.level < 4:
-            raise ValueError(
-                "cannot add a remote worker: only a level-4 Worker holds L3 workers "
-                f"(this one is level {self.level})"
-            )
-        if not isinstance(spec, RemoteWorkerSpec):
-            raise TypeError(
-                f"cannot add a remote worker: expected a RemoteWorkerSpec, got {type(spec).__name__}"
-            )
-
-    def alloc_remote(
-        self, worker: int, shape: tuple[int, ...] | int, dtype: Any = "float32"
-    ) -> RemoteTensorRef:
-        """A zero-filled buffer in remote worker ``worker``'s heap."""
-        self._check_ready("alloc_remote")
-        return self._driver.drive(self._fleet.alloc(worker, shape, dtype))  # type: ignore[no-any-return]
-
-    def copy_to_remote(self, ref: RemoteTensorRef, array: Any) -> None:
-        """Write ``array`` (same number of elements) into a remote buffer."""
-        self._check_ready("copy_to_remote")
-        self._driver.drive(self._fleet.copy_to(ref, array))
-
-    def copy_from_remote(self, ref: RemoteTensorRef) -> np.ndarray[Any, Any]:
-        """Read a remote buffer into a new NumPy array."""
-        self._check_ready("copy_from_remote")
-        return self._driver.drive(self._fleet.copy_from(ref))  # type: ignore[no-any-return]
-
-    def import_remote(self, ref: RemoteTensorRef, worker: int) -> None:
-        """Let remote ``worker`` read ``ref`` (a snapshot of its owner's bytes, taken now)."""
-        self._check_ready("import_remote")
-        self._driver.drive(self._fleet.import_(ref, worker))
-
-    def release_remote(self, ref: RemoteTensorRef, worker: int) -> None:
-        """Drop ``worker``'s imported snapshot of ``ref``."""
-        self._check_ready("release_remote")
-        self._driver.drive(self._fleet.release(ref, worker))
 
     def _check_usable(self, what: str) -> None:
         if self._attached:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from simpler_daemon.args import Tag, TaskArgs, decode_descs
+from simpler_daemon.callables import spec_for_chip
 from simpler_daemon.heap import Heap
 from simpler_daemon.orchestrator import Orchestrator, Run, SlotState
-from simpler_daemon.callables import spec_for_chip
 from simpler_daemon.remote.fleet import RemoteFleet, _Buffer, _Install
 from simpler_daemon.remote.spec import (
     RemoteCallable,
@@ -158,6 +158,22 @@ def test_a_remote_tensor_of_another_worker_needs_an_import(heap: Heap, fleet: Re
     fleet.buffers[x.key].imported_by.add(2)
     o.submit_next_level(CHIP, TaskArgs().add_tensor(x), worker=2)
     assert len(sink.added) == 1
+    # An imported copy is a snapshot: a write there would be lost, so it is refused.
+    with pytest.raises(ValueError, match="INOUT, but remote worker 2 holds only a read-only"):
+        o.submit_next_level(CHIP, TaskArgs().add_tensor(x, Tag.INOUT), worker=2)
+
+
+def test_a_ref_from_an_ended_session_never_names_a_new_buffer(
+    heap: Heap, fleet: RemoteFleet
+) -> None:
+    old = RemoteTensorRef(1, 7, 3, (16,), "float32", 64, session=111)
+    # The new session numbered its first buffer the same way: same (owner, id, generation).
+    new = RemoteTensorRef(1, 7, 3, (16,), "float32", 64, session=222)
+    fleet.buffers[new.key] = _Buffer(new)
+    o = Orchestrator(sink_with(heap, fleet), Run())
+    with pytest.raises(ValueError, match="not a live buffer"):
+        o.submit_next_level(CHIP, TaskArgs().add_tensor(old), worker=1)
+    o.submit_next_level(CHIP, TaskArgs().add_tensor(new), worker=1)
 
 
 def test_a_freed_or_lost_remote_buffer_is_refused(heap: Heap, fleet: RemoteFleet) -> None:

@@ -90,11 +90,14 @@ def open_session(
     worker_id: int,
     callables: list[ManifestCallable],
     deadline: float,
+    opened: list[socket.socket] | None = None,
 ) -> Session:
     """Open a session on ``spec.endpoint`` before ``deadline`` (``time.monotonic()``).
 
-    Raises ``ValueError`` for a hostname endpoint (no DNS) and ``StartupError``
-    naming the worker id, the endpoint and the reason for anything else.
+    Every socket is appended to ``opened`` as it is created, so another thread can
+    abort the attempt by shutting them down. Raises ``ValueError`` for a hostname
+    endpoint (no DNS) and ``StartupError`` naming the worker id, the endpoint and
+    the reason for anything else.
     """
     host, port = spec.host_port()
     where = format_host_port(host, port)
@@ -107,7 +110,8 @@ def open_session(
         session_id = secrets.randbits(64)
     attach_key = secrets.token_hex(32)
     attach = _U64.pack(session_id) + bytes.fromhex(attach_key)
-    opened: list[socket.socket] = []
+    if opened is None:
+        opened = []
     budget = max(0.0, deadline - time.monotonic())
 
     def connect(addr: tuple[str, int], what: str) -> socket.socket:

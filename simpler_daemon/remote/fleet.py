@@ -18,7 +18,9 @@ sockets.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -84,14 +86,17 @@ class RemoteFleet:
         self.reconnects: dict[int, int] = {}
         #: Why a worker was given up (its session failed and no new one could be opened).
         self.gone: dict[int, str] = {}
-        #: Frees deferred while a task pinned the buffer; sent by the next control.
-        self._deferred_frees: list[RemoteTensorRef] = []
+        #: ("free" | "release", worker, ref) deferred while a task pinned the buffer; sent
+        #: by a later control once nothing references it.
+        self._deferred: list[tuple[str, int, RemoteTensorRef]] = []
         #: Only while the Worker serves are failed sessions replaced.
         self.serving = False
         self._scheduler: Scheduler | None = None
         self._driver: Driver | None = None
         self._replacing: set[int] = set()
         self._reconnecting: set[threading.Thread] = set()
+        #: The sockets of each session being reopened (shut down to abort it at close).
+        self._opening: dict[threading.Thread, list[socket.socket]] = {}
 
     # -- membership ---------------------------------------------------------------------
 
@@ -256,12 +261,22 @@ class RemoteFleet:
         self.endpoints.update(opened)
         return opened
 
-    def open_one(self, worker_id: int, deadline: float) -> Any:
+    def open_one(
+        self,
+        worker_id: int,
+        deadline: float,
+        callables: list[Any] | None = None,
+        opened: list[socket.socket] | None = None,
+    ) -> Any:
+        """Open one session (blocking). ``opened`` collects its sockets as they are made,
+        so ``shutdown`` can abort an attempt running on another thread."""
         from simpler_daemon.endpoints.remote import RemoteL3Endpoint
         from simpler_daemon.remote.attach import open_session
 
         spec = self.specs[worker_id]
-        session = open_session(spec, worker_id, self.manifest_callables(worker_id), deadline)
+        if callables is None:
+            callables = self.manifest_callables(worker_id)
+        session = open_session(spec, worker_id, callables, deadline, opened)
         return RemoteL3Endpoint(worker_id, spec, session)
 
     # -- serving (after init) -----------------------------------------------------------------
@@ -325,8 +340,13 @@ class RemoteFleet:
         # a thread of its own, so the other workers' runs go on meanwhile; the new
         # endpoint joins the lane on the driving side.
         self._replacing.add(id(ep))
+        # The manifest is taken here, on the driving side, where registrations change.
+        callables = self.manifest_callables(wid)
         thread = threading.Thread(
-            target=self._reopen, args=(lane, ep, reason), name=f"reconnect-{wid}", daemon=True
+            target=self._reopen,
+            args=(lane, ep, reason, callables),
+            name=f"reconnect-{wid}",
+            daemon=True,
         )
         self._reconnecting.add(thread)
         thread.start()
@@ -338,17 +358,29 @@ class RemoteFleet:
         assert self._scheduler is not None
         self._scheduler.wake()
 
-    def _reopen(self, lane: WorkerThread, old: Any, reason: str) -> None:
+    def _reopen(self, lane: WorkerThread, old: Any, reason: str, callables: list[Any]) -> None:
         """On the reconnect thread: open a new session, hand it to the driving side."""
+        me = threading.current_thread()
+        opened: list[socket.socket] = []
+        self._opening[me] = opened
         try:
-            self._reopen_now(lane, old, reason)
+            self._reopen_now(lane, old, reason, callables, opened)
         finally:
-            self._reconnecting.discard(threading.current_thread())
+            self._opening.pop(me, None)
+            self._reconnecting.discard(me)
 
-    def _reopen_now(self, lane: WorkerThread, old: Any, reason: str) -> None:
+    def _reopen_now(
+        self,
+        lane: WorkerThread,
+        old: Any,
+        reason: str,
+        callables: list[Any],
+        opened: list[socket.socket],
+    ) -> None:
         wid = lane.worker_id
         try:
-            ep: Any = self.open_one(wid, time.monotonic() + self.startup_timeout)
+            deadline = time.monotonic() + self.startup_timeout
+            ep: Any = self.open_one(wid, deadline, callables, opened)
             error: BaseException | None = None
         except Exception as exc:  # StartupError, or anything opening raised
             ep, error = None, exc
@@ -388,6 +420,8 @@ class RemoteFleet:
         for key, buf in list(self.buffers.items()):
             if key[0] == worker_id:
                 del self.buffers[key]
+                # Its importers still hold snapshots: drop them with the next control.
+                self._deferred.extend(("release", w, buf.ref) for w in sorted(buf.imported_by))
             else:
                 buf.imported_by.discard(worker_id)
 
@@ -395,8 +429,13 @@ class RemoteFleet:
         """SHUTDOWN every session and close its sockets (runners then exit on their own)."""
         deadline = time.monotonic() + max(0.0, timeout)
         self.serving = False
-        # A session being reopened must not outlive us: let its thread finish (it shuts
-        # the new session down itself once it sees we stopped serving).
+        # A session being reopened must not outlive us: abort its attempt (its sockets
+        # fail at once) and let its thread finish; one that got through shuts its new
+        # session down itself, seeing we stopped serving.
+        for opened in list(self._opening.values()):
+            for sock in list(opened):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         for thread in list(self._reconnecting):
             thread.join(max(0.0, deadline - time.monotonic()))
         for ep in self.endpoints.values():
@@ -412,8 +451,8 @@ class RemoteFleet:
 
     async def control(self, worker_id: int, name: str, body: bytes) -> bytes:
         ep = self.endpoint(worker_id, name)
-        if self._deferred_frees:
-            await self._flush_frees()
+        if self._deferred:
+            await self._flush_deferred()
         try:
             return await self._send(ep, name, body)
         except (EndpointError, TimeoutError):
@@ -430,19 +469,23 @@ class RemoteFleet:
             result = ep.control(name, body)
         return result
 
-    async def _flush_frees(self) -> None:
-        frees, self._deferred_frees = self._deferred_frees, []
-        for ref in frees:
-            ep = self.endpoints.get(ref.owner)
+    async def _flush_deferred(self) -> None:
+        """Send the frees and releases whose buffer no live task references any more."""
+        keep: list[tuple[str, int, RemoteTensorRef]] = []
+        ready: list[tuple[str, int, RemoteTensorRef]] = []
+        for entry in self._deferred:
+            cur = self.buffers.get(entry[2].key)
+            pinned = cur is not None and cur.ref.session == entry[2].session
+            (keep if pinned else ready).append(entry)
+        self._deferred = keep
+        for op, w, ref in ready:
+            ep = self.endpoints.get(w)
             if ep is None or ep.poisoned:
-                continue
-            body = wire.encode_payload(
-                wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
-            )
+                continue  # that session ended: what it held went with it
             try:
-                await self._send(ep, "free", body)
+                await self._send(ep, op, _key_body(ref))
             except (ControlError, EndpointError, TimeoutError) as exc:
-                log.warning("remote worker %s: deferred free of %r failed: %s", ref.owner, ref, exc)
+                log.warning("remote worker %d: deferred %s of %r failed: %s", w, op, ref, exc)
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -459,7 +502,10 @@ class RemoteFleet:
             worker_id, "alloc", wire.encode_payload(wire.AllocBody(shape=list(shp), dtype=dt.name))
         )
         res = wire.decode_payload(wire.AllocResult, raw)
-        ref = RemoteTensorRef(worker_id, res.buffer_id, res.generation, shp, dt.name, res.nbytes)
+        session = self.endpoint(worker_id, "alloc_remote").session.session_id
+        ref = RemoteTensorRef(
+            worker_id, res.buffer_id, res.generation, shp, dt.name, res.nbytes, session=session
+        )
         self.buffers[ref.key] = _Buffer(ref)
         return ref
 
@@ -469,7 +515,8 @@ class RemoteFleet:
                 f"cannot {what}: expected a RemoteTensorRef from alloc_remote, got {type(ref).__name__}"
             )
         buf = self.buffers.get(ref.key)
-        if buf is None or buf.freed:
+        # A new session numbers its buffers afresh: the session id tells them apart.
+        if buf is None or buf.freed or buf.ref.session != ref.session:
             raise ValueError(
                 f"cannot {what}: {ref!r} is not a live buffer (freed, or its session ended)"
             )
@@ -515,19 +562,18 @@ class RemoteFleet:
         return out
 
     async def free(self, ref: RemoteTensorRef) -> None:
-        """Free a remote buffer; deferred while a task still references it."""
+        """Free a remote buffer and drop the snapshots imported from it; both wait while
+        a task still references it."""
         buf = self._live(ref, "free")
         buf.freed = True
-        for w in sorted(buf.imported_by):
-            await self.release(ref, w, _freeing=True)
+        ops = [("release", w, ref) for w in sorted(buf.imported_by)] + [("free", ref.owner, ref)]
+        buf.imported_by.clear()
         if buf.pins:
-            self._deferred_frees.append(ref)
+            self._deferred.extend(ops)  # sent by a later control, once the last task retired
             return
         del self.buffers[ref.key]
-        body = wire.encode_payload(
-            wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
-        )
-        await self.control(ref.owner, "free", body)
+        for op, w, r in ops:
+            await self.control(w, op, _key_body(r))
 
     async def import_(self, ref: RemoteTensorRef, worker_id: int) -> None:
         """Give ``worker_id`` a snapshot of ``ref`` (read from its owner now)."""
@@ -551,18 +597,15 @@ class RemoteFleet:
             await self.control(worker_id, "import", wire.encode_payload(body))
         buf.imported_by.add(worker_id)
 
-    async def release(
-        self, ref: RemoteTensorRef, worker_id: int, *, _freeing: bool = False
-    ) -> None:
-        buf = self.buffers.get(ref.key) if _freeing else self._live(ref, "release_remote")
-        if buf is None or worker_id not in buf.imported_by:
+    async def release(self, ref: RemoteTensorRef, worker_id: int) -> None:
+        buf = self._live(ref, "release_remote")
+        if worker_id not in buf.imported_by:
             raise ValueError(f"cannot release_remote: worker {worker_id} has not imported {ref!r}")
-        buf.imported_by.discard(worker_id)
-        body = wire.encode_payload(
-            wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
-        )
-        if worker_id in self.endpoints:
-            await self.control(worker_id, "release", body)
+        buf.imported_by.discard(worker_id)  # no new task on that worker may use it
+        if buf.pins:
+            self._deferred.append(("release", worker_id, ref))  # a queued task still may
+        elif worker_id in self.endpoints:
+            await self.control(worker_id, "release", _key_body(ref))
 
     # -- RemoteTensors (what the Orchestrator asks at submit) ----------------------------------
 
@@ -671,3 +714,9 @@ def _state(ep: Any, gone: bool, serving: bool) -> str:
     if ep is not None:
         return "failed" if ep.poisoned else "ready"
     return "failed" if gone or serving else "closed"
+
+
+def _key_body(ref: RemoteTensorRef) -> bytes:
+    return wire.encode_payload(
+        wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
+    )

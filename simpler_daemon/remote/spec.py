@@ -151,6 +151,9 @@ class RemoteTensorRef:
     dtype: str
     nbytes: int
     byte_offset: int = 0
+    #: The owner's session when it was allocated: a new session numbers its buffers
+    #: afresh, so a ref from a session that ended never names a new buffer.
+    session: int = 0
     #: The strides of a C-contiguous array of ``shape`` (derived).
     strides: tuple[int, ...] = field(init=False, compare=False)
 
