@@ -429,21 +429,25 @@ class RemoteFleet:
         """SHUTDOWN every session and close its sockets (runners then exit on their own)."""
         deadline = time.monotonic() + max(0.0, timeout)
         self.serving = False
-        # A session being reopened must not outlive us: abort its attempt (its sockets
-        # fail at once) and let its thread finish; one that got through shuts its new
-        # session down itself, seeing we stopped serving.
-        for opened in list(self._opening.values()):
-            for sock in list(opened):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-        for thread in list(self._reconnecting):
-            thread.join(max(0.0, deadline - time.monotonic()))
         for ep in self.endpoints.values():
             self._unwatch(ep)
             try:
                 ep.shutdown(min(2.0, max(0.05, deadline - time.monotonic())))
             except Exception:  # closing must go on for the others
                 log.exception("remote worker %s: shutdown failed", ep.worker_id)
+        # A session being reopened must not outlive us. Let its thread finish within
+        # our budget: one that gets through shuts its new session down itself, seeing we
+        # stopped serving (aborting it halfway would leave the runner the worker already
+        # started waiting for its attach). One still stuck then (a host that does not
+        # answer) is aborted: its sockets fail at once.
+        for thread in list(self._reconnecting):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for opened in list(self._opening.values()):
+            for sock in list(opened):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        for thread in list(self._reconnecting):
+            thread.join(1.0)
         self.endpoints.clear()
         self.buffers.clear()
 
