@@ -1,14 +1,21 @@
 """Test harness shipped with the package, so tests, benchmarks and users share it.
 
 ``poll_for`` waits with a deadline instead of sleeping and hoping;
-``child_pids`` and ``shm_files`` are what the leak guards compare.
+``child_pids`` and ``shm_files`` are what the leak guards compare;
+``self_signed_cert`` makes a throwaway certificate for TLS tests. The remote
+test tools live beside the code they exercise: ``remote.proxy.ChaosProxy`` and
+``remote.session_proxy.SessionProxy`` (fault injection on frames),
+``remote.netns.TestHosts`` (test hosts in network namespaces).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -53,3 +60,23 @@ def shm_files() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.lower().startswith("simpler")}
     except FileNotFoundError:
         return set()
+
+
+def self_signed_cert(directory: Path, name: str = "cert") -> tuple[Path, Path] | None:
+    """A one-day self-signed EC certificate for ``localhost`` and ``127.0.0.1`` and its
+    key, as ``(directory/name.crt, directory/name.key)``; None without the openssl CLI."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(
+        [
+            openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )  # fmt: skip
+    return cert, key

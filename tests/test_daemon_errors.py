@@ -6,7 +6,6 @@ the TCP/TLS/token, drain and double-SIGINT cases start their own.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from simpler_daemon.client import Client, make_args, sub_task, tensor
 from simpler_daemon.errors import RunCancelled
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.testing import self_signed_cert
 from tests.daemon_harness import (
     EXAMPLES,
     REPO,
@@ -624,79 +624,10 @@ def test_command_line_of_the_daemon(tmp_path: Path) -> None:
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    try:
-        from cryptography import x509  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        openssl = shutil.which("openssl")
-        if openssl is None:
-            pytest.skip("neither the cryptography package nor the openssl CLI is available")
-        subprocess.run(
-            [
-                openssl,
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-                "-days",
-                "1",
-                "-subj",
-                "/CN=localhost",
-                "-addext",
-                "subjectAltName=DNS:localhost,IP:127.0.0.1",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        return cert, key
-    return _self_signed_cryptography(cert, key)
-
-
-def _self_signed_cryptography(cert: Path, key: Path) -> tuple[Path, Path]:  # pragma: no cover
-    import datetime as dt
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    pkey = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = dt.datetime.now(dt.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(pkey.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(pkey, hashes.SHA256())
-    )
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(
-        pkey.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert, key
+    pair = self_signed_cert(directory)
+    if pair is None:
+        pytest.skip("the openssl CLI is not available")
+    return pair
 
 
 def test_tcp_requires_the_bearer_token(tmp_path: Path) -> None:

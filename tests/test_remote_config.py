@@ -8,10 +8,8 @@ import configparser
 import json
 import re
 import secrets
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import tomllib
@@ -43,6 +41,7 @@ from simpler_daemon.remote.manifest import (
     read_lp_sock,
     validate_manifest,
 )
+from simpler_daemon.testing import self_signed_cert
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,36 +233,10 @@ def test_token_file_is_read_stripped_and_guarded(tmp_path: Path) -> None:
 
 
 def self_signed(directory: Path, name: str = "worker") -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    pair = self_signed_cert(directory, name)
+    if pair is None:
         pytest.skip("the openssl CLI is not available")
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-    return cert, key
+    return pair
 
 
 def test_tls_context(tmp_path: Path) -> None:

@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import ssl
 import struct
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +54,7 @@ from simpler_daemon.remote.wire import (
     Task,
     encode_frame,
 )
-from simpler_daemon.testing import poll_for
+from simpler_daemon.testing import poll_for, self_signed_cert
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -953,21 +951,10 @@ def test_hostname_endpoint_is_refused_without_dns() -> None:
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    pair = self_signed_cert(directory)
+    if pair is None:
         pytest.skip("the openssl CLI is not available")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )  # fmt: skip
-    return cert, key
+    return pair
 
 
 def test_tls_session_with_partial_reads_and_writes(

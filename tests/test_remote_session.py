@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import select
-import shutil
 import signal
 import socket
 import ssl
@@ -63,7 +62,7 @@ from simpler_daemon.remote.wire import (
     encode_frame,
     encode_payload,
 )
-from simpler_daemon.testing import child_pids, poll_for
+from simpler_daemon.testing import child_pids, poll_for, self_signed_cert
 from simpler_daemon.worker import Worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -589,33 +588,10 @@ def test_health_beats_while_orchestration_blocks_the_loop(runner: Runner) -> Non
 
 
 def test_tls_lanes(tmp_path: Path, runners: list[Runner]) -> None:
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    pair = self_signed_cert(tmp_path)
+    if pair is None:
         pytest.skip("the openssl CLI is not available")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
+    cert, key = pair
     ctx = ssl.create_default_context(cafile=str(cert))
     r = Runner(
         tmp_path,
