@@ -32,6 +32,9 @@ MAX_NDIM: Final = 8
 MAX_TENSORS: Final = (MAILBOX_ARGS_CAPACITY - 8) // TENSOR_DESC_SIZE
 MAX_OUTPUT_PREFIX: Final = 1024
 U64_MASK: Final = (1 << 64) - 1
+#: Upper bound of ``CallConfig.deadline_ms`` (one week): anything larger is a unit
+#: mistake, and would overflow the timers that enforce it.
+MAX_DEADLINE_MS: Final = 7 * 24 * 3600 * 1000
 #: The descriptor's location byte (see the module docstring).
 LOCATION_LOCAL: Final = 0
 LOCATION_REMOTE: Final = 1
@@ -209,8 +212,19 @@ class CallConfig:
     encoded: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.deadline_ms < (1 << 63):
-            raise ValueError(f"cannot build CallConfig: deadline_ms={self.deadline_ms} is negative")
+        for name in ("deadline_ms", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(
+                    f"cannot build CallConfig: {name} must be an int, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            object.__setattr__(self, name, int(value))
+        if not 0 <= self.deadline_ms <= MAX_DEADLINE_MS:
+            raise ValueError(
+                f"cannot build CallConfig: deadline_ms={self.deadline_ms} must be between 0 "
+                f"(no deadline) and {MAX_DEADLINE_MS} (one week)"
+            )
         if not 0 <= self.threads < (1 << 31):
             raise ValueError(f"cannot build CallConfig: threads={self.threads} out of range")
         if len(self.output_prefix.encode()) > MAX_OUTPUT_PREFIX:

@@ -23,9 +23,12 @@ pins them.
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
+import operator
 import os
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -105,15 +108,20 @@ class Heap:
 
     def alloc_buffer(self, shape: tuple[int, ...] | int, dtype: Any = "float32") -> Buffer:
         self._check_open()
-        shp = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        if len(shp) > MAX_NDIM or any(d < 0 for d in shp):
-            raise ValueError(
-                f"cannot allocate buffer: shape {shp} must have at most {MAX_NDIM} "
-                "non-negative dimensions"
-            )
+        shp = check_shape(shape)
         dt = np.dtype(dtype)
         dtype_code(dt)  # refuses unsupported dtypes
-        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize if shp else dt.itemsize
+        # Exact integers: a dimension of 2**64-1 must not wrap, and a zero dimension must
+        # not hide one the descriptor (i64 shape and strides) or the heap cannot hold.
+        nbytes = math.prod(shp) * dt.itemsize
+        span = dt.itemsize
+        for d in shp:
+            span *= max(d, 1)
+        if nbytes == 0 and span > self.size:
+            raise ValueError(
+                f"cannot allocate buffer: shape {shp} of {dt.name} is empty but its other "
+                f"dimensions span {span} bytes, more than the whole heap ({self.size} bytes)"
+            )
         length = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         for i, (off, free_len) in enumerate(self._free):
             if free_len >= length:
@@ -156,6 +164,13 @@ class Heap:
         buf.freed = True
         if buf.pins == 0:
             self._release(buf)
+
+    def free_owned(self, buffer_id: int) -> None:
+        """Free a buffer a run allocated (``Orchestrator.alloc``) at its scope's end,
+        unless it was freed already; like ``free``, reuse waits for its pins."""
+        buf = self._buffers.get(buffer_id)
+        if buf is not None and not buf.freed:
+            self.free(buf)
 
     def get(self, buffer_id: int) -> Buffer:
         buf = self._buffers.get(buffer_id)
@@ -201,10 +216,12 @@ class Heap:
 
     # -- descriptors --------------------------------------------------------------
 
-    def describe(self, array: np.ndarray[Any, Any]) -> TensorDesc:
+    def describe(self, array: np.ndarray[Any, Any], *, held: Container[int] = ()) -> TensorDesc:
         """Descriptor of an array that views heap memory.
 
-        Raises ``ValueError`` when the array is not on this heap or its buffer was freed.
+        Raises ``ValueError`` when the array is not on this heap or its buffer was freed,
+        unless the buffer id is in ``held``: a run may still use the buffers its args
+        pinned at submit after the caller freed them (their memory waits for the run).
         """
         addr = array.__array_interface__["data"][0]
         ptr = addr - self.address
@@ -218,7 +235,11 @@ class Heap:
             )
         i = bisect.bisect_right(self._starts, ptr) - 1
         buf = self._by_start.get(self._starts[i]) if i >= 0 else None
-        if buf is None or buf.freed or ptr > buf.offset + buf.nbytes:
+        if (
+            buf is None
+            or (buf.freed and buf.buffer_id not in held)
+            or ptr > buf.offset + buf.nbytes
+        ):
             raise ValueError(
                 f"cannot describe tensor at heap offset {ptr}: no live buffer holds it "
                 "(freed, or not allocated with Worker.alloc)"
@@ -382,6 +403,30 @@ class Heap:
             # Arrays handed to the user still view the mapping; it is released
             # when the last of them is collected.
             pass
+
+
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """A buffer shape as a tuple of ints: at most ``MAX_NDIM`` integer dimensions, each
+    non-negative and within the descriptor's i64; ``ValueError``/``TypeError`` naming it."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        shp = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(
+            f"cannot allocate buffer: shape {shape!r} must be an int or a sequence of ints"
+        ) from None
+    if len(shp) > MAX_NDIM:
+        raise ValueError(
+            f"cannot allocate buffer: shape {shp} has {len(shp)} dimensions, "
+            f"at most {MAX_NDIM} are allowed"
+        )
+    for i, d in enumerate(shp):
+        if not 0 <= d < 1 << 63:
+            raise ValueError(
+                f"cannot allocate buffer: shape {shp} dimension {i} is {d}, "
+                "it must be non-negative and below 2**63"
+            )
+    return shp
 
 
 def sweep_stale_heaps(directory: str = SHM_DIR) -> list[str]:

@@ -19,10 +19,11 @@ Run lifecycle: BUILDING -> PREPARED -> EXECUTING -> COMPLETED | FAILED.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -35,6 +36,7 @@ from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
 
 if TYPE_CHECKING:
     from simpler_daemon.args import TensorDesc
+    from simpler_daemon.fair import Share
     from simpler_daemon.heap import Heap
 
 
@@ -199,11 +201,34 @@ class Run:
         self.lease_generation = 0
         self.cancelled = False
         self.staged_one = False
+        #: Weight under ``fair`` admission (``fair.check_priority``); ``fifo`` ignores it.
+        self.priority = 1
+        #: Stride-scheduling pass under ``fair`` (see fair.py): the least is served first.
+        self.vpass = 0.0
+        #: Who submitted it (the daemon's client identity): under ``fair`` the workers are
+        #: shared between clients first. ``None``: the one in-process client.
+        self.client: object = None
+        #: The client's share under ``fair``, set at admission.
+        self.share: Share | None = None
         self.counts = {"done": 0, "failed": 0, "running": 0, "skipped": 0}
         self._callbacks: list[Callable[[Run], None]] = []
         if on_done is not None:
             self._callbacks.append(on_done)
         self.listeners: list[Callable[[Run, str, TaskSlot | None], None]] = []
+        #: (orchestration function, args, config) until the run is terminal; then ``None``
+        #: so a handle kept by the caller does not keep them alive.
+        self.orch: tuple[Any, Any, CallConfig] | None = None
+        #: False only between RunBuilder.new_run and the call of the orchestration function.
+        self.build_started = True
+        self.orch_exception: BaseException | None = None
+        #: Buffers the run's args referenced at submit (heap ids, or remote keys): held
+        #: from submit to the end of the run, so a free while the run is queued waits.
+        self.pins: list[Any] = []
+        #: Cancelled with tasks still running: out of admission, not yet terminal.
+        self.detached = False
+        #: Heap buffers from ``Orchestrator.alloc``, one list per open scope; index 0 is
+        #: the run itself (buffers allocated outside any scope live until the run ends).
+        self.scopes: list[list[int]] = [[]]
 
     @property
     def state(self) -> RunState:
@@ -287,6 +312,8 @@ class Admission:
         self.depth = depth
         self.active: deque[Run] = deque()  # leased runs, FIFO; active[0] is the head
         self.waiting: deque[Run] = deque()
+        #: Cancelled runs whose running tasks have not finished (see ``detach``).
+        self.detached: list[Run] = []
         self._free_leases = list(range(depth - 1, -1, -1))
         self._generation = 0
         self.closed = False
@@ -325,11 +352,27 @@ class Admission:
         try:
             self.active.remove(run)
         except ValueError:
+            if run in self.detached:
+                self.detached.remove(run)
+                return []
             try:
                 self.waiting.remove(run)
             except ValueError:
                 pass
             return []
+        self._free_leases.append(run.lease_slot)
+        return self._admit()
+
+    def detach(self, run: Run) -> list[Run]:
+        """A cancelled run with tasks still running leaves admission now: its lease goes
+        to the next run, so one stuck task does not hold back every later run. The run
+        stays listed (``runs()``) until it is terminal; ``release`` then only forgets it.
+        """
+        if run.detached or run not in self.active:
+            return []
+        self.active.remove(run)
+        run.detached = True
+        self.detached.append(run)
         self._free_leases.append(run.lease_slot)
         return self._admit()
 
@@ -339,7 +382,7 @@ class Admission:
         )
 
     def runs(self) -> list[Run]:
-        return [*self.active, *self.waiting]
+        return [*self.active, *self.detached, *self.waiting]
 
 
 class RemoteTensors(Protocol):
@@ -509,11 +552,15 @@ class Orchestrator:
             ):
                 descs = self._describe_remote(remote, a, i, kind, target)
             else:
+                # A buffer the run's args held since submit stays usable after a free.
                 descs = [
-                    heap.describe(t).with_tag(tag) for t, tag in zip(a.tensors, a.tags, strict=True)
+                    heap.describe(t, held=run.pins).with_tag(tag)
+                    for t, tag in zip(a.tensors, a.tags, strict=True)
                 ]
             blobs.append(encode_args(descs, a.scalars))
             member_descs.append(descs)
+        if member_descs:
+            _check_written_overlap(args_list, member_descs, _API[kind], handle, len(run.slots))
         if not member_descs:
             # No tensors: no pins, no dependencies (the common case for pure SUB work).
             slot = TaskSlot(
@@ -573,6 +620,61 @@ class Orchestrator:
             self._sink.add_slot(slot)
         return slot.index
 
+    # -- run-owned buffers ------------------------------------------------------------------
+
+    def alloc(self, shape: tuple[int, ...] | int, dtype: Any = "float32") -> np.ndarray[Any, Any]:
+        """A zero-filled intermediate array on the shared heap, owned by this run.
+
+        It is freed when the innermost open scope ends (``scope()``), or when the run
+        ends if no scope is open; like ``Worker.free``, its memory is reused only once
+        every task that captured it has retired, so readers submitted before the scope
+        ended still see it. Once its scope ended it is a freed array: do not use it.
+        """
+        run = self.run
+        self._check_building("alloc")
+        heap = self._sink.heap
+        buf = heap.alloc_buffer(shape, dtype)
+        run.scopes[-1].append(buf.buffer_id)
+        return heap.array(buf)
+
+    def scope_begin(self) -> None:
+        """Open a nested scope: buffers ``alloc`` returns until the matching
+        ``scope_end`` are freed by it. Prefer the ``scope()`` context manager."""
+        self._check_building("begin a scope")
+        self.run.scopes.append([])
+
+    def scope_end(self) -> None:
+        """Close the innermost scope: free its buffers (each once its tasks retired)."""
+        run = self.run
+        if run.terminal:
+            return  # the run's end freed every scope's buffers (a cancelled ``with`` block)
+        if len(run.scopes) < 2:
+            raise RuntimeError(
+                f"cannot end a scope in run {run.run_id}: no scope is open (scope_end "
+                "without a matching scope_begin)"
+            )
+        heap = self._sink.heap
+        for buffer_id in run.scopes.pop():
+            heap.free_owned(buffer_id)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Orchestrator]:
+        """``with o.scope():`` -- ``scope_begin`` on entry, ``scope_end`` on exit."""
+        self.scope_begin()
+        try:
+            yield self
+        finally:
+            self.scope_end()
+
+    def _check_building(self, what: str) -> None:
+        run = self.run
+        if run.error is not None:
+            raise run.error
+        if run.terminal or not run.building:
+            raise WorkerClosedError(
+                f"cannot {what} in run {run.run_id}: its orchestration returned"
+            )
+
     def _describe_remote(
         self,
         remote: RemoteTensors,
@@ -595,7 +697,7 @@ class Orchestrator:
                         "reads only its own heap; allocate it with Worker.alloc_remote and "
                         "fill it with Worker.copy_to_remote"
                     )
-                descs.append(heap.describe(t).with_tag(tag))
+                descs.append(heap.describe(t, held=self.run.pins).with_tag(tag))
             elif not on_remote:
                 dest = "a SUB worker" if target is None else f"local worker {target}"
                 raise ValueError(
@@ -613,3 +715,44 @@ class Orchestrator:
                     )
                 descs.append(remote.describe(t, target, f"{api}: {where}").with_tag(tag))
         return descs
+
+
+def _check_written_overlap(
+    args_list: list[TaskArgs],
+    member_descs: list[list[TensorDesc]],
+    api: str,
+    handle: CallableHandle,
+    index: int,
+) -> None:
+    """Refuse a task (or group) two of whose written tensors share memory: the children
+    would race on it. Byte ranges find candidates; two local arrays whose ranges meet
+    but whose elements never do (interleaved strided views) are accepted."""
+    written: dict[Any, list[tuple[int, int, str, Any]]] = {}
+    for m, descs in enumerate(member_descs):
+        for j, d in enumerate(descs):
+            if d.tag not in (Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT):
+                continue
+            lo, hi = d.byte_range()
+            if lo >= hi:
+                continue
+            where = f"args[{m}].tensors[{j}] ({d.tag.name})"
+            tensor = args_list[m].tensors[j]
+            for olo, ohi, other, otensor in written.setdefault(d.key, []):
+                if olo < hi and lo < ohi and _shares(tensor, otensor):
+                    raise ValueError(
+                        f"cannot {api}: task {index} ({handle.name}) writes overlapping "
+                        f"memory through {other} and {where} (buffer {d.buffer_id}, bytes "
+                        f"[{olo}, {ohi}) and [{lo}, {hi})); two written arguments of one task "
+                        "would race"
+                    )
+            written[d.key].append((lo, hi, where, tensor))
+
+
+def _shares(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        try:
+            # The stubs admit only -1 and 0, but NumPy takes any bound on the work.
+            return bool(np.shares_memory(a, b, max_work=10_000))  # type: ignore[arg-type]
+        except np.exceptions.TooHardError:
+            return True  # cannot tell cheaply: refuse, a race is worse than a refusal
+    return True

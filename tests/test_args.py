@@ -12,6 +12,7 @@ import pytest
 
 from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import (
+    MAX_DEADLINE_MS,
     MAX_NDIM,
     MAX_OUTPUT_PREFIX,
     MAX_TENSORS,
@@ -303,7 +304,7 @@ def test_empty_blob() -> None:
         CallConfig(deadline_ms=1500, threads=8),
         CallConfig(enable_profile=True),
         CallConfig(enable_dump_args=True, output_prefix="/tmp/out/ü"),
-        CallConfig((1 << 63) - 1, (1 << 31) - 1, True, True, "x" * MAX_OUTPUT_PREFIX),
+        CallConfig(MAX_DEADLINE_MS, (1 << 31) - 1, True, True, "x" * MAX_OUTPUT_PREFIX),
     ],
 )
 def test_call_config_roundtrip(cfg: CallConfig) -> None:
