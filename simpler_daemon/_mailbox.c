@@ -19,6 +19,7 @@
 
 #include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
@@ -1321,6 +1322,32 @@ mb_set_pdeathsig(PyObject *Py_UNUSED(m), PyObject *arg)
     Py_RETURN_NONE;
 }
 
+
+/* fork_sibling() -> int: fork a child of this process's parent (clone(CLONE_PARENT)).
+ *
+ * The fork server uses it: a replacement child becomes the Worker's own child, so the
+ * Worker reaps it (and sees its real wait status) and it outlives a fork server that
+ * dies. Same bookkeeping as os.fork() (PyOS_BeforeFork / AfterFork); the caller must
+ * be single-threaded. Returns 0 in the child, the pid in the caller. */
+static PyObject *
+mb_fork_sibling(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(arg))
+{
+    PyOS_BeforeFork();
+    long pid = syscall(SYS_clone, (unsigned long)(CLONE_PARENT | SIGCHLD), 0UL, NULL, NULL, 0UL);
+    int saved_errno = errno;
+    if (pid == 0) {
+        PyOS_AfterFork_Child();
+    }
+    else {
+        PyOS_AfterFork_Parent();
+    }
+    if (pid < 0) {
+        errno = saved_errno;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(pid);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Module                                                                   */
 /* ------------------------------------------------------------------------ */
@@ -1366,6 +1393,9 @@ static PyMethodDef mailbox_methods[] = {
     KWCALL(write_bytes, "write_bytes(buf, off, data) -> None."),
     {"set_pdeathsig", mb_set_pdeathsig, METH_O,
      "set_pdeathsig(signum, /) -> None: prctl(PR_SET_PDEATHSIG)."},
+    {"fork_sibling", mb_fork_sibling, METH_NOARGS,
+     "fork_sibling() -> int: fork a child of this process's parent (CLONE_PARENT); 0 in "
+     "the child."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,12 +21,14 @@ Scheduler and the driver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from simpler_daemon import _mailbox as _mb
@@ -53,6 +55,23 @@ log = logging.getLogger("simpler_daemon.worker")
 #: (kind "sub" / "chip" / "l3", index, mailbox, process) of a child forked by ``start``.
 _Starting = tuple[str, int, Mailbox, ChildProcess]
 _Ctx = TypeVar("_Ctx", bound=ChildContext)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT (Ctrl-C) until the block is done, then deliver it: on the main thread,
+    where Python runs signal handlers; elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hits: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
+        if hits and callable(old):
+            old(signal.SIGINT, None)
 
 
 class ChildPool:
@@ -108,11 +127,14 @@ class ChildPool:
 
     # -- startup ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, check: Callable[[], None] | None = None) -> None:
         """Fork SUB children first, then chips, then nested L3 children; one startup
         deadline for all of them (an L3 child inits its subtree within it).
 
-        On any failure every child is stopped and reaped, and ``StartupError`` raised.
+        On any failure every child is stopped and reaped, and ``StartupError`` raised;
+        an interruption (``KeyboardInterrupt``) propagates as itself once that is done.
+        ``check()`` runs while waiting for the children; what it raises (a close
+        requested meanwhile) fails the start.
         """
         self.doorbell = Doorbell()
         specs = {
@@ -126,54 +148,63 @@ class ChildPool:
         starting: list[_Starting] = []
         self._ready_pids = set()
         try:
-            for i in range(self.num_sub_workers):
-                ctx = self._context(
-                    ChildContext,
-                    i,
-                    f"sub worker {i}",
-                    specs["sub"],
-                    init_hook=self.init_hooks.get(i),
-                )
-                self._fork(starting, "sub", ctx, run_child)
-            for j in range(self.num_chips):
-                trace = (
-                    os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl")
-                    if self.chip_trace_dir
-                    else None
-                )
-                chip_ctx = self._context(
-                    ChipContext,
-                    j,
-                    f"chip {j}",
-                    specs["chip"],
-                    error_prefix="chip_worker",
-                    pipeline_depth=self.chip_pipeline_depth,
-                    trace_path=trace,
-                )
-                self._fork(starting, "chip", chip_ctx, run_chip_child)
-            for wid, inner in sorted(self.l3.workers.items()):
-                page = self._l3_status[wid] = StatusPage()
-                nctx = self._context(
-                    NestedContext,
-                    wid,
-                    f"child worker {wid}",
-                    l3_specs,
-                    inner=inner,
-                    deadline=deadline,
-                    startup_timeout=self.startup_timeout,
-                    status=page,
-                )
-                # A replacement gets a fresh budget, not what is left of init's deadline.
-                respawn = dataclasses.replace(nctx, deadline=0.0)
-                self._fork(starting, "l3", nctx, run_nested_child, respawn)
-            self._startup_barrier(starting, deadline)
+            # A Ctrl-C between a fork and its bookkeeping would lose that child: it is
+            # held until every child is forked and known (then rolled back).
+            with _sigint_deferred():
+                for i in range(self.num_sub_workers):
+                    ctx = self._context(
+                        ChildContext,
+                        i,
+                        f"sub worker {i}",
+                        specs["sub"],
+                        init_hook=self.init_hooks.get(i),
+                    )
+                    self._fork(starting, "sub", ctx, run_child)
+                for j in range(self.num_chips):
+                    trace = (
+                        os.path.join(self.chip_trace_dir, f"chip-{j}.jsonl")
+                        if self.chip_trace_dir
+                        else None
+                    )
+                    chip_ctx = self._context(
+                        ChipContext,
+                        j,
+                        f"chip {j}",
+                        specs["chip"],
+                        error_prefix="chip_worker",
+                        pipeline_depth=self.chip_pipeline_depth,
+                        trace_path=trace,
+                    )
+                    self._fork(starting, "chip", chip_ctx, run_chip_child)
+                for wid, inner in sorted(self.l3.workers.items()):
+                    page = self._l3_status[wid] = StatusPage()
+                    nctx = self._context(
+                        NestedContext,
+                        wid,
+                        f"child worker {wid}",
+                        l3_specs,
+                        inner=inner,
+                        deadline=deadline,
+                        startup_timeout=self.startup_timeout,
+                        status=page,
+                    )
+                    # A replacement gets a fresh budget, not what is left of init's deadline.
+                    respawn = dataclasses.replace(nctx, deadline=0.0)
+                    self._fork(starting, "l3", nctx, run_nested_child, respawn)
+            self._startup_barrier(starting, deadline, check)
             if self.restart_children:
                 # Last fork of init: later replacements come from this single-threaded server.
-                self.forkserver = ForkServer(self._child_specs)
-                self.forkserver.start()
+                with _sigint_deferred():
+                    self.forkserver = ForkServer(self._child_specs)
+                    self.forkserver.start()
         except BaseException as exc:
-            self._rollback_children(starting)
-            if isinstance(exc, StartupError):
+            with _sigint_deferred():  # a second Ctrl-C must not leave children behind
+                if self.forkserver is not None:
+                    self.forkserver.close(2.0)
+                    self.forkserver = None
+                self._rollback_children(starting)
+            # Ctrl-C stays a KeyboardInterrupt (an `except Exception` must not swallow it).
+            if isinstance(exc, StartupError) or not isinstance(exc, Exception):
                 raise
             raise StartupError(f"cannot start worker: {type(exc).__name__}: {exc}") from exc
         for kind, index, mb, child in starting:
@@ -223,10 +254,23 @@ class ChildPool:
         starting.append((kind, ctx.worker_id, ctx.mailbox, child))
         self._child_specs[(kind, ctx.worker_id)] = (respawn if respawn is not None else ctx, run)
 
-    def _startup_barrier(self, starting: list[_Starting], deadline: float) -> None:
+    def forget_callables(self) -> None:
+        """The Worker closed: drop the callables the children were forked with (their
+        contexts) and the local L3 installs, so nothing here keeps them alive."""
+        self._child_specs.clear()
+        self.l3.forget()
+
+    def _startup_barrier(
+        self,
+        starting: list[_Starting],
+        deadline: float,
+        check: Callable[[], None] | None = None,
+    ) -> None:
         pending = list(starting)
         delay = 0.0002
         while pending:
+            if check is not None:
+                check()
             for entry in list(pending):
                 _, _, mb, child = entry
                 # Sample the exit first: a child that published INIT_FAILED and then
@@ -284,11 +328,15 @@ class ChildPool:
             self.doorbell = None
 
     def serve(self, scheduler: Scheduler) -> None:
-        """Feed ``scheduler``: report child exits to it and replace its dead lanes."""
+        """Feed ``scheduler``: report child exits to it and replace its dead lanes; restart
+        a fork server that dies (see children/forkserver.py)."""
         self._scheduler = scheduler
         for child in self.children:
             self._watch_exit(child)
         if self.forkserver is not None:
+            self.restarts.setdefault("forkserver", 0)
+            for proc in self.forkserver.processes:
+                self._watch_forkserver(proc)
             scheduler.on_lane_dead = self._on_lane_dead
 
     def _watch_exit(self, child: ChildProcess) -> None:
@@ -303,6 +351,60 @@ class ChildPool:
             sched.child_exited(child)
 
         self._driver.watch(fd, exited)
+
+    # -- the fork servers ----------------------------------------------------------------------------
+
+    #: Why no child can be replaced any more (every fork server is gone); None while one runs.
+    _forkserver_down: str | None = None
+
+    def _watch_forkserver(self, proc: ChildProcess) -> None:
+        fd = proc.pidfd
+        if fd is None:
+            return
+
+        def died() -> None:
+            self._driver.unwatch(fd)
+            self._forkserver_died(proc)
+
+        self._driver.watch(fd, died)
+
+    def _forkserver_died(self, proc: ChildProcess) -> None:
+        """A fork server died: have the survivor fork a successor (bounded by
+        FORKSERVER_RESTARTS in FORKSERVER_WINDOW_S); once none is left, fail what
+        needs a replacement instead of waiting for one."""
+        proc.poll()  # reap: the message names the real status
+        fs = self.forkserver
+        if fs is None or not self.serving:
+            return
+        log.warning("%s", proc.describe())
+        try:
+            new = fs.replenish()
+        except StartupError as exc:
+            if fs.process is None:
+                self._forkserver_lost(f"{proc.describe()}; {exc}")
+            else:  # the survivor still serves replacements
+                log.error("%s", exc)
+            return
+        if new is not None:
+            self.restarts["forkserver"] = self.restarts.get("forkserver", 0) + 1
+            self._watch_forkserver(new)
+            log.warning("fork server restarted: pid %d replaces pid %d", new.pid, proc.pid)
+
+    def _forkserver_lost(self, reason: str) -> None:
+        """No fork server is left: dead lanes stay down, and work for them fails."""
+        text = f"no fork server is left to replace it ({reason})"
+        self._forkserver_down = text
+        log.error("children can no longer be replaced: %s", text)
+        sched = self._scheduler
+        if sched is None:
+            return
+        # A lane marked gone no longer counts as coming back: the Scheduler fails the work
+        # that waits for it with this reason (later deaths get it in ``_replace``).
+        for lane in sched.manager.lanes:
+            ep = lane.endpoint
+            if isinstance(ep, LocalMailboxEndpoint) and ep.poisoned and lane.gone is None:
+                lane.gone = f"cannot replace {ep.label}: {text}"
+        sched.wake()
 
     # -- replacing dead children ------------------------------------------------------------------
 
@@ -333,6 +435,10 @@ class ChildPool:
         assert isinstance(old, LocalMailboxEndpoint)
         mb = old.mailbox
         ctx, _ = self._child_specs[(kind, lane.worker_id)]
+        if self._forkserver_down is not None:
+            self._give_up(lane, f"cannot replace {old.label}: {self._forkserver_down}")
+            return
+        error: str | None = None
         for attempt in range(1, 4):
             if not self.serving:
                 return
@@ -340,17 +446,20 @@ class ChildPool:
             try:
                 pid = self.forkserver.spawn(kind, lane.worker_id)
             except StartupError as exc:
-                log.error("%s stays down: %s", old.label, exc)
+                if self.forkserver.process is None:
+                    self._forkserver_lost(str(exc))
+                self._give_up(lane, str(exc))
                 return
-            child = ChildProcess(pid, old.label, foreign=True)
+            # The fork server forks it as our own child (CLONE_PARENT): we reap it.
+            child = ChildProcess(pid, old.label)
             self.children.append(child)
             error = await self._await_init(mb, child, time.monotonic() + self.startup_timeout)
             if error is None:
                 break
             log.warning("replacement %d of %s failed: %s", attempt, old.label, error)
-            child.signal_group(9)
+            child.signal_group(signal.SIGKILL)
         else:
-            log.error("%s stays down after 3 failed replacements", old.label)
+            self._give_up(lane, f"{old.label} stays down after 3 failed replacements: {error}")
             return
         ep = LocalMailboxEndpoint(
             lane.worker_id, mb, child, task_frame_count=old.caps.task_frame_count, label=old.label
@@ -377,6 +486,13 @@ class ChildPool:
         self._watch_exit(child)
         log.warning("%s replaced: %s -> pid %d", old.label, old.poison_reason, child.pid)
         self._scheduler.wake()
+
+    def _give_up(self, lane: WorkerThread, reason: str) -> None:
+        """``lane`` will not come back: the Scheduler fails what waits for it."""
+        log.error("%s", reason)
+        lane.gone = reason
+        if self._scheduler is not None:
+            self._scheduler.wake()
 
     async def _replay(self, ep: LocalMailboxEndpoint, role: str, inherited: list[Any]) -> None:
         """The child inherited the callables of init time: install what was registered
@@ -491,15 +607,14 @@ class ChildPool:
         self._shutdown_and_reap(deadline, "close")
 
     def _shutdown_and_reap(self, deadline: float, what: str) -> None:
+        """SHUTDOWN to every child, reap them (each reap also SIGKILLs what is left in
+        the child's process group: a grandchild a task forked), then the fork servers."""
         self.request_shutdown()
-        server = self.forkserver.process if self.forkserver is not None else None
-        workers = [c for c in self.children if c is not server]
-        for msg in reap_all(workers, max(0.5, deadline - time.monotonic())):
+        for msg in reap_all(self.children, max(0.5, deadline - time.monotonic())):
             log.warning("%s: %s", what, msg)
-        if self.forkserver is not None and server is not None:
-            self.forkserver.close()
-            reap_all([server], max(0.5, deadline - time.monotonic()))
-            server.close()
+        if self.forkserver is not None:
+            for msg in self.forkserver.close(max(0.5, deadline - time.monotonic())):
+                log.warning("%s: %s", what, msg)
 
     def abort(self) -> None:
         """Undo a successful ``start`` (a later step of init failed): stop, reap, release."""

@@ -170,7 +170,7 @@ def test_deadline_stops_the_task_and_is_disarmed_afterwards() -> None:
     with Rig(SPECS) as rig:
         ev = rig.run(GATE, Gate(rig.heap).blob, config=CallConfig(deadline_ms=50))
         assert ev.outcome is Outcome.TASK_FAILURE and ev.error == ERR_DEADLINE
-        assert ev.message.startswith("sub_worker: deadline of 50 ms exceeded\n")
+        assert ev.message.startswith("sub_worker: deadline exceeded (50 ms)\n")
         assert "DeadlineExceeded" in ev.message
         # A task with a deadline that finishes in time leaves no timer armed ...
         assert rig.run(NOOP, config=CallConfig(deadline_ms=100)).outcome is Outcome.SUCCESS

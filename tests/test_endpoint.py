@@ -634,5 +634,5 @@ def test_endpoint_validation() -> None:
 def test_deadline_config_reaches_the_child(rig: Rig) -> None:
     ev = rig.run(digest("gate"), Gate(rig.heap).blob, config=CallConfig(deadline_ms=100))
     assert ev.outcome is Outcome.TASK_FAILURE
-    assert "deadline of 100 ms exceeded" in ev.message
+    assert "deadline exceeded (100 ms)" in ev.message
     assert rig.run(digest("noop"), EMPTY_BLOB).outcome is Outcome.SUCCESS

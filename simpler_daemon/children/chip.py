@@ -208,9 +208,14 @@ class ChipLoop(MailboxLoop):
             return False
         if st not in (TASK_READY, PREPARE_READY):
             return False
-        (cfg, lslot, _lgen, digest, blob, proto, run_id, slot_id, gen, did) = _mb.read_task(
-            buf, fr.off
-        )
+        try:
+            (cfg, lslot, _lgen, digest, blob, proto, run_id, slot_id, gen, did) = _mb.read_task(
+                buf, fr.off
+            )
+        except ValueError as exc:  # a malformed blob header fails the task, not the child
+            fr.trailer = _mb.read_trailer(buf, fr.off)
+            self.fail_frame(fr, ERR_BAD_ARGS, format_exception("chip_worker: bad args", exc))
+            return True
         fr.trailer = (proto, run_id, slot_id, gen, did)
         fr.dispatch_id = did
         fr.digest = digest

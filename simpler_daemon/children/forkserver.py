@@ -2,151 +2,298 @@
 
 Forking a threaded process can deadlock the child, so a daemon never forks
 once its event loop, gRPC core or executors run. At ``init`` (still single
-threaded) it forks this small server, which inherits the shared heap, every
-mailbox, the doorbell and the callable snapshot. Later, a request names a
-worker; the server forks a fresh child for that worker's mailbox and
-replies with its pid::
+threaded) it forks two of these small servers, a primary and a spare, which
+inherit the shared heap, every mailbox, the doorbell and the callable
+snapshot. Later, a request names a worker; the server forks a fresh child for
+that worker's mailbox and replies with its pid::
 
-    parent                      fork server (single thread)       replacement child
-    spawn(kind, index) --req--> fork() ---------------------------> run the child loop
-          <-----------pid------ reap exited children (WNOHANG)      on the same mailbox
+    parent (Worker)             fork server (single thread)       replacement child
+    spawn(kind, index) --req--> clone(CLONE_PARENT) --------------> run the child loop
+          <-----------pid------                                    on the same mailbox
 
-The replacement is the server's child: the parent watches it through a
-pidfd (no waitpid), the server reaps it. Requests and replies are fixed-size
-records on a socketpair; a malformed request is answered with an error pid.
+``CLONE_PARENT`` makes every process a server forks a child of the Worker,
+not of the server: the Worker reaps it (so a death reports its real wait
+status: ``killed by SIGKILL``, not a bare "exited"), and it does not die with
+the server (its ``PR_SET_PDEATHSIG`` follows the Worker).
+
+**Restarting a dead server.** The Worker may be multi-threaded by then, so it
+never forks a server itself after ``init``. A server forks its own successor
+instead: on a ``successor`` request it forks a copy of itself (again with
+``CLONE_PARENT``) on a new socketpair and passes the Worker's end back with
+``SCM_RIGHTS``. Two servers run, so when one dies the other is there to
+replace it; only when both die at once is no server left, and then
+replacements are refused (``ChildPool`` bounds the restarts and fails what
+cannot be served). Requests and replies are fixed-size records on a
+``SOCK_SEQPACKET`` socketpair; a malformed request is answered with an error pid.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import select
 import signal
 import socket
 import struct
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from simpler_daemon.children.process import ChildProcess, fork_child
+from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
 from simpler_daemon.errors import StartupError
 
-_REQ = struct.Struct("<4sBi")  # magic, kind (0 sub, 1 chip, 2 nested L3), index
+_REQ = struct.Struct("<4sBi")  # magic, kind (0 sub, 1 chip, 2 nested L3, 255 successor), index
 _REP = struct.Struct("<4si")  # magic, pid (negative errno on failure)
 _MAGIC = b"SLFS"
 KINDS = {"sub": 0, "chip": 1, "l3": 2}
+_SUCCESSOR = 255
+#: Servers kept running: one serves, the other replaces it when it dies.
+SERVERS = 2
+#: At most this many servers are restarted within ``FORKSERVER_WINDOW_S`` seconds; a
+#: crash loop beyond that stops restarting (and the Worker fails what needs one).
+FORKSERVER_RESTARTS = 5
+FORKSERVER_WINDOW_S = 60.0
 
 Spawner = Callable[[Any], int]
+Contexts = dict[tuple[str, int], tuple[Any, Spawner]]
+
+
+class _Server:
+    """One server process and the Worker's end of its channel."""
+
+    __slots__ = ("proc", "sock")
+
+    def __init__(self, proc: ChildProcess, sock: socket.socket) -> None:
+        self.proc = proc
+        self.sock = sock
 
 
 class ForkServer:
-    """Parent-side handle of the fork server process."""
+    """Parent-side handle of the fork servers (a primary and a spare)."""
 
-    def __init__(self, contexts: dict[tuple[str, int], tuple[Any, Spawner]]) -> None:
+    def __init__(self, contexts: Contexts) -> None:
         self._contexts = contexts
-        self._sock: socket.socket | None = None
-        self.process: ChildProcess | None = None
+        self._servers: list[_Server] = []
+        self._all: list[ChildProcess] = []  # every server ever started, for the final reap
+        self._restarted_at: deque[float] = deque()
+
+    @property
+    def process(self) -> ChildProcess | None:
+        """The server that serves requests now (None when none is left)."""
+        live = self._live()
+        return live[0].proc if live else None
+
+    @property
+    def processes(self) -> list[ChildProcess]:
+        """Every server process not yet seen dead."""
+        return [s.proc for s in self._servers if not s.proc.exited]
 
     def start(self) -> None:
-        """Fork the server (the caller must still be single-threaded)."""
-        parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        contexts = self._contexts
-
-        def serve() -> int:
-            parent_end.close()
-            return _serve(server_end, contexts)
-
+        """Fork the servers (the caller must still be single-threaded); on failure none
+        is left running."""
         try:
-            self.process = fork_child(serve, "fork server")
-        finally:
-            server_end.close()
-        self._sock = parent_end
+            self._start()
+        except BaseException:
+            self.close(2.0)
+            raise
+
+    def _start(self) -> None:
+        for _ in range(SERVERS):
+            parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            # The other server's channel is not this one's: it closes the parent's ends.
+            theirs = [parent_end, *(s.sock for s in self._servers)]
+            try:
+                proc = fork_child(_bind_server(server_end, theirs, self._contexts), "fork server")
+            except BaseException:
+                parent_end.close()
+                raise
+            finally:
+                server_end.close()
+            self._servers.append(_Server(proc, parent_end))
+            self._all.append(proc)
+
+    def _live(self) -> list[_Server]:
+        # peek, not poll: the pool watches each server's pidfd and reaps it there
+        return [s for s in self._servers if not s.proc.peek()]
 
     def spawn(self, kind: str, index: int, timeout: float = 10.0) -> int:
-        """Ask for a fresh child for ``(kind, index)``; returns its pid.
+        """Ask for a fresh child for ``(kind, index)``; returns its pid (a child of
+        this process).
 
-        Raises ``StartupError`` when the server is gone, refuses, or does not answer.
+        Raises ``StartupError`` naming the fork server when none is running, it
+        refuses, or does not answer.
         """
-        sock = self._sock
-        if sock is None or self.process is None or self.process.poll():
-            raise StartupError(
-                f"cannot replace {kind} worker {index}: the fork server is not running"
-            )
-        sock.settimeout(timeout)
-        try:
-            sock.send(_REQ.pack(_MAGIC, KINDS[kind], index))
-            data = sock.recv(_REP.size)
-        except OSError as exc:
-            raise StartupError(f"cannot replace {kind} worker {index}: fork server: {exc}") from exc
-        if len(data) != _REP.size:
-            raise StartupError(
-                f"cannot replace {kind} worker {index}: fork server closed the channel"
-            )
-        magic, pid = _REP.unpack(data)
-        if magic != _MAGIC or pid <= 0:
-            raise StartupError(
-                f"cannot replace {kind} worker {index}: fork server refused ({os.strerror(-pid) if pid < 0 else pid})"
-            )
-        return int(pid)
+        what = f"cannot replace {kind} worker {index}"
+        last = "the fork server is not running"
+        for server in self._live():
+            try:
+                data = _request(server.sock, _REQ.pack(_MAGIC, KINDS[kind], index), timeout)
+            except OSError as exc:
+                last = f"the fork server (pid {server.proc.pid}) did not answer: {exc}"
+                self._drop(server)
+                continue
+            if len(data) != _REP.size:
+                last = f"the fork server (pid {server.proc.pid}) closed the channel"
+                self._drop(server)
+                continue
+            magic, pid = _REP.unpack(data)
+            if magic != _MAGIC or pid <= 0:
+                reason = os.strerror(-pid) if pid < 0 else str(pid)
+                raise StartupError(f"{what}: the fork server refused ({reason})")
+            return int(pid)
+        raise StartupError(f"{what}: {last}")
 
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()  # EOF: the server exits after reaping its children
-            self._sock = None
+    def replenish(self, timeout: float = 10.0) -> ChildProcess | None:
+        """Have a live server fork a successor until ``SERVERS`` run; returns the new
+        server's process, or None when enough run. Raises ``StartupError`` naming the
+        fork server when none is left or it cannot fork."""
+        live = self._live()
+        if len(live) >= SERVERS:
+            return None
+        now = time.monotonic()
+        while self._restarted_at and now - self._restarted_at[0] > FORKSERVER_WINDOW_S:
+            self._restarted_at.popleft()
+        if len(self._restarted_at) >= FORKSERVER_RESTARTS:
+            raise StartupError(
+                f"cannot restart the fork server: it was restarted {len(self._restarted_at)} "
+                f"times within {FORKSERVER_WINDOW_S:.0f} s (a crash loop)"
+            )
+        for dead in [s for s in self._servers if s not in live]:
+            dead.sock.close()
+        self._servers = live
+        last = "no fork server is left"
+        for server in live:
+            try:
+                server.sock.settimeout(timeout)
+                server.sock.send(_REQ.pack(_MAGIC, _SUCCESSOR, 0))
+                data, fds, _flags, _addr = socket.recv_fds(server.sock, _REP.size, 1)
+            except OSError as exc:
+                last = f"the fork server (pid {server.proc.pid}) did not answer: {exc}"
+                self._drop(server)
+                continue
+            channel = socket.socket(fileno=fds[0]) if fds else None
+            if len(data) != _REP.size or channel is None:
+                if channel is not None:
+                    channel.close()
+                last = f"the fork server (pid {server.proc.pid}) sent no successor"
+                continue
+            magic, pid = _REP.unpack(data)
+            if magic != _MAGIC or pid <= 0:
+                channel.close()
+                last = f"the fork server (pid {server.proc.pid}) could not fork ({pid})"
+                continue
+            proc = ChildProcess(pid, "fork server")
+            self._servers.append(_Server(proc, channel))
+            self._all.append(proc)
+            self._restarted_at.append(now)
+            return proc
+        raise StartupError(f"cannot restart the fork server: {last}")
+
+    def _drop(self, server: _Server) -> None:
+        """A server that failed a request is of no use: kill it (its death is observed
+        and counted like any other)."""
+        server.proc.signal_group(signal.SIGKILL)
+
+    def close(self, timeout: float) -> list[str]:
+        """EOF to every server: each exits at once (its children are the Worker's); reap
+        them all within ``timeout``. Returns a message per server that had to be killed."""
+        for server in self._servers:
+            server.sock.close()
+        self._servers = []
+        msgs = reap_all(self._all, timeout)
+        for proc in self._all:
+            proc.close()
+        return msgs
 
 
-def _serve(sock: socket.socket, contexts: dict[tuple[str, int], tuple[Any, Spawner]]) -> int:
+def _request(sock: socket.socket, data: bytes, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    sock.send(data)
+    return sock.recv(_REP.size)
+
+
+def _serve(sock: socket.socket, contexts: Contexts) -> int:
     names = {v: k for k, v in KINDS.items()}
-    children: set[int] = set()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
-    me = os.getpid()
     while True:
-        _reap(children)
-        if not poller.poll(200):
+        if not poller.poll(1000):
             continue
         try:
             data = sock.recv(_REQ.size)
         except OSError:
             data = b""
         if not data:
-            break
+            return 0  # the Worker closed the channel (or died): nothing of ours to reap
         pid = -22  # EINVAL
+        fds: list[int] = []
+        successor: socket.socket | None = None
         if len(data) == _REQ.size:
             magic, kind, index = _REQ.unpack(data)
-            entry = contexts.get((names.get(kind, "?"), index))
-            if magic == _MAGIC and entry is not None:
-                ctx, target = entry
-                fresh = dataclasses.replace(ctx, parent_pid=me)
-                with contextlib.suppress(StartupError, OSError):
-                    proc = fork_child(_bind_target(target, fresh), ctx.label)
-                    proc.close()
-                    children.add(proc.pid)
-                    pid = proc.pid
+            if magic == _MAGIC and kind == _SUCCESSOR:
+                pid, successor = _fork_successor(sock, contexts)
+                if successor is not None:
+                    fds = [successor.fileno()]
+            else:
+                entry = contexts.get((names.get(kind, "?"), index))
+                if magic == _MAGIC and entry is not None:
+                    ctx, target = entry
+                    with contextlib.suppress(StartupError, OSError):
+                        proc = fork_child(_bind_target(target, ctx, sock), ctx.label, sibling=True)
+                        proc.close()
+                        pid = proc.pid
         try:
-            sock.send(_REP.pack(_MAGIC, pid))
+            if fds:
+                socket.send_fds(sock, [_REP.pack(_MAGIC, pid)], fds)
+            else:
+                sock.send(_REP.pack(_MAGIC, pid))
         except OSError:
-            break
-    # Parent gone or closing: ask children to stop via their mailboxes is the parent's job;
-    # here we only make sure none becomes an orphan zombie.
-    for pid in list(children):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    while children:
-        _reap(children, block=True)
-    return 0
+            return 0
+        finally:
+            if successor is not None:
+                successor.close()
 
 
-def _bind_target(target: Spawner, ctx: Any) -> Callable[[], int]:
-    return lambda: target(ctx)
+def _fork_successor(sock: socket.socket, contexts: Contexts) -> tuple[int, socket.socket | None]:
+    """Fork a copy of this server (a child of the Worker) on a new channel; returns its
+    pid and the Worker's end of that channel (to pass on), or ``(-errno, None)``."""
+    try:
+        parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as exc:
+        return -(exc.errno or 12), None
+
+    def serve() -> int:
+        sock.close()  # this server's channel belongs to this server only
+        parent_end.close()
+        return _serve(server_end, contexts)
+
+    try:
+        proc = fork_child(serve, "fork server", sibling=True)
+    except (StartupError, OSError) as exc:
+        parent_end.close()
+        return -(getattr(exc, "errno", None) or 11), None
+    finally:
+        server_end.close()
+    proc.close()
+    return proc.pid, parent_end
 
 
-def _reap(children: set[int], block: bool = False) -> None:
-    for pid in list(children):
-        try:
-            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done == pid:
-            children.discard(pid)
+def _bind_server(
+    sock: socket.socket, theirs: list[socket.socket], contexts: Contexts
+) -> Callable[[], int]:
+    def run() -> int:
+        for other in theirs:
+            other.close()
+        return _serve(sock, contexts)
+
+    return run
+
+
+def _bind_target(target: Spawner, ctx: Any, sock: socket.socket) -> Callable[[], int]:
+    def run() -> int:
+        sock.close()  # a replacement holding the server's channel would hide its death
+        return target(ctx)
+
+    return run

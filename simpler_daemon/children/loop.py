@@ -211,7 +211,7 @@ class MailboxLoop:
                         frame,
                         TASK_DONE,
                         ERR_DEADLINE,
-                        f"{self.ctx.error_prefix}: deadline of {deadline_ms} ms exceeded\n"
+                        f"{self.ctx.error_prefix}: deadline exceeded ({deadline_ms} ms)\n"
                         + format_exception(self.ctx.error_prefix, exc),
                     )
                 except BaseException as exc:

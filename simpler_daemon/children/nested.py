@@ -285,7 +285,7 @@ class NestedLoop(MailboxLoop):
             if cancelled == "deadline":
                 return (
                     ERR_DEADLINE,
-                    f"{self.prefix}: deadline of {config.deadline_ms} ms exceeded: {exc}",
+                    f"{self.prefix}: deadline exceeded ({config.deadline_ms} ms): {exc}",
                 )
             return ERR_TASK, f"{self.prefix}: {exc}"
         except BaseException as exc:

@@ -66,15 +66,23 @@ class ChildProcess:
         return self.status is not None
 
     def poll(self) -> bool:
-        """Reap without blocking; True once the child has exited."""
+        """Reap without blocking; True once the child has exited.
+
+        Before reaping, whatever is left in the child's process group (a grandchild a
+        task forked) is SIGKILLed: the unreaped zombie still holds the pid, so the
+        group id cannot have been reused by then.
+        """
         if self.status is None and self.foreign:
             fd = self.pidfd
             if fd is None or select.select([fd], [], [], 0)[0]:
-                self.status = -1  # exited; its status belongs to the fork server
+                self.status = -1  # exited; its status belongs to the process that reaps it
                 self._close_pidfd()
             return self.status is not None
         if self.status is None:
             try:
+                if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                    return False
+                kill_group(self.pid)
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
                 self.status = 0
@@ -84,6 +92,19 @@ class ChildProcess:
                 self.status = status
                 self._close_pidfd()
         return self.status is not None
+
+    def peek(self) -> bool:
+        """True once the child has exited, without reaping it (its pidfd stays open,
+        so a watcher of that fd still sees the exit)."""
+        if self.status is not None:
+            return True
+        if self.foreign:
+            fd = self.pidfd
+            return fd is None or bool(select.select([fd], [], [], 0)[0])
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
 
     def sample(self, now: float) -> bool:
         """``poll`` at most every 10 ms (cheap enough for a progress round)."""
@@ -106,6 +127,7 @@ class ChildProcess:
         return True
 
     def signal_group(self, sig: int) -> None:
+        """Signal the child's process group (the child and whatever its tasks forked)."""
         if self.status is not None:
             return
         try:
@@ -130,10 +152,20 @@ class ChildProcess:
         self._close_pidfd()
 
 
-def fork_child(target: Callable[[], int], label: str) -> ChildProcess:
+def kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` if anything is left in it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) -> ChildProcess:
     """Fork a child that runs ``target()`` and exits with its return code.
 
-    Raises ``StartupError`` when the process has more than one thread.
+    ``sibling``: the new process is a child of this process's parent
+    (``CLONE_PARENT``): the fork server starts replacements that way, so the
+    Worker reaps them and they outlive the server. Its ``PR_SET_PDEATHSIG`` then
+    follows the Worker. Raises ``StartupError`` when the process has more than one
+    thread.
     """
     threads = threading.active_count()
     if threads != 1:
@@ -142,10 +174,10 @@ def fork_child(target: Callable[[], int], label: str) -> ChildProcess:
             f"cannot fork {label}: the process runs {threads} threads ({names}); "
             "children must be forked before any thread starts"
         )
-    parent = os.getpid()
+    parent = os.getppid() if sibling else os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    pid = _mb.fork_sibling() if sibling else os.fork()
     if pid == 0:  # pragma: no cover - runs in the child; covered by integration tests
         code = 1
         try:
@@ -166,9 +198,10 @@ def fork_child(target: Callable[[], int], label: str) -> ChildProcess:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
-    with contextlib.suppress(PermissionError, ProcessLookupError):
-        os.setpgid(pid, pid)  # close the race with the child's own setpgid
-    return ChildProcess(pid, label)
+    if not sibling:  # only a parent may set a child's group
+        with contextlib.suppress(PermissionError, ProcessLookupError):
+            os.setpgid(pid, pid)  # close the race with the child's own setpgid
+    return ChildProcess(pid, label, foreign=sibling)
 
 
 def reap_all(children: list[ChildProcess], timeout: float) -> list[str]:

@@ -17,6 +17,18 @@ Any stale identity, invalid state, refused publication, dead child or expired
 control timeout poisons the endpoint: SHUTDOWN is requested, completions are
 withheld until the child has exited, then every owned frame completes with
 ENDPOINT_FAILURE. Later submissions fail.
+
+The parent does not trust the child to stop on its own. While a task is in
+flight, each progress round checks (one time comparison; more only when due):
+
+* the task's ``deadline_ms``: past it plus ``DEADLINE_GRACE_S`` since the frame
+  was published (a staged chip frame: since its activation), the child's process
+  group is SIGKILLed and the task fails with ``deadline exceeded (N ms)``;
+* every ``STOPPED_POLL_S``, the child's ``/proc`` state: stopped (SIGSTOP) for
+  ``STOPPED_GRACE_S`` means it is killed and the task fails naming it ``stopped``.
+
+A control that misses its timeout kills the child too (it cannot be trusted to
+answer later). Either way the dead child is replaced by the normal path.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from simpler_daemon.mailbox import (
     CTRL_OFF_RESULT0,
     CTRL_OFF_RESULT1,
     CTRL_PAYLOAD_CAPACITY,
+    ERR_DEADLINE,
     ERR_SHUTDOWN,
     OFF_ACCEPTED,
     OFF_ARGS,
@@ -78,6 +91,14 @@ _IN_FLIGHT: Final = frozenset(
 
 #: How long a poisoned endpoint waits for its child to exit before killing it.
 POISON_KILL_AFTER: Final = 2.0
+#: A task still in flight ``deadline_ms`` + this long after its publication is killed.
+DEADLINE_GRACE_S: Final = 0.25
+#: A child stopped (SIGSTOP) this long with a task in flight is killed.
+STOPPED_GRACE_S: Final = 2.0
+#: How often the state of a child with a task in flight is read from /proc.
+STOPPED_POLL_S: Final = 0.5
+#: The timeout of register / unregister controls (the registration layer passes it).
+CONTROL_TIMEOUT_S: Final = 30.0
 
 
 @dataclass(slots=True)
@@ -87,7 +108,16 @@ class ControlResult:
 
 
 class _Frame:
-    __slots__ = ("accepted", "activate", "dispatch", "index", "off", "staged")
+    __slots__ = (
+        "accepted",
+        "activate",
+        "deadline_at",
+        "deadline_ms",
+        "dispatch",
+        "index",
+        "off",
+        "staged",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -96,6 +126,25 @@ class _Frame:
         self.staged = False
         self.accepted = False
         self.activate = False
+        self.deadline_ms = 0
+        #: ``time.monotonic()`` past which the task is killed; 0.0: no deadline (yet).
+        self.deadline_at = 0.0
+
+
+def _deadline_ms(config: bytes) -> int:
+    """``CallConfig.deadline_ms``: the first 8 bytes of the encoded config."""
+    return int.from_bytes(config[:8], "little")
+
+
+def proc_state(pid: int) -> str:
+    """The one-letter state of ``pid`` in /proc ('R', 'S', 'T' stopped, ...); '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    fields = data.rpartition(b")")[2].split()
+    return fields[0].decode() if fields else ""
 
 
 class LocalMailboxEndpoint:
@@ -127,6 +176,14 @@ class LocalMailboxEndpoint:
         self._control_op: ControlOp | None = None
         self._control_deadline: float | None = None
         self.tasks_completed = 0
+        #: Next ``time.monotonic()`` at which a round looks at deadlines and the child's
+        #: state (only while a task is in flight).
+        self._watch_at = 0.0
+        self._stopped_since: float | None = None
+        #: (error, message) of a task the endpoint failed itself (its deadline passed).
+        self._failure: dict[int, tuple[int, str]] = {}
+        self._config = b""
+        self._config_deadline_ms = 0
 
     # -- state --------------------------------------------------------------------------
 
@@ -202,13 +259,32 @@ class LocalMailboxEndpoint:
         fr.accepted = False
         # Activation is implied by TASK_READY; only a staged successor needs ACTIVATE.
         fr.activate = False
+        config = slot.config_bytes
+        if config is not self._config:  # configs are shared by many tasks: parse once
+            self._config = config
+            self._config_deadline_ms = _deadline_ms(config)
+        ms = fr.deadline_ms = self._config_deadline_ms
+        now = time.monotonic()
+        if not self._owned:
+            self._watch_at = now + STOPPED_POLL_S
+            self._stopped_since = None
+        # A staged frame's deadline starts at its activation: the kernel has not begun.
+        fr.deadline_at = 0.0
+        if ms and not d.prepare_only:
+            self._arm(fr, now)
         self._owned += 1
+
+    def _arm(self, fr: _Frame, now: float) -> None:
+        fr.deadline_at = now + fr.deadline_ms / 1000.0 + DEADLINE_GRACE_S
+        self._watch_at = min(self._watch_at, fr.deadline_at)
 
     def activate_progress(self, dispatch_id: int) -> bool:
         """Record permission to launch a staged frame; published once it is FRAME_STAGED."""
         for fr in self._frames:
             if fr.dispatch is not None and fr.dispatch.dispatch_id == dispatch_id:
                 fr.activate = True
+                if fr.deadline_ms and not fr.deadline_at:
+                    self._arm(fr, time.monotonic())
                 if self.poison_reason is None:
                     _mb.cas32(
                         self.buf, fr.off + OFF_STATE, _FRAME_STAGED, _ACTIVATE
@@ -251,24 +327,57 @@ class LocalMailboxEndpoint:
                     f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}"
                 )
         child = self.child
-        if (
-            self._owned
-            and self.poison_reason is None
-            and child is not None
-            and child.sample(time.monotonic())
-        ):
-            # A frame the child finished before it exited is a result, not a casualty.
-            for fr in self._frames:
-                d = fr.dispatch
-                if (
-                    d is not None
-                    and self.poison_reason is None
-                    and _mb.load32(buf, fr.off) in (_TASK_DONE, _TASK_FAILED)
-                ):
-                    self._complete(fr, d, out)
-            self.poison(f"child {child.describe()}")
+        if self._owned and self.poison_reason is None and child is not None:
+            now = time.monotonic()
+            if child.sample(now):
+                # A frame the child finished before it exited is a result, not a casualty.
+                for fr in self._frames:
+                    d = fr.dispatch
+                    if (
+                        d is not None
+                        and self.poison_reason is None
+                        and _mb.load32(buf, fr.off) in (_TASK_DONE, _TASK_FAILED)
+                    ):
+                        self._complete(fr, d, out)
+                self.poison(f"child {child.describe()}")
+            elif now >= self._watch_at:
+                self._watch(child, now)
         if self.poison_reason is not None:
             self._drain_poisoned(out)
+
+    def _watch(self, child: ChildProcess, now: float) -> None:
+        """Kill the child of a task past its deadline, or stopped for too long."""
+        for fr in self._frames:
+            if fr.dispatch is not None and fr.deadline_at and now >= fr.deadline_at:
+                text = (
+                    f"{self.who()}: deadline exceeded ({fr.deadline_ms} ms); "
+                    "the child was killed and replaced"
+                )
+                self._failure[fr.index] = (ERR_DEADLINE, text)
+                self._kill(child, f"deadline exceeded ({fr.deadline_ms} ms)")
+                return
+        if proc_state(child.pid) == "T":
+            if self._stopped_since is None:
+                self._stopped_since = now
+            elif now - self._stopped_since >= STOPPED_GRACE_S:
+                self._kill(
+                    child,
+                    f"child {self.who()} was stopped (SIGSTOP) for "
+                    f"{now - self._stopped_since:.1f} s with a task in flight; it was killed",
+                )
+                return
+        else:
+            self._stopped_since = None
+        self._watch_at = now + STOPPED_POLL_S
+        for fr in self._frames:
+            if fr.dispatch is not None and fr.deadline_at:
+                self._watch_at = min(self._watch_at, fr.deadline_at)
+
+    def _kill(self, child: ChildProcess, reason: str) -> None:
+        """SIGKILL the child's process group now (the Scheduler replaces it once it is
+        reaped) and poison the endpoint."""
+        child.signal_group(signal.SIGKILL)
+        self.poison(reason)
 
     def _complete(self, fr: _Frame, d: WorkerDispatch, out: list[EndpointEvent]) -> None:
         (state, error, message, _accepted, disposition, proto, run_id, slot_id, gen, did) = (
@@ -322,15 +431,11 @@ class LocalMailboxEndpoint:
                 continue
             fr.dispatch = None
             self._owned -= 1
-            out.append(
-                EndpointEvent(
-                    EventKind.COMPLETED,
-                    d,
-                    Outcome.ENDPOINT_FAILURE,
-                    -1,
-                    f"endpoint failure on {self.who()}: {reason}",
-                )
+            error, text = self._failure.pop(
+                fr.index, (-1, f"endpoint failure on {self.who()}: {reason}")
             )
+            # ENDPOINT_FAILURE even for a deadline: the lane lost its child either way.
+            out.append(EndpointEvent(EventKind.COMPLETED, d, Outcome.ENDPOINT_FAILURE, error, text))
 
     # -- controls ------------------------------------------------------------------------------
 
@@ -418,7 +523,12 @@ class LocalMailboxEndpoint:
             raise EndpointError(f"cannot complete {op.name}: child {self.child.describe()}")
         if self._control_deadline is not None and time.monotonic() > self._control_deadline:
             self._control_op = None
-            self.poison(f"{op.name} timed out; completion uncertain")
+            # A child that does not answer cannot be trusted to answer later: kill it, so
+            # its lane is replaced (a replacement replays the registrations).
+            if self.child is not None:
+                self._kill(self.child, f"{op.name} timed out; completion uncertain")
+            else:
+                self.poison(f"{op.name} timed out; completion uncertain")
             raise EndpointError(f"cannot complete {op.name} on {self.who()}: timed out")
         return None
 
