@@ -15,6 +15,7 @@ references and keeps a tombstone while an unregister is being confirmed.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import re
@@ -246,6 +247,13 @@ class Registration:
     refcount: int = 1
     state: Literal["pending", "active", "tombstone"] = "active"
     workers: frozenset[int] = field(default_factory=frozenset)
+    #: Resolved when the broadcast in progress (a pending registration, or the
+    #: unregister a tombstone waits for) ends: identical registrations join it.
+    settled: asyncio.Future[None] | None = None
+    #: A tombstone whose unregister some live child did not confirm: it may still hold
+    #: the callable. Registering it again (installed everywhere) or unregistering it
+    #: again (a retry) settles it.
+    uncertain: bool = False
 
 
 class CallableRegistry:
@@ -253,6 +261,14 @@ class CallableRegistry:
 
     The Worker drives the broadcast; this object only keeps the bookkeeping
     honest so a hashid is reusable only after every child confirmed.
+
+    ::
+
+        (none) --begin_register--> pending --commit--> active --last unregister--> tombstone
+                                      |  abort -> (none), or back to an uncertain tombstone
+        tombstone --finish_unregister--> (none)
+                  --mark_uncertain--> uncertain tombstone --begin_register / begin_unregister-->
+                                      pending / tombstone again (a retry)
     """
 
     def __init__(self) -> None:
@@ -281,6 +297,11 @@ class CallableRegistry:
         if entry is None:
             self._entries[hashid] = Registration(spec, 1, "pending", workers)
             return True
+        if entry.state == "tombstone" and entry.uncertain:
+            # Installing it on every child again makes the uncertain state certain.
+            self._check_role(entry, spec)
+            entry.state, entry.refcount, entry.workers = "pending", 1, workers
+            return True
         if entry.state == "tombstone":
             raise RegistrationError(
                 "REGISTER_TOMBSTONE_ACTIVE",
@@ -290,21 +311,41 @@ class CallableRegistry:
             raise RegistrationError(
                 "REGISTER_TOMBSTONE_ACTIVE", f"callable {hashid} registration is in progress"
             )
-        if entry.spec.handle.role != spec.handle.role:
-            raise RegistrationError(
-                "HASHID_DESCRIPTOR_MISMATCH",
-                f"callable {hashid} is registered as {entry.spec.handle.role}, "
-                f"not {spec.handle.role}",
-            )
+        self._check_role(entry, spec)
         entry.refcount += 1
         return False
 
+    def join_register(self, spec: CallableSpec) -> Registration:
+        """One more reference to a registration in progress (``pending``); the caller
+        then waits for its ``settled`` future and shares its outcome."""
+        entry = self._entries.get(spec.handle.hashid)
+        assert entry is not None and entry.state == "pending"
+        self._check_role(entry, spec)
+        entry.refcount += 1
+        return entry
+
+    @staticmethod
+    def _check_role(entry: Registration, spec: CallableSpec) -> None:
+        if entry.spec.handle.role != spec.handle.role:
+            raise RegistrationError(
+                "HASHID_DESCRIPTOR_MISMATCH",
+                f"callable {spec.handle.hashid} is registered as {entry.spec.handle.role}, "
+                f"not {spec.handle.role}",
+            )
+
     def commit_register(self, hashid: str) -> None:
-        self._entries[hashid].state = "active"
+        entry = self._entries[hashid]
+        entry.state = "active"
+        entry.uncertain = False
 
     def abort_register(self, hashid: str) -> None:
         entry = self._entries.get(hashid)
-        if entry is not None and entry.state == "pending":
+        if entry is None or entry.state != "pending":
+            return
+        if entry.uncertain:
+            # A registration over an uncertain tombstone failed: still uncertain.
+            entry.state, entry.refcount = "tombstone", 0
+        else:
             del self._entries[hashid]
 
     def begin_unregister(self, hashid: str) -> Registration | None:
@@ -313,6 +354,9 @@ class CallableRegistry:
         entry = self._entries.get(hashid)
         if entry is None or entry.state == "pending":
             raise RegistrationError("NOT_REGISTERED", f"callable {hashid} is not registered")
+        if entry.state == "tombstone" and entry.uncertain:
+            entry.uncertain = False  # a retry: the children are asked again
+            return entry
         if entry.state == "tombstone":
             raise RegistrationError(
                 "UNREGISTER_TOMBSTONE_ACTIVE", f"callable {hashid} is already being unregistered"
@@ -326,6 +370,16 @@ class CallableRegistry:
     def finish_unregister(self, hashid: str) -> None:
         """Every child confirmed: the hashid may be registered again."""
         self._entries.pop(hashid, None)
+
+    def mark_uncertain(self, hashid: str) -> None:
+        """The unregister of this tombstone was not confirmed by every live child."""
+        entry = self._entries.get(hashid)
+        if entry is not None and entry.state == "tombstone":
+            entry.uncertain = True
+
+    def clear(self) -> None:
+        """Forget every callable (the Worker closed: nothing may keep them alive)."""
+        self._entries.clear()
 
 
 # -- child slot table --------------------------------------------------------------------

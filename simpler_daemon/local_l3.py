@@ -29,6 +29,7 @@ from simpler_daemon.children.nested import (
     control_text,
     encode_control,
 )
+from simpler_daemon.endpoints.local import CONTROL_TIMEOUT_S
 from simpler_daemon.errors import ControlError
 from simpler_daemon.mailbox import ControlOp
 from simpler_daemon.registration import install_all, spec_for, uninstall_all
@@ -54,6 +55,10 @@ class NestedTarget:
     def worker_id(self) -> int:
         return self.endpoint.worker_id
 
+    @property
+    def gone(self) -> bool:
+        return self.endpoint.poisoned
+
     async def install(self, spec: CallableSpec) -> None:
         role = spec.handle.role
         if role == "chip" or spec.import_path is not None:
@@ -72,7 +77,11 @@ class NestedTarget:
 
     async def _control(self, op: ControlOp, spec: CallableSpec, payload: bytes) -> None:
         try:
-            await self.endpoint.control(op, spec.handle.digest, payload)
+            # The child broadcasts it to its own children, each with CONTROL_TIMEOUT_S:
+            # its answer may take up to that long on top of its own work.
+            await self.endpoint.control(
+                op, spec.handle.digest, payload, timeout=2 * CONTROL_TIMEOUT_S
+            )
         except ControlError as exc:
             # The child's text already names the path (child_worker W: sub_worker S: ...).
             raise ControlError(control_text(exc)) from exc
@@ -289,6 +298,11 @@ class LocalL3Set:
                     await inner.uninstall(gone)
 
     # -- teardown -------------------------------------------------------------------------
+
+    def forget(self) -> None:
+        """The L4 Worker closed: keep no installed callable alive."""
+        self.installs.clear()
+        self._forked.clear()
 
     def close(self) -> None:
         """Release the inner Workers' memory in this process (they never ran here)."""

@@ -13,13 +13,16 @@
 
 This module is the facade only; the pieces are:
 
+* ``lifecycle.Lifecycle`` (a mixin): the state, ``init`` and ``close``, an init that
+  ``close()`` cancels and that ``register()`` on another thread waits for;
 * ``pool.ChildPool``: forking, the startup barrier, rollback, replacing dead
   children, reaping them at close;
 * ``driver.Driver``: who runs the Scheduler's rounds. Used synchronously
   (``run``/``submit``/``wait``), the calling thread drives them and parks in
   poll(2); used from a running loop (``run_async``) the Scheduler binds to that
   loop. One Worker uses one style;
-* ``registration``: the register/unregister broadcast with rollback;
+* ``registration``: the register/unregister broadcast (to every child at once, each
+  control with a deadline) with rollback;
 * ``remote.fleet.RemoteFleet``: a level-4 Worker's remote L3 workers (sessions,
   callables installed into them, their buffers);
 * ``local_l3.LocalL3Set`` (held by the pool): its local L3 children (``add_worker``),
@@ -30,9 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import os
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -45,8 +46,16 @@ from simpler_daemon.children.process import ChildProcess
 from simpler_daemon.doorbell import Doorbell
 from simpler_daemon.driver import Driver
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
-from simpler_daemon.errors import RunCancelled, StartupError, WorkerClosedError
+from simpler_daemon.errors import RunCancelled, WorkerClosedError
+from simpler_daemon.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS
 from simpler_daemon.heap import Heap
+from simpler_daemon.lifecycle import (
+    InitGate,
+    Lifecycle,
+    WorkerState,
+    check_budget,
+    check_timeout,
+)
 from simpler_daemon.local_l3 import plan_install
 from simpler_daemon.mailbox import ControlOp, Mailbox
 from simpler_daemon.manager import WorkerManager, WorkerThread, WorkerType
@@ -54,6 +63,7 @@ from simpler_daemon.orchestrator import Orchestrator, Run, RunState
 from simpler_daemon.pool import ChildPool
 from simpler_daemon.registration import (
     RegistrationTarget,
+    nowhere_to_run,
     register_on_all,
     spec_for,
     unregister_on_all,
@@ -61,19 +71,11 @@ from simpler_daemon.registration import (
 from simpler_daemon.remote.fleet import RemoteFleet
 from simpler_daemon.remote.methods import RemoteMethods
 from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef
-from simpler_daemon.runs import RunBuilder, wait_run
+from simpler_daemon.runs import wait_run
 from simpler_daemon.scheduler import Scheduler
 
 Orch = Callable[[Orchestrator, Any, CallConfig], Any]
 Kind = Literal["sub", "chip", "orchestration"]
-
-
-class WorkerState(enum.Enum):
-    NEW = "NEW"
-    INITIALIZING = "INITIALIZING"
-    READY = "READY"
-    FAILED = "FAILED"
-    CLOSED = "CLOSED"
 
 
 class RunHandle:
@@ -97,9 +99,11 @@ class RunHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the run is terminal; raise its error.
 
-        Raises ``TimeoutError`` when ``timeout`` expires first, ``TaskError`` when it failed.
+        Raises ``TimeoutError`` when ``timeout`` expires first, ``TaskError`` when it failed;
+        ``timeout`` None or ``inf`` waits forever, NaN or negative is a ``ValueError``.
         """
-        self._worker._wait_run(self.run, timeout)
+        seconds = check_timeout(timeout, f"wait for run {self.run_id}")
+        self._worker._wait_run(self.run, seconds)
         self.result()
 
     def result(self) -> None:
@@ -113,7 +117,7 @@ class RunHandle:
         run.raise_if_failed()
 
     async def wait_async(self, timeout: float | None = None) -> None:
-        await wait_run(self.run, timeout)
+        await wait_run(self.run, check_timeout(timeout, f"wait for run {self.run_id}"))
         self.result()
 
     def cancel(self) -> None:
@@ -123,7 +127,7 @@ class RunHandle:
         return f"RunHandle(run_id={self.run_id}, state={self.run.state.name})"
 
 
-class Worker(RemoteMethods):
+class Worker(Lifecycle, RemoteMethods):
     """A level-3 node: SUB workers (Python callables) under one Scheduler.
 
     ``num_sub_workers`` defaults to the CPU count. ``heap_bytes`` sizes the
@@ -148,6 +152,8 @@ class Worker(RemoteMethods):
         chip_pipeline_depth: int = 2,
         chip_trace_dir: str | None = None,
         restart_children: bool = True,
+        admission: str = "fifo",
+        max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -173,6 +179,26 @@ class Worker(RemoteMethods):
                 f"cannot create Worker: num_chips={num_chips} at level 4; a pod parent holds L3 "
                 "workers (add_worker / add_remote_worker), and chips belong to those"
             )
+        if admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"cannot create Worker: admission={admission!r} is not one of "
+                f"{', '.join(ADMISSION_POLICIES)}"
+            )
+        if (
+            isinstance(max_active_runs, bool)
+            or not isinstance(max_active_runs, int)
+            or max_active_runs < 1
+        ):
+            raise ValueError(
+                f"cannot create Worker: max_active_runs={max_active_runs!r} must be an int >= 1"
+            )
+        # A startup without a finite budget lets one hung child hold init() forever.
+        startup_timeout = check_budget(
+            startup_timeout, "create Worker", "startup_timeout", positive=True
+        )
+        close_timeout = check_budget(
+            close_timeout, "create Worker", "close_timeout", positive=False
+        )
         self.level = level
         self.num_sub_workers = num_sub_workers
         self.num_chips = num_chips
@@ -184,6 +210,8 @@ class Worker(RemoteMethods):
         self.chip_pipeline_depth = chip_pipeline_depth
         self.chip_trace_dir = chip_trace_dir
         self.restart_children = restart_children
+        self.admission = admission
+        self.max_active_runs = max_active_runs
         self.registry = CallableRegistry()
         self._driver = Driver()
         self._pool = ChildPool(
@@ -205,22 +233,13 @@ class Worker(RemoteMethods):
         self._attached: str | None = None
         #: NEXT_LEVEL ids: chips 0..num_chips-1 at level 3, L3 children in the order added.
         self._next_worker_id = num_chips
+        self._init_gate = InitGate()
         self.state = WorkerState.NEW
         self.manager: WorkerManager | None = None
         self.scheduler: Scheduler | None = None
         self._pid = os.getpid()
 
     # -- the pieces, as the daemon, the CLI and tests see them ----------------------------------------
-
-    @property
-    def state(self) -> WorkerState:
-        return self._state
-
-    @state.setter
-    def state(self, state: WorkerState) -> None:
-        self._state = state
-        # Dead children and failed sessions come back only while serving.
-        self._pool.serving = self._fleet.serving = state is WorkerState.READY
 
     @property
     def heap(self) -> Heap:
@@ -285,8 +304,13 @@ class Worker(RemoteMethods):
         those L3 workers' own registries, and ``RemoteCallable("pkg.mod:fn")``
         registers an L3 orchestration function that ``submit_next_level`` runs
         there (on every remote worker when ``workers`` is None).
+
+        Called while ``init`` runs on another thread, it waits for init, then registers
+        (or raises init's failure). A callable that could never run here (a SUB callable
+        without SUB workers, a chip kernel without chips) is refused: ``ValueError``.
         """
         self._check_usable("register")
+        self._await_init("register")
         if self.state is WorkerState.NEW:
             if isinstance(fn, RemoteCallable) or workers is not None:
                 spec, kind2, remote, local = plan_install(self, fn, kind, workers)
@@ -299,7 +323,9 @@ class Worker(RemoteMethods):
                 ):
                     self.registry.commit_register(spec.handle.hashid)
                 return spec.handle
-            return self.register_spec(spec_for(fn, kind))
+            spec = spec_for(fn, kind)
+            self._check_runnable(spec)
+            return self.register_spec(spec)
         return self._driver.drive(self.register_async(fn, kind, workers))  # type: ignore[no-any-return]
 
     async def register_async(
@@ -324,6 +350,7 @@ class Worker(RemoteMethods):
                 return await register_on_all(self.registry, spec, [])
             return spec.handle
         spec = spec_for(fn, kind)
+        self._check_runnable(spec)
         return await register_on_all(self.registry, spec, self._targets_for(spec))
 
     def register_spec(self, spec: CallableSpec) -> CallableHandle:
@@ -338,6 +365,7 @@ class Worker(RemoteMethods):
     def unregister(self, handle: CallableHandle) -> None:
         """Drop one reference; the last one removes the callable from every child."""
         self._check_usable("unregister")
+        self._await_init("unregister")
         if not isinstance(handle, CallableHandle):
             raise TypeError(
                 f"cannot unregister: expected a CallableHandle, got {type(handle).__name__}"
@@ -369,65 +397,24 @@ class Worker(RemoteMethods):
 
             await unregister_on_all(self.registry, handle, targets)
 
+    def _check_runnable(self, spec: CallableSpec) -> None:
+        """Refuse a callable that could never run here. A level-4 Worker learns its local
+        L3 workers until init, so before init only ``init`` can tell (``_check_registry``)."""
+        if self.level >= 4 and self.state is WorkerState.NEW and spec.handle.role == "sub":
+            return
+        why = nowhere_to_run(
+            spec,
+            sub_workers=self.num_sub_workers,
+            chips=self.num_chips,
+            l3_workers=len(self._pool.l3.workers),
+        )
+        if why:
+            raise ValueError(f"cannot register: {why}")
+
     def _targets_for(self, spec: CallableSpec) -> list[RegistrationTarget]:
         """Where a spec must be installed: the live children of its role."""
         nested = not self._pool.l3.remote_only(spec.handle.hashid)
         return self._pool.registration_targets(spec.handle.role, nested=nested)
-
-    # -- lifecycle -------------------------------------------------------------------------------------
-
-    def init(self) -> None:
-        """Fork every child and wait until all are ready, or roll back and raise ``StartupError``."""
-        if self.state is not WorkerState.NEW or self._attached:
-            raise StartupError(f"cannot init: worker is {self._attached or self.state.name}")
-        self.state = WorkerState.INITIALIZING
-        deadline = time.monotonic() + self.startup_timeout  # one for the whole tree
-        pool = self._pool
-        try:
-            pool.start()
-        except BaseException:
-            self.state = WorkerState.FAILED
-            pool.release_memory()
-            raise
-        try:
-            # Remote sessions only after the last local fork, within the same deadline.
-            self._fleet.open_all(deadline)
-        except BaseException:
-            self.state = WorkerState.FAILED
-            pool.abort()
-            raise
-        manager = WorkerManager()
-        for ep in sorted(
-            [*self._fleet.endpoints.values(), *pool.chip_endpoints, *pool.l3_endpoints],
-            key=lambda e: e.worker_id,
-        ):
-            manager.add_next_level_at(ep.worker_id, ep)
-        for ep in pool.sub_endpoints:
-            manager.add_sub(ep)
-        assert pool.doorbell is not None
-        depths = [ep.mailbox.pipeline_depth() for ep in pool.chip_endpoints]
-        # Whole-run admission depth: the minimum the chip children published; 2 for SUB-only.
-        depth = self.pipeline_depth or (min(depths) if depths else 2)
-        self.manager = manager
-        self.scheduler = Scheduler(
-            manager,
-            self.registry,
-            pool.heap,
-            pool.doorbell,
-            pipeline_depth=max(1, depth),
-            spin_s=self.scheduler_spin_s,
-        )
-        self._runs = RunBuilder(self.scheduler, self._driver)
-        if self.level >= 4:
-            self.scheduler.remote = self._fleet
-            self.scheduler.next_level_orchestrations = True
-        self._driver.start(self.scheduler, pool.doorbell)
-        pool.serve(self.scheduler)
-        self._fleet.serve(self.scheduler, self._driver)
-        self._local_lane_dead = self.scheduler.on_lane_dead
-        self.scheduler.replaces_dead_subs = self._local_lane_dead is not None
-        self.scheduler.on_lane_dead = self._on_lane_dead
-        self.state = WorkerState.READY
 
     def _on_lane_dead(self, lane: WorkerThread) -> None:
         if lane.worker_type is WorkerType.NEXT_LEVEL and self._fleet.is_remote(lane.worker_id):
@@ -503,13 +490,24 @@ class Worker(RemoteMethods):
 
     # -- runs --------------------------------------------------------------------------------------------
 
-    def submit(self, orch: Orch, args: Any = None, config: CallConfig | None = None) -> RunHandle:
-        """Queue a run and return its handle at once (the orchestration runs when admitted)."""
+    def submit(
+        self,
+        orch: Orch,
+        args: Any = None,
+        config: CallConfig | None = None,
+        *,
+        priority: int = 1,
+        client: object = None,
+    ) -> RunHandle:
+        """Queue a run and return its handle at once (the orchestration runs when admitted).
+
+        Under ``admission="fair"``, ``priority`` (1 to 1000) weighs the run's share of the
+        workers and runs with the same ``client`` share one client's part."""
         driver = self._driver
         loop = driver.bound_elsewhere()
         if loop is not None:
             return asyncio.run_coroutine_threadsafe(
-                self.submit_async(orch, args, config), loop
+                self.submit_async(orch, args, config, priority=priority, client=client), loop
             ).result()
         with driver.lock:
             if self.state is WorkerState.READY:
@@ -517,30 +515,50 @@ class Worker(RemoteMethods):
                 driver.poll_now()
             driver.run_tasks()
             self._check_ready("submit a run")
-            run = self._runs.new_run(orch, args, config)
+            run = self._runs.new_run(orch, args, config, priority, client)
             if run.admitted:
                 self._runs.build(run)
             return RunHandle(self, run)
 
-    def run(self, orch: Orch, args: Any = None, config: CallConfig | None = None) -> None:
+    def run(
+        self,
+        orch: Orch,
+        args: Any = None,
+        config: CallConfig | None = None,
+        *,
+        priority: int = 1,
+        client: object = None,
+    ) -> None:
         """Run an orchestration to completion; raises ``TaskError`` when the run failed."""
-        self.submit(orch, args, config).wait()
+        self.submit(orch, args, config, priority=priority, client=client).wait()
 
     async def submit_async(
-        self, orch: Orch, args: Any = None, config: CallConfig | None = None
+        self,
+        orch: Orch,
+        args: Any = None,
+        config: CallConfig | None = None,
+        *,
+        priority: int = 1,
+        client: object = None,
     ) -> RunHandle:
         self._check_ready("submit a run")
         self._driver.bind(asyncio.get_running_loop())
-        run = self._runs.new_run(orch, args, config)
+        run = self._runs.new_run(orch, args, config, priority, client)
         if run.admitted:
             self._runs.build(run)
         return RunHandle(self, run)
 
     async def run_async(
-        self, orch: Orch, args: Any = None, config: CallConfig | None = None
+        self,
+        orch: Orch,
+        args: Any = None,
+        config: CallConfig | None = None,
+        *,
+        priority: int = 1,
+        client: object = None,
     ) -> None:
         """Event-loop native ``run``: awaits completion, raises ``TaskError`` on failure."""
-        handle = await self.submit_async(orch, args, config)
+        handle = await self.submit_async(orch, args, config, priority=priority, client=client)
         await handle.wait_async()
 
     def cancel(self, handle: RunHandle | Run) -> None:
@@ -596,86 +614,17 @@ class Worker(RemoteMethods):
         return rows
 
     def ping(self, worker_index: int, timeout: float | None = 5.0) -> int:
-        """Round-trip a PING control to one SUB worker; returns its pid."""
+        """Round-trip a PING control to one SUB worker; returns its pid.
+
+        ``timeout`` None or ``inf`` waits forever; NaN or negative is a ``ValueError``."""
         self._check_ready("ping")
         ep = self.sub_endpoints[worker_index]
+        timeout = check_timeout(timeout, f"ping {ep.label}")
 
         async def go() -> int:
             return (await ep.control(ControlOp.PING, timeout=timeout)).result0
 
         return self._driver.drive(go())  # type: ignore[no-any-return]
-
-    # -- close ---------------------------------------------------------------------------------------------
-
-    def close(self, timeout: float | None = None) -> None:
-        """Drain admitted runs within ``timeout`` (default ``close_timeout``), cancel the
-        rest, stop every child and release all memory. A second call is a no-op."""
-        if self.state is WorkerState.CLOSED or self._attached:
-            return  # an attached L3 worker is closed by its level-4 parent
-        if os.getpid() != self._pid:  # a forked child must never tear down its parent's pool
-            return
-        budget = self.close_timeout if timeout is None else timeout
-        if self.state is not WorkerState.READY:
-            self.state = WorkerState.CLOSED
-            self._pool.release_memory()
-            return
-        driver = self._driver
-        loop = driver.bound_elsewhere()
-        if loop is not None:
-            asyncio.run_coroutine_threadsafe(self.close_async(budget), loop).result()
-            return
-        with driver.lock:
-            deadline = time.monotonic() + budget
-            sched = self.scheduler
-            assert sched is not None
-            self.state = WorkerState.CLOSED
-            sched.admission.closed = True
-            runs = [r for r in sched.admission.runs() if not r.terminal]
-            driver.drive_until(lambda: all(r.terminal for r in runs), budget / 2)
-            self._runs.cancel_all()
-            self._stop_sync(deadline)
-            driver.close_aux()
-
-    async def close_async(self, timeout: float | None = None) -> None:
-        """The stop sequence from the bound loop: drain, cancel, stop, reap, release."""
-        if self.state is WorkerState.CLOSED:
-            return
-        if self.state is not WorkerState.READY:
-            self.state = WorkerState.CLOSED
-            self._pool.release_memory()
-            return
-        budget = self.close_timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        sched = self.scheduler
-        assert sched is not None
-        self.state = WorkerState.CLOSED
-        sched.admission.closed = True
-        pending = [r for r in sched.admission.runs() if not r.terminal]
-        if pending and self._driver.loop is not None:
-            waits = [asyncio.ensure_future(wait_run(r, None)) for r in pending]
-            _, not_done = await asyncio.wait(waits, timeout=budget / 2)
-            for t in not_done:
-                t.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-        self._runs.cancel_all()
-        await self._driver.unbind()
-        self._stop_sync(deadline)
-
-    def _stop_sync(self, deadline: float) -> None:
-        """Stop lanes, progress until every frame is terminal, reap, release memory."""
-        sched = self.scheduler
-        manager = self.manager
-        assert sched is not None and manager is not None
-        manager.stop_workers()
-        # Remote sessions first: SHUTDOWN fails their task in flight at once (a remote
-        # task cannot be stopped any other way), so draining local frames never waits on it.
-        self._fleet.shutdown(max(0.1, deadline - time.monotonic()))
-        self._pool.stop(deadline)
-        sched.round()  # poisoned endpoints release their withheld completions now
-        self._runs.abandon_unfinished()
-        manager.stop()
-        self._driver.stop()
-        self._pool.release()
 
     def __enter__(self) -> Worker:
         if self.state is WorkerState.NEW:

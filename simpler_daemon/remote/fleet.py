@@ -230,7 +230,7 @@ class RemoteFleet:
         errors: tuple[type[Exception], ...] = _CONTROL_ERRORS,
         label: str = "",
     ) -> tuple[list[int], dict[int, str]]:
-        """Send control ``name`` to each worker in turn: (those that confirmed it,
+        """Send control ``name`` to every worker at once: (those that confirmed it,
         ``{worker: label + why}`` for the others)."""
         return await fan_out(
             workers, lambda w: self.control(w, name, body), _same, errors=errors, label=label

@@ -1,0 +1,289 @@
+"""Registration under faults and concurrency (issue 11, items 5, 7, 8, 9).
+
+Concurrency is proven by what the children record (a rendezvous inside the import of
+the registered module), never by timing; a dead child is a real SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simpler_daemon import (
+    CallableHandle,
+    RegistrationError,
+    StartupError,
+    Tag,
+    Worker,
+)
+from simpler_daemon import registration as registration_mod
+from simpler_daemon.errors import EndpointError
+from simpler_daemon.testing import poll_for
+from tests import tasks
+from tests.engine_helpers import proc_state
+from tests.tasks import targs
+
+pytestmark = pytest.mark.integration
+
+RENDEZVOUS = "tests.helpers_rendezvous_import:fn"
+SLOW = "tests.helpers_slow_import:fn"
+
+
+@pytest.fixture
+def w2() -> Iterator[Worker]:
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
+    w.init()
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _run_on_both(w: Worker, h: CallableHandle) -> list[int]:
+    """Run ``h`` (tasks.record_pid-like: writes its pid) as a SUB group of 2: one member
+    on each child; returns the pids."""
+    pids = w.alloc((2,), "int64")
+    w.run(
+        lambda o, a, c: o.submit_sub_group(
+            h, [targs((pids, Tag.NO_DEP), scalars=(i,)) for i in range(2)]
+        )
+    )
+    return [int(p) for p in pids]
+
+
+# -- item 5: controls run on every child at once, each with a deadline ---------------------------
+
+
+@pytest.mark.timeout(90)
+def test_register_runs_the_import_on_every_child_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each child's import waits until the other child has started its own: only a
+    register that sends the control to both at once can succeed (sent one after the
+    other, the first import gives up after 20 s and the register fails)."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    monkeypatch.setenv("SIMPLER_TEST_RENDEZVOUS_DIR", str(meet))
+    monkeypatch.setenv("SIMPLER_TEST_RENDEZVOUS_N", "2")
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_SLEEP", "2.0")
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
+    w.init()
+    try:
+        h = w.register(RENDEZVOUS)
+        assert h.hashid in w.registry
+        pids = {int(p) for p in os.listdir(meet)}
+        assert pids == {row["pid"] for row in w.list_workers()}  # both imported it
+        w.unregister(h)
+        assert h.hashid not in w.registry
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_register_control_that_misses_its_deadline_fails_the_register(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child stuck in a 30 s import does not hold register() for 30 s: past the control
+    deadline the register fails naming the worker and the timeout, and the callable is
+    not registered."""
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_MARKER", str(tmp_path / "importing"))
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_SLEEP", "30")
+    monkeypatch.setattr(registration_mod, "CONTROL_TIMEOUT_S", 1.0, raising=False)
+    w = Worker(num_sub_workers=1, heap_bytes=4 << 20, restart_children=False)
+    w.init()
+    try:
+        with pytest.raises(RegistrationError, match=r"worker 0: .*timed out") as ei:
+            w.register(SLOW)
+        assert ei.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert (tmp_path / "importing").exists()  # the child was inside the control
+        assert not w.registry.active()
+    finally:
+        w.close(timeout=2.0)
+
+
+# -- item 7: a child dying during an unregister --------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_a_child_dying_during_an_unregister_leaves_the_callable_usable(w2: Worker) -> None:
+    """The dead child can never run the callable again and its replacement starts clean:
+    the unregister completes, and once the child is replaced the same callable registers,
+    runs on both children and unregisters again."""
+    h = w2.register(tasks.record_pid)
+    victim = w2.list_workers()[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    poll_for(lambda: proc_state(victim) == "Z", 10.0, message="victim never died")
+    w2.unregister(h)  # the control reaches a dead child: it must not stay uncertain
+    assert w2.registry.lookup(h.hashid) is None
+
+    def replaced() -> bool:
+        w2.poll()
+        return w2.restarts["sub"] == 1 and all(r["alive"] for r in w2.list_workers())
+
+    poll_for(replaced, 30.0, message="the dead child was never replaced")
+    again = w2.register(tasks.record_pid)
+    assert again == h
+    pids = _run_on_both(w2, again)
+    assert set(pids) == {r["pid"] for r in w2.list_workers()} and victim not in pids
+    w2.unregister(again)
+    assert w2.registry.lookup(h.hashid) is None
+
+
+@pytest.mark.timeout(60)
+def test_an_uncertain_unregister_can_be_retried_or_registered_over(
+    w2: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that is alive but whose unregister could not be confirmed leaves
+    REGISTER_CLEANUP_UNCERTAIN; that is not forever: registering the callable again
+    reinstalls it everywhere (certain again), and unregistering it again retries."""
+    real = registration_mod.LocalTarget.uninstall
+    failing = {"left": 1}
+
+    async def flaky(self: Any, spec: Any) -> None:
+        if self.worker_id == 1 and failing["left"]:
+            failing["left"] -= 1
+            raise EndpointError("injected: base frame busy")  # endpoint stays healthy
+        await real(self, spec)
+
+    monkeypatch.setattr(registration_mod.LocalTarget, "uninstall", flaky)
+    h = w2.register(tasks.record_pid)
+    with pytest.raises(RegistrationError) as ei:
+        w2.unregister(h)
+    assert ei.value.code == "REGISTER_CLEANUP_UNCERTAIN" and 1 in ei.value.failures
+    again = w2.register(tasks.record_pid)  # registering over the uncertain state
+    assert again == h and h.hashid in w2.registry
+    assert len(set(_run_on_both(w2, again))) == 2
+    failing["left"] = 1
+    with pytest.raises(RegistrationError, match="REGISTER_CLEANUP_UNCERTAIN"):
+        w2.unregister(again)
+    w2.unregister(again)  # a retry: this time every child confirms
+    assert w2.registry.lookup(h.hashid) is None
+    with pytest.raises(RegistrationError, match="NOT_REGISTERED"):
+        w2.unregister(again)
+
+
+# -- item 8: concurrent identical registrations join the one in progress ---------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_eight_tasks_registering_the_same_callable_join_one() -> None:
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
+    async with w:
+        handles = await asyncio.gather(*(w.register_async("tests.tasks:noop") for _ in range(8)))
+        assert len(set(handles)) == 1
+        h = handles[0]
+        assert w.registry.get(h.hashid).refcount == 8
+        for left in range(7, -1, -1):
+            await w.unregister_async(h)
+            entry = w.registry.lookup(h.hashid)
+            assert (entry.refcount if entry is not None else 0) == left
+        # A registration that fails fails every caller that joined it, with its own error.
+        results = await asyncio.gather(
+            *(w.register_async("tests.tasks:no_such_function") for _ in range(8)),
+            return_exceptions=True,
+        )
+        codes = {getattr(r, "code", type(r).__name__) for r in results}
+        assert codes == {"REGISTER_PARTIAL_FAILURE"}, results
+        assert not w.registry.active()
+
+
+@pytest.mark.timeout(90)
+def test_eight_threads_registering_the_same_callable_join_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's shape: a Worker bound to an event loop, eight client threads calling
+    register() at the same moment while the first one's 1 s import is in progress."""
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_MARKER", str(tmp_path / "importing"))
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_SLEEP", "1.0")
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20, restart_children=False)
+    w.init()
+    bound = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(w.start_async())
+        bound.set()
+        loop.run_forever()
+
+    loop_thread = threading.Thread(target=serve, name="loop")
+    loop_thread.start()
+    try:
+        assert bound.wait(30.0)
+        start = threading.Barrier(8)
+        results: list[Any] = [None] * 8
+
+        def client(i: int) -> None:
+            start.wait(30.0)
+            try:
+                results[i] = w.register(SLOW)
+            except BaseException as exc:
+                results[i] = exc
+
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(60.0)
+        assert all(isinstance(r, CallableHandle) for r in results), results
+        assert len(set(results)) == 1
+        assert w.registry.get(results[0].hashid).refcount == 8
+    finally:
+        if bound.is_set():
+            w.close()
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(30.0)
+        loop.close()
+        if not bound.is_set():
+            w.close()
+
+
+# -- item 9: callables with nowhere to run ---------------------------------------------------------
+
+
+def test_a_sub_callable_on_a_worker_without_sub_workers_is_refused() -> None:
+    w = Worker(num_sub_workers=0, num_chips=1, heap_bytes=4 << 20)
+    try:
+        with pytest.raises(ValueError, match=r"cannot register: .*noop.*no SUB workers"):
+            w.register(tasks.noop)
+        with pytest.raises(ValueError, match="no SUB workers"):
+            w.register("tests.tasks:noop")
+        orch = w.register(lambda o, a, c: None, kind="orchestration")  # runs in the parent
+        kernel = w.register("tests.chip_kernels:add_one", kind="chip")
+        w.init()
+        with pytest.raises(ValueError, match=r"cannot register: .*noop.*no SUB workers"):
+            w.register(tasks.noop)
+        assert {e.spec.handle for e in w.registry.active()} == {orch, kernel}
+    finally:
+        w.close()
+
+
+def test_a_chip_kernel_on_a_worker_without_chips_is_refused() -> None:
+    w = Worker(num_sub_workers=1, heap_bytes=4 << 20)
+    try:
+        with pytest.raises(ValueError, match=r"cannot register: .*add_one.*no chips"):
+            w.register("tests.chip_kernels:add_one", kind="chip")
+        w.init()
+        with pytest.raises(ValueError, match=r"cannot register: .*add_one.*no chips"):
+            w.register("tests.chip_kernels:add_one", kind="chip")
+        assert not w.registry.active()
+    finally:
+        w.close()
+
+
+def test_a_level4_worker_with_nowhere_to_run_a_sub_callable_fails_init() -> None:
+    """Level 4 learns its L3 children only by init (add_worker after register is fine):
+    a SUB callable with no SUB worker and no local L3 child fails init, naming it."""
+    w4 = Worker(level=4, heap_bytes=4 << 20)
+    w4.register(tasks.noop)
+    with pytest.raises(StartupError, match=r"cannot init: .*noop.*no SUB workers"):
+        w4.init()
+    w4.close()
