@@ -337,6 +337,10 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             from benchmarks import w7
 
             return w7.measure(p, repeat)
+        if workload == "W11":
+            from benchmarks import w11
+
+            return w11.measure(p, repeat)
         if workload == "S1":
             from benchmarks.staging import run_staging
 

@@ -193,6 +193,20 @@ WORKLOADS: dict[str, Workload] = {
             na_reason="not measured: idle like mp.Pool (workers block on a pipe read)",
         ),
         Workload(
+            "W11",
+            "another client's W1 through the daemon during a 100,000-task SubmitRun",
+            (
+                *LATENCY,
+                Metric("max_ms", "worst W1 ms", "ms", higher_is_better=False),
+                Metric("getinfo_max_ms", "worst GetInfo ms", "ms", higher_is_better=False),
+                Metric("big_call_s", "big SubmitRun s", "s", higher_is_better=False),
+            ),
+            full={"n_big": 100_000},
+            smoke={"n_big": 20_000},
+            peers=(),
+            na_reason="daemon API: one client's big request beside another's W1",
+        ),
+        Workload(
             "S1",
             "chip staging: single-task runs, 5 ms kernel + 5 ms prepare, depth 2 vs depth 1",
             (

@@ -42,6 +42,8 @@ from simpler_daemon.client_requests import (
     alloc_request,
     array_bytes,
     call_config,
+    call_deadline,
+    check_wait,
     drain_request,
     make_args,
     orchestration_request,
@@ -73,7 +75,9 @@ __all__ = [
     "tensor",
 ]
 
-#: Metadata key carrying a client's identity for the daemon's per-client limits.
+#: Metadata key carrying a client's display label (the daemon's logs). Per-client limits
+#: never trust it: the daemon identifies a client by its peer credentials or its TLS
+#: identity / address.
 CLIENT_ID_METADATA: Final = "x-simpler-client"
 #: Environment variables read when no target / token is given.
 ENV_TARGET: Final = "SIMPLER_DAEMON_SOCKET"
@@ -123,7 +127,7 @@ class _Base:
     ) -> None:
         self.target = target or default_target()
         self.address, self.tcp = _address(self.target)
-        self.timeout = timeout
+        self.timeout = call_deadline(check_wait(timeout, "timeout"), 0.0)
         self.client_id = client_id or uuid.uuid4().hex[:16]
         self.metadata: tuple[tuple[str, str], ...] = ((CLIENT_ID_METADATA, self.client_id),)
         self.options: list[tuple[str, Any]] = [
@@ -347,9 +351,11 @@ class Client(_Base):
         label: str = "",
         wait_seconds: float | None = None,
     ) -> pb.SubmitRunResponse:
-        request = submit_request(tasks, idempotency_key, label, wait_seconds)
-        timeout = None if wait_seconds is None else wait_seconds + DEFAULT_TIMEOUT
-        return self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
+        wait = check_wait(wait_seconds, "wait_seconds")
+        request = submit_request(tasks, idempotency_key, label, wait)
+        timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
+        # Not through _call: a None deadline here means "no limit", not "the default".
+        return self.stub.SubmitRun(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
 
     def run(
         self, tasks: Sequence[pb.Task], timeout: float = 3600.0, *, label: str = ""
@@ -388,8 +394,9 @@ class Client(_Base):
 
     def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
         """The run's status once terminal or after ``timeout`` seconds (no exception)."""
-        request = wait_request(run_id, timeout)
-        deadline = None if timeout is None else timeout + DEFAULT_TIMEOUT
+        wait = check_wait(timeout, "timeout")
+        request = wait_request(run_id, wait)
+        deadline = call_deadline(wait, DEFAULT_TIMEOUT)
         return self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
 
     def wait(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
@@ -416,7 +423,7 @@ class Client(_Base):
 
     def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
         request = drain_request(grace, shutdown)
-        timeout = None if grace is None else grace + DEFAULT_TIMEOUT
+        timeout = None if grace is None else call_deadline(request.grace_seconds, DEFAULT_TIMEOUT)
         return self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
 
 
@@ -554,9 +561,10 @@ class AsyncClient(_Base):
         label: str = "",
         wait_seconds: float | None = None,
     ) -> pb.SubmitRunResponse:
-        request = submit_request(tasks, idempotency_key, label, wait_seconds)
-        timeout = None if wait_seconds is None else wait_seconds + DEFAULT_TIMEOUT
-        return await self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
+        wait = check_wait(wait_seconds, "wait_seconds")
+        request = submit_request(tasks, idempotency_key, label, wait)
+        timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
+        return await self.stub.SubmitRun(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
 
     async def submit(
         self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
@@ -586,8 +594,9 @@ class AsyncClient(_Base):
             call.cancel()
 
     async def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
-        request = wait_request(run_id, timeout)
-        deadline = None if timeout is None else timeout + DEFAULT_TIMEOUT
+        wait = check_wait(timeout, "timeout")
+        request = wait_request(run_id, wait)
+        deadline = call_deadline(wait, DEFAULT_TIMEOUT)
         return await self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
 
     async def wait(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
@@ -606,5 +615,5 @@ class AsyncClient(_Base):
 
     async def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
         request = drain_request(grace, shutdown)
-        timeout = None if grace is None else grace + DEFAULT_TIMEOUT
+        timeout = None if grace is None else call_deadline(request.grace_seconds, DEFAULT_TIMEOUT)
         return await self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]

@@ -10,6 +10,7 @@ functions over protobuf messages: no channel, no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final
 
@@ -20,12 +21,15 @@ from simpler_daemon.errors import RunCancelled, TaskError
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = [
+    "MAX_WAIT_S",
     "TERMINAL_STATES",
     "WRITE_CHUNK",
     "add_remote_request",
     "alloc_request",
     "array_bytes",
     "call_config",
+    "call_deadline",
+    "check_wait",
     "drain_request",
     "make_args",
     "orchestration_request",
@@ -41,6 +45,9 @@ __all__ = [
     "write_requests",
 ]
 
+#: Longest wait in seconds a client asks for; longer ones (``inf`` too) mean "no limit".
+#: gRPC turns a deadline beyond about 1e9 s into an immediate DEADLINE_EXCEEDED.
+MAX_WAIT_S: Final = 1e8
 #: Bytes per WriteBuffer message unless the caller asks for less.
 WRITE_CHUNK: Final = 1 << 20
 TERMINAL_STATES: Final = frozenset(
@@ -258,17 +265,44 @@ def array_bytes(array: np.ndarray[Any, Any]) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
 
+def check_wait(value: float | None, name: str) -> float | None:
+    """A wait in seconds: None stays None (no limit), ``inf`` and anything above
+    :data:`MAX_WAIT_S` become ``MAX_WAIT_S``; NaN, negative or non-numbers raise
+    ``ValueError`` naming ``name`` (they would become an immediate DEADLINE_EXCEEDED)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot wait: {name} must be a number of seconds, got {value!r}") from exc
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"cannot wait: {name} must be >= 0 seconds, got {value!r}")
+    return min(seconds, MAX_WAIT_S)
+
+
+def call_deadline(wait: float | None, margin: float) -> float | None:
+    """The gRPC deadline of a call that waits ``wait`` seconds (checked by
+    :func:`check_wait`) on the daemon: ``wait + margin``, None for no limit."""
+    if wait is None or not wait < MAX_WAIT_S:  # NaN too: the daemon refuses it, in time
+        return None
+    return max(wait, 0.0) + margin
+
+
 def wait_request(run_id: int, timeout: float | None) -> pb.WaitRunRequest:
+    """``timeout``: seconds (checked by :func:`check_wait`); None or MAX_WAIT_S waits
+    until the run ends."""
     request = pb.WaitRunRequest(run_id=run_id)
-    if timeout is not None:
+    if timeout is not None and timeout < MAX_WAIT_S:
         request.timeout_seconds = timeout
     return request
 
 
 def drain_request(grace: float | None, shutdown: bool) -> pb.DrainRequest:
+    """``grace``: seconds, clamped to :data:`MAX_WAIT_S` (a negative or NaN one is sent
+    as it is: the daemon refuses it naming the field)."""
     request = pb.DrainRequest(shutdown=shutdown)
     if grace is not None:
-        request.grace_seconds = grace
+        request.grace_seconds = min(grace, MAX_WAIT_S)
     return request
 
 

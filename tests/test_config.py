@@ -127,6 +127,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_concurrent_runs": 9,
         "max_streams_per_client": 10,
         "max_finished_runs_kept": 11,
+        "max_group_members": 12,
     },
     "callables": {"allowed_modules": ["pkg", "other.mod"], "preload": ["pkg.sub:fn", "pkg:Cls.m"]},
     "metrics": {"listen": "127.0.0.1:9464"},

@@ -207,6 +207,8 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_concurrent_runs: int = 256
     max_streams_per_client: int = 16
     max_finished_runs_kept: int = 10_000
+    max_group_members: int = 65_536
+    """Members of one SUB_GROUP / NEXT_LEVEL_GROUP task."""
 
 
 class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -287,6 +289,7 @@ max_buffer_bytes = 1073741824       # 1 GiB
 max_concurrent_runs = 256
 max_streams_per_client = 16
 max_finished_runs_kept = 10000
+max_group_members = 65536
 
 [callables]
 allowed_modules = ["simpler_daemon.examples"]

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import grp
+import hashlib
 import hmac
 import json
 import logging
@@ -208,6 +209,13 @@ def configure_logging(service: ServiceConfig, stream: TextIO | None = None) -> N
     root.setLevel(service.log_level.upper())
 
 
+def private_socket_of(config: DaemonConfig) -> str:
+    """Where the gRPC server itself listens (mode 0600): clients reach it through the
+    public socket's relay, which records their peer credentials (see peers.py)."""
+    digest = hashlib.sha256(os.fsencode(config.grpc.unix_socket)).hexdigest()[:16]
+    return os.path.join(config.daemon.runtime_dir, f"private-{digest}.sock")
+
+
 # --------------------------------------------------------------------------- auth
 
 
@@ -279,6 +287,8 @@ class Daemon:
         self._announce = announce or (lambda _line: None)
         self.worker: Worker | None = None
         self.socket_path = config.grpc.unix_socket
+        self.private_socket_path = private_socket_of(config)
+        self._relay: Any = None
         self.tcp_port: int | None = None
         self._token: bytes | None = None
         self._tls: tuple[bytes, bytes, bytes | None] | None = None
@@ -399,6 +409,11 @@ class Daemon:
                 raise StartupError(
                     f"cannot create directory {directory}: {exc.strerror or exc}"
                 ) from exc
+        if len(os.fsencode(self.private_socket_path)) > 107:
+            raise StartupError(
+                f"cannot bind {self.private_socket_path}: the path is too long for a Unix "
+                "socket (choose a shorter daemon.runtime_dir)"
+            )
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -508,9 +523,9 @@ class Daemon:
             if self.worker.heap.path is not None:  # nothing of ours stays in /dev/shm
                 with contextlib.suppress(OSError):
                     os.unlink(self.worker.heap.path)
-        if self._socket_bound:
+        for sock_path in (self.socket_path, self.private_socket_path) if self._socket_bound else ():
             with contextlib.suppress(OSError):
-                os.unlink(self.socket_path)
+                os.unlink(sock_path)
         self.notifier.status(f"exited at once ({why})")
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
@@ -522,9 +537,11 @@ class Daemon:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
 
-        from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2, daemon_pb2_grpc
+        from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2
         from simpler_daemon.server.metrics import Metrics
+        from simpler_daemon.server.peers import UnixRelay
         from simpler_daemon.server.service import DaemonService
+        from simpler_daemon.server.wire import add_daemon_servicer
 
         cfg = self.config
         worker = self.worker
@@ -534,12 +551,14 @@ class Daemon:
             self._metrics = Metrics()
             if cfg.daemon.level == 4:
                 self._metrics.watch_remote_workers(worker.list_workers)
+        self._relay = UnixRelay(self.socket_path, self.private_socket_path)
         service = DaemonService(
             worker,
             cfg,
             metrics=self._metrics,
             request_shutdown=self.request_stop,
             on_draining=self._not_serving,
+            relay=self._relay,
         )
         service.start()
         self._service = service
@@ -562,22 +581,24 @@ class Daemon:
 
         def build(interceptors: list[Any]) -> Any:
             server = grpc.aio.server(options=options, interceptors=interceptors)
-            daemon_pb2_grpc.add_DaemonServicer_to_server(service, server)
+            add_daemon_servicer(service, server)
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             reflection.enable_server_reflection(names, server)
             return server
 
         unix_server = build([])
         path = self.socket_path
-        old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
+        private = self.private_socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(private)  # stale: the public socket was checked in prepare()
+        old_umask = os.umask(0o177)  # only the daemon's user may connect, ever
         try:
-            unix_server.add_insecure_port(f"unix:{path}")
+            unix_server.add_insecure_port(f"unix:{private}")
         except RuntimeError as exc:
-            raise StartupError(f"cannot bind the Unix socket {path}: {exc}") from exc
+            raise StartupError(f"cannot bind the Unix socket {private}: {exc}") from exc
         finally:
             os.umask(old_umask)
         self._servers.append(unix_server)
-        self._socket_bound = True
 
         if cfg.grpc.tcp_listen:
             assert self._tls is not None and self._token is not None
@@ -597,6 +618,11 @@ class Daemon:
 
         for server in self._servers:
             await server.start()
+        try:
+            await self._relay.start()
+        except OSError as exc:
+            raise StartupError(str(exc)) from exc
+        self._socket_bound = True
         os.chmod(path, cfg.grpc.socket_mode)
         if self._gid is not None:
             os.chown(path, -1, self._gid)
@@ -698,10 +724,16 @@ class Daemon:
                 await self.worker.close_async(CLOSE_TIMEOUT)
             except Exception:
                 log.exception("closing the worker pool failed")
+        if self._relay is not None:
+            self._relay.stop_accepting()
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await server.stop(STREAM_GRACE)
         self._servers.clear()
+        if self._relay is not None:
+            await self._relay.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.private_socket_path)
         if self._metrics is not None:
             await self._metrics.close()
         if self._socket_bound:

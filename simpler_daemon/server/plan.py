@@ -17,9 +17,11 @@ servicer (``service.py``) does that with what this module returns.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 import numpy as np
@@ -45,6 +47,7 @@ __all__ = [
     "MAX_KEY",
     "MAX_LABEL",
     "REGISTER_KINDS",
+    "SLICE_S",
     "Planned",
     "Planner",
     "check_label",
@@ -55,6 +58,12 @@ __all__ = [
 
 MAX_LABEL: Final = 256
 MAX_KEY: Final = 256
+#: Longest stretch (seconds) the planner and a declarative run's build hold the event loop
+#: before yielding: a 100,000-task SubmitRun must not stall every other client.
+SLICE_S: Final = 0.002
+#: Longest wait (seconds) a request may ask for; more means "until it ends" (as the client
+#: library's MAX_WAIT_S): an event loop deadline further out overflows.
+MAX_WAIT_S: Final = 1e8
 _MAX_DTYPE_NAME: Final = 32
 _U63: Final = 1 << 63
 
@@ -85,9 +94,26 @@ _TASK_KIND_NAMES: Final[dict[int, str]] = {
 def timeout_field(request: Any, name: str) -> float:
     """A seconds field that must be finite and >= 0 (INVALID_ARGUMENT otherwise)."""
     value = float(getattr(request, name))
-    if not math.isfinite(value) or value < 0:
+    if math.isnan(value) or value < 0:
         raise InvalidArgument(name, f"must be >= 0, got {value}")
-    return value
+    return min(value, MAX_WAIT_S)
+
+
+class Slicer:
+    """Yields to the event loop once ``SLICE_S`` has passed since the last yield, so a
+    long loop over a request lets other clients' calls and the Scheduler run."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    def due(self) -> bool:
+        return time.perf_counter() - self._since > SLICE_S
+
+    async def pause(self) -> None:
+        await asyncio.sleep(0)
+        self._since = time.perf_counter()
 
 
 def check_label(label: str, field: str = "label") -> None:
@@ -218,8 +244,12 @@ class Planner:
         except ValueError as exc:
             raise InvalidArgument(field, str(exc)) from exc
 
-    def task_args(self, msg: Any, field: str) -> TaskArgs:
-        """TaskArgs of heap views from an ``Args`` message, every number checked."""
+    def task_args(self, msg: Any, field: str, pins: set[int]) -> TaskArgs:
+        """TaskArgs of heap views from an ``Args`` message, every number checked.
+
+        Every buffer referenced is pinned once (its id added to ``pins``): a FreeBuffer
+        from now on is deferred until the caller unpins it (when the run has ended), so
+        the memory cannot go to a new buffer that this run would then write into."""
         out = TaskArgs()
         tensors = msg.tensors
         scalars = msg.scalars
@@ -250,6 +280,9 @@ class Planner:
                     "required" if ref.tag == pb.TAG_UNSPECIFIED else f"unknown tag {ref.tag}",
                 )
             buf = self.buffer(ref.buffer_id, ref.generation, where)
+            if buf.buffer_id not in pins:
+                heap.pin(buf.buffer_id)
+                pins.add(buf.buffer_id)
             dt = self.dtype(ref.dtype, f"{where}.dtype")
             shape = tuple(ref.shape)
             if len(shape) > MAX_NDIM:
@@ -400,8 +433,12 @@ class Planner:
             )
         return real
 
-    def plan_run(self, request: Any) -> tuple[list[Planned], int]:
-        """Validate every task of a SubmitRun; returns the plan and the call count."""
+    async def plan_run(self, request: Any, pins: set[int]) -> tuple[list[Planned], int]:
+        """Validate every task of a SubmitRun; returns the plan and the call count.
+
+        Yields to the loop every ``SLICE_S`` (see :class:`Slicer`). Buffers are pinned
+        as they are checked (``pins``, see :meth:`task_args`); the caller unpins them
+        when the run ends or when planning raises."""
         tasks = request.tasks
         limits = self._limits
         if not tasks:
@@ -417,7 +454,10 @@ class Planner:
         plan: list[Planned] = []
         total = 0
         empty = TaskArgs()
+        slicer = Slicer()
         for i, task in enumerate(tasks):
+            if slicer.due():
+                await slicer.pause()
             where = f"tasks[{i}]"
             kind = task.kind
             kind_name = _TASK_KIND_NAMES.get(kind)
@@ -454,6 +494,12 @@ class Planner:
                     f"{where}.members",
                     f"a {kind_name} task has exactly one member, got {len(members)}",
                 )
+            if len(members) > limits.max_group_members:
+                raise LimitExceeded(
+                    f"{where}.members",
+                    f"{len(members)} members, limits.max_group_members = "
+                    f"{limits.max_group_members}",
+                )
             workers = list(task.workers)
             if sub and workers:
                 raise InvalidArgument(f"{where}.workers", f"must be empty for a {kind_name} task")
@@ -482,25 +528,34 @@ class Planner:
             )
             args_list: list[TaskArgs] = []
             for m, member in enumerate(members):
+                if slicer.due():
+                    await slicer.pause()
                 if not member.tensors and not member.scalars:
                     args_list.append(empty)
                 else:
-                    args_list.append(self.task_args(member, f"{where}.members[{m}]"))
+                    args_list.append(self.task_args(member, f"{where}.members[{m}]", pins))
             total += len(args_list)
             plan.append(Planned(kind, handle, args_list, config, workers))
         return plan, total
 
 
-def declarative(plan: list[Planned], bind: Callable[[Run], None]) -> Callable[..., None]:
+def declarative(
+    plan: list[Planned], bind: Callable[[Run], None]
+) -> Callable[..., Coroutine[Any, Any, None]]:
     """The orchestration function of a SubmitRun: submit the validated plan in order.
 
-    ``bind`` is called with the engine's Run before the first task is submitted.
+    ``bind`` is called with the engine's Run before the first task is submitted. It
+    is a coroutine function yielding every ``SLICE_S`` so that building a big run
+    does not stall the event loop; tasks submitted so far are dispatched meanwhile.
     """
 
-    def orch(o: Any, _args: Any, _config: Any) -> None:
+    async def orch(o: Any, _args: Any, _config: Any) -> None:
         bind(o.run)
+        slicer = Slicer()
         try:
             for p in plan:
+                if slicer.due():
+                    await slicer.pause()
                 kind = p.kind
                 if kind == pb.TASK_KIND_SUB:
                     o.submit_sub(p.handle, p.members[0], p.config)

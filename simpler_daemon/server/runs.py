@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Final
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -39,13 +40,29 @@ from simpler_daemon.server.plan import MAX_KEY
 from simpler_daemon.server.status import InvalidArgument, LimitExceeded, NotFound, Precondition
 from simpler_daemon.worker import RunHandle, Worker
 
-__all__ = ["WATCH_QUEUE_LIMIT", "RunRecord", "RunTable", "Watcher", "now_ts"]
+__all__ = ["WATCH_QUEUE_LIMIT", "RunRecord", "RunTable", "Watcher", "fingerprint", "now_ts"]
 
 log = logging.getLogger("simpler_daemon.service")
 
 #: Events a watcher may fall behind by before it is sent a fresh snapshot instead.
 WATCH_QUEUE_LIMIT: Final = 65_536
 _TERMINAL: Final = frozenset({pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED})
+#: Requests larger than this are fingerprinted on a thread (hashing megabytes stalls the loop).
+_BIG_REQUEST: Final = 1 << 16
+
+
+async def fingerprint(method: str, request: Any) -> bytes:
+    """What an idempotency key stands for: a digest of the method and the request
+    (the caller clears fields that only say how to answer, such as ``wait_seconds``)."""
+
+    def digest() -> bytes:
+        h = hashlib.sha256(method.encode())
+        h.update(request.SerializeToString(deterministic=True))
+        return h.digest()
+
+    if request.ByteSize() > _BIG_REQUEST:
+        return await asyncio.to_thread(digest)
+    return digest()
 
 
 def now_ts(ns: int | None = None) -> Timestamp:
@@ -97,6 +114,7 @@ class RunRecord:
         self.label = label
         self.client = client
         self.key = key
+        self.key_print = b""
         self._static_total = total is not None
         self.total = total or 0
         self._slots_seen = 0
@@ -418,6 +436,9 @@ class RunTable:
         self._live: dict[int, RunRecord] = {}  # bound to an engine Run, not yet finished
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._keys: dict[str, int] = {}
+        self._key_prints: dict[str, bytes] = {}
+        # Keys whose request is being planned / launched: a retry waits for it.
+        self._pending_keys: dict[str, tuple[bytes, asyncio.Future[None]]] = {}
         self._client_runs: Counter[str] = Counter()
         self._drain_lock = asyncio.Lock()
 
@@ -442,14 +463,48 @@ class RunTable:
             )
         return rec
 
-    def dedup(self, key: str) -> int | None:
-        """The run an idempotency key already started (None: a new key, or none given)."""
-        if not key:
-            return None
+    @staticmethod
+    def check_key(key: str) -> None:
         if len(key) > MAX_KEY:
             raise InvalidArgument("idempotency_key", f"{len(key)} characters, at most {MAX_KEY}")
+
+    def _reused(self, key: str, what: str) -> Precondition:
+        return Precondition(
+            "idempotency_key",
+            f"cannot reuse idempotency key {key!r}: it already names {what} with a "
+            "different request (a key stands for one request; use a new key)",
+        )
+
+    @contextlib.asynccontextmanager
+    async def claim_key(self, key: str, key_print: bytes) -> AsyncIterator[int | None]:
+        """Yields the run ``key`` already started (a retry: answer with it) or None (the
+        caller starts the run; :meth:`launch` records the key with ``key_print``).
+
+        While a caller holds a new key, a retry with it waits for that run to be
+        launched instead of starting a second one. ``Precondition`` naming the key
+        when it already stands for a different request (``key_print`` differs).
+        """
+        if not key:
+            yield None
+            return
+        self.check_key(key)
+        while (pending := self._pending_keys.get(key)) is not None:
+            if pending[0] != key_print:
+                raise self._reused(key, "a run being submitted")
+            await asyncio.shield(pending[1])
         run_id = self._keys.get(key)
-        return run_id if run_id is not None and run_id in self._runs else None
+        if run_id is not None and run_id in self._runs:
+            if self._key_prints.get(key) != key_print:
+                raise self._reused(key, f"run {run_id}")
+            yield run_id
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_keys[key] = (key_print, done)
+        try:
+            yield None
+        finally:
+            del self._pending_keys[key]
+            done.set_result(None)
 
     def check_capacity(self, client: str, what: str) -> None:
         """``LimitExceeded`` when the daemon or this client is at limits.max_concurrent_runs."""
@@ -500,6 +555,7 @@ class RunTable:
             gone = self._runs.pop(old, None)
             if gone is not None and gone.key and self._keys.get(gone.key) == old:
                 del self._keys[gone.key]
+                self._key_prints.pop(gone.key, None)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -532,6 +588,7 @@ class RunTable:
             rec.on_finished = self._run_finished
         if rec.key:
             self._keys[rec.key] = run_id
+            self._key_prints[rec.key] = rec.key_print
         log.debug("run %d submitted by %s (%s)", run_id, rec.client, rec.label or "no label")
         return run_id
 

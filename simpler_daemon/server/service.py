@@ -12,6 +12,11 @@ Everything runs on the daemon's one event loop, beside the Scheduler coroutine::
 
 Data flows down: handlers call the planner and the run table; neither of them
 knows this module.
+
+The loop must stay responsive for every client: a big SubmitRun is planned and
+built in slices (plan.py), a RunOrchestration function runs on a worker thread
+(offloop.py), garbage request bytes never reach a handler as a message
+(wire.py), and a client is who the kernel or the transport says (peers.py).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.metrics import Metrics
+from simpler_daemon.server.offloop import run_off_loop
+from simpler_daemon.server.peers import UnixRelay, client_identity, client_label
 from simpler_daemon.server.plan import (
     REGISTER_KINDS,
     Planner,
@@ -48,7 +55,7 @@ from simpler_daemon.server.plan import (
     declarative,
     timeout_field,
 )
-from simpler_daemon.server.runs import RunTable, now_ts
+from simpler_daemon.server.runs import RunTable, fingerprint, now_ts
 from simpler_daemon.server.status import (
     InvalidArgument,
     LimitExceeded,
@@ -59,6 +66,7 @@ from simpler_daemon.server.status import (
     error_text,
     status_of,
 )
+from simpler_daemon.server.wire import BadRequest
 from simpler_daemon.server.workers import worker_info
 from simpler_daemon.worker import Worker, WorkerState
 
@@ -72,7 +80,6 @@ Code = grpc.StatusCode
 READ_CHUNK: Final = 1 << 20
 #: Room for the protobuf framing around a chunk.
 _CHUNK_OVERHEAD: Final = 1024
-_CLIENT_ID_KEY: Final = "x-simpler-client"
 
 _ROLE_KINDS: Final[dict[str, int]] = {role: kind for kind, role in REGISTER_KINDS.items()}
 # --------------------------------------------------------------------------- decorators
@@ -87,6 +94,8 @@ def _unary(fn: F) -> F:
     @functools.wraps(fn)
     async def wrapper(self: DaemonService, request: Any, context: Any) -> Any:
         try:
+            if isinstance(request, BadRequest):
+                raise InvalidArgument("", request.describe())
             response = await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -105,6 +114,8 @@ def _server_stream(fn: F) -> F:
     @functools.wraps(fn)
     async def wrapper(self: DaemonService, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
+            if isinstance(request, BadRequest):
+                raise InvalidArgument("", request.describe())
             async for item in fn(self, request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -136,8 +147,10 @@ class DaemonService(pb_grpc.DaemonServicer):
         metrics: Metrics | None = None,
         request_shutdown: Callable[[str], None] | None = None,
         on_draining: Callable[[], Awaitable[None]] | None = None,
+        relay: UnixRelay | None = None,
     ) -> None:
         self._worker = worker
+        self._relay = relay
         self._on_draining = on_draining
         self._config = config
         self._limits = config.limits
@@ -195,14 +208,36 @@ class DaemonService(pb_grpc.DaemonServicer):
         await context.abort(code, details)
         raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
 
-    @staticmethod
-    def _client(context: Any) -> str:
-        """Client identity for the per-client limits: the peer, plus the client's own id."""
-        peer = str(context.peer() or "")
-        for key, value in context.invocation_metadata() or ():
-            if key == _CLIENT_ID_KEY:
-                return f"{peer}#{str(value)[:64]}"
-        return peer
+    def _client(self, context: Any) -> str:
+        """Client identity for the per-client limits: what the kernel or the transport
+        says (peer credentials, TLS identity, address), never a client-chosen header."""
+        return client_identity(context, self._relay)
+
+    def _unpin(self, pins: set[int]) -> None:
+        """Give back the pins a run took at submit; a freed buffer is released now."""
+        heap = self._worker.heap
+        if heap.closed:
+            return
+        for buffer_id in pins:
+            heap.unpin(buffer_id)
+        pins.clear()
+
+    def _hold_until_done(self, rec: Any, pins: set[int]) -> None:
+        """Keep ``pins`` until the run is terminal (every task finished or failed).
+
+        They join the engine's own submit-time pins of the run (``Run.pins``): the
+        engine then still describes those buffers after a FreeBuffer, and unpins
+        them when the run ends."""
+        run = rec.run
+        if run is None or run.terminal:
+            self._unpin(pins)
+            return
+        held = getattr(run, "pins", None)
+        if isinstance(held, list):
+            held.extend(pins)
+            pins.clear()
+        else:  # an engine without submit-time pins: let go when the run is done
+            run.add_done_callback(lambda _run: self._unpin(pins))
 
     def _check_usable(self, what: str) -> None:
         if self._worker.state is not WorkerState.READY:
@@ -382,6 +417,8 @@ class DaemonService(pb_grpc.DaemonServicer):
             buf: Buffer | None = None
             pos = written = 0
             async for msg in request_iterator:
+                if isinstance(msg, BadRequest):
+                    raise InvalidArgument("", msg.describe())
                 which = msg.WhichOneof("chunk")
                 if buf is None:
                     if which != "target":
@@ -485,30 +522,66 @@ class DaemonService(pb_grpc.DaemonServicer):
     async def SubmitRun(self, request: Any, context: Any) -> Any:
         runs = self._runs
         wait = timeout_field(request, "wait_seconds") if request.HasField("wait_seconds") else None
-        run_id = runs.dedup(request.idempotency_key)
-        if run_id is not None:
-            response = pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
-            if wait is not None:
-                response.status.CopyFrom(await runs.wait(runs.record(run_id), wait))
-            return response
-        check_label(request.label)
-        client = self._client(context)
-        self._admission_checks(client, "submit a run")
-        plan, total = self._plan.plan_run(request)
-        rec = runs.new_record(
-            label=request.label, client=client, key=request.idempotency_key, total=total
-        )
-        run_id = await runs.launch(rec, declarative(plan, rec.bind))
-        response = pb.SubmitRunResponse(run_id=run_id)
+        key = request.idempotency_key
+        key_print = b""
+        if key:
+            runs.check_key(key)
+            request.ClearField("wait_seconds")  # how to answer, not what to run
+            key_print = await fingerprint("SubmitRun", request)
+        async with runs.claim_key(key, key_print) as run_id:
+            if run_id is not None:
+                response = pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
+                if wait is not None:
+                    response.status.CopyFrom(await runs.wait(runs.record(run_id), wait))
+                return response
+            rec = await self._submit_run(request, self._client(context), key_print)
+            log.debug("run %d is from client %r", rec.run_id, client_label(context))
+        response = pb.SubmitRunResponse(run_id=rec.run_id)
         if wait is not None:
             response.status.CopyFrom(await runs.wait(rec, wait))
         return response
 
+    async def _submit_run(self, request: Any, client: str, key_print: bytes) -> Any:
+        """Plan (in slices: the loop keeps serving) and launch a SubmitRun; its record.
+
+        Every buffer the tasks reference is pinned from the moment it is checked until
+        the run is terminal: a FreeBuffer meanwhile is deferred (``deferred = true``)."""
+        runs = self._runs
+        check_label(request.label)
+        self._admission_checks(client, "submit a run")
+        pins: set[int] = set()
+        try:
+            plan, total = await self._plan.plan_run(request, pins)
+            # Planning yielded to the loop: the daemon may have begun stopping meanwhile.
+            self._admission_checks(client, "submit a run")
+            rec = runs.new_record(
+                label=request.label, client=client, key=request.idempotency_key, total=total
+            )
+            rec.key_print = key_print
+            await runs.launch(rec, declarative(plan, rec.bind))
+        except BaseException:
+            self._unpin(pins)
+            raise
+        self._hold_until_done(rec, pins)
+        return rec
+
     @_unary
     async def RunOrchestration(self, request: Any, context: Any) -> Any:
-        run_id = self._runs.dedup(request.idempotency_key)
-        if run_id is not None:
-            return pb.RunOrchestrationResponse(run_id=run_id, deduplicated=True)
+        key = request.idempotency_key
+        key_print = b""
+        if key:
+            self._runs.check_key(key)
+            key_print = await fingerprint("RunOrchestration", request)
+        async with self._runs.claim_key(key, key_print) as run_id:
+            if run_id is not None:
+                return pb.RunOrchestrationResponse(run_id=run_id, deduplicated=True)
+            run_id = await self._run_orchestration(request, self._client(context), key_print)
+            log.debug("run %d is from client %r", run_id, client_label(context))
+        return pb.RunOrchestrationResponse(run_id=run_id)
+
+    async def _run_orchestration(self, request: Any, client: str, key_print: bytes) -> int:
+        """Launch a RunOrchestration; the function runs on a worker thread (see
+        :func:`run_off_loop`) and its argument buffers stay pinned until the run ends."""
         check_label(request.label)
         handle = self._plan.orchestration_handle(request.hashid, "hashid")
         fn = self._orch_fns.get(handle.hashid)
@@ -521,24 +594,30 @@ class DaemonService(pb_grpc.DaemonServicer):
                     "hashid", f"cannot import {handle.name}: {type(exc).__name__}: {exc}"
                 ) from exc
             self._orch_fns[handle.hashid] = fn
-        client = self._client(context)
         self._admission_checks(client, "run an orchestration")
-        args = self._plan.task_args(request.args, "args")
-        config = self._plan.call_config(request.config, "config")
-        rec = self._runs.new_record(
-            label=request.label or handle.name,
-            client=client,
-            key=request.idempotency_key,
-            total=None,
-        )
-        target = fn
+        pins: set[int] = set()
+        try:
+            args = self._plan.task_args(request.args, "args", pins)
+            config = self._plan.call_config(request.config, "config")
+            rec = self._runs.new_record(
+                label=request.label or handle.name,
+                client=client,
+                key=request.idempotency_key,
+                total=None,
+            )
+            rec.key_print = key_print
+            target = fn
 
-        def orch(o: Any, a: Any, c: Any) -> Any:
-            rec.bind(o.run)
-            return target(o, a, c)
+            async def orch(o: Any, a: Any, c: Any) -> Any:
+                rec.bind(o.run)
+                return await run_off_loop(target, o, a, c)
 
-        run_id = await self._runs.launch(rec, orch, args, config)
-        return pb.RunOrchestrationResponse(run_id=run_id)
+            run_id = await self._runs.launch(rec, orch, args, config)
+        except BaseException:
+            self._unpin(pins)
+            raise
+        self._hold_until_done(rec, pins)
+        return run_id
 
     @_server_stream
     async def WatchRun(self, request: Any, context: Any) -> AsyncIterator[Any]:
