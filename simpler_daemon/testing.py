@@ -1,7 +1,7 @@
 """Test harness shipped with the package, so tests, benchmarks and users share it.
 
 ``poll_for`` waits with a deadline instead of sleeping and hoping;
-``child_pids`` and ``shm_files`` are what the leak guards compare;
+``child_pids``, ``shm_files`` and ``leaked_shm`` are what the leak guards compare;
 ``self_signed_cert`` makes a throwaway certificate for TLS tests. The remote
 test tools live beside the code they exercise: ``remote.proxy.ChaosProxy`` and
 ``remote.session_proxy.SessionProxy`` (fault injection on frames),
@@ -11,10 +11,11 @@ test tools live beside the code they exercise: ``remote.proxy.ChaosProxy`` and
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -60,6 +61,40 @@ def shm_files() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.lower().startswith("simpler")}
     except FileNotFoundError:
         return set()
+
+
+def _ancestors(pid: int) -> Iterator[int]:
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            return
+        yield pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def foreign_heap(name: str) -> bool:
+    """A named heap (``simpler-heap-<pid>-...``) of a live process outside this process's
+    tree: another test session's on a shared machine, not a leak of ours. A heap whose
+    creator is dead, or is this process or one of its descendants, is ours."""
+    m = re.match(r"simpler-heap-(\d+)-", name)
+    if m is None:
+        return False
+    pid, me = int(m.group(1)), os.getpid()
+    return pid != me and _alive(pid) and me not in _ancestors(pid)
+
+
+def leaked_shm(before: set[str]) -> set[str]:
+    """Files of ours that appeared in /dev/shm since ``before`` was taken."""
+    return {n for n in shm_files() - before if not foreign_heap(n)}
 
 
 def self_signed_cert(directory: Path, name: str = "cert") -> tuple[Path, Path] | None:

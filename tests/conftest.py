@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from simpler_daemon.testing import child_pids, shm_files
+from simpler_daemon.testing import child_pids, leaked_shm, shm_files
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,7 @@ def no_leaked_children() -> Iterator[None]:
     from simpler_daemon.testing import poll_for
 
     poll_for(lambda: not child_pids(), timeout=10.0, message="child processes outlived the test")
-    leaked = shm_files() - shm_before
+    leaked = leaked_shm(shm_before)
     assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
 
 
