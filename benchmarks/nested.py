@@ -19,8 +19,6 @@ Run inside the suite (``python -m benchmarks --only W1``) or standalone::
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import traceback
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from benchmarks.ours import WARM_UP_RUNS, Orch, _time_runs, close_blocking
-from benchmarks.workloads import NUM_WORKERS, WORKLOADS, Result, latency_rep, ok
+from benchmarks.workloads import NUM_WORKERS, Result, latency_rep, ok, standalone
 
 EMPTY = "simpler_daemon.examples.tasks:empty"
 ONE_EMPTY = "simpler_daemon.examples.remote:one_empty"
@@ -76,17 +74,7 @@ def measure(p: dict[str, int], repeat: int) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.nested", description=__doc__.splitlines()[0]
-    )
-    ap.add_argument("--smoke", action="store_true", help="small counts")
-    ap.add_argument("--repeat", type=int, default=1)
-    args = ap.parse_args(argv)
-    result = measure(WORKLOADS["W1"].params(args.smoke), args.repeat)
-    for rep in result.get("reps", []):
-        rep.pop("samples_us", None)
-    print(json.dumps(result, indent=1))
-    return 0
+    return standalone("nested", "W1", measure, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

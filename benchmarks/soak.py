@@ -45,7 +45,7 @@ import numpy as np
 from simpler_daemon.client import Client
 from simpler_daemon.client_requests import task, tensor
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.testing import child_pids, shm_files
+from simpler_daemon.testing import alive, child_pids, descendants, shm_files
 
 EX = "simpler_daemon.examples.tasks"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -123,26 +123,6 @@ class Tally:
                 self.failed_by_kill += 1
             else:
                 getattr(self, what).append(text)
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = list(child_pids(pid))
-    while todo:
-        p = todo.pop()
-        if p not in out:
-            out.add(p)
-            todo.extend(child_pids(p))
-    return out
 
 
 def worker_pids(rows: Any) -> set[int]:

@@ -26,15 +26,13 @@ Run inside the suite (``python -m benchmarks --only W6,W11``) or standalone::
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import threading
 import time
 from typing import Any
 
 from benchmarks.w6 import EMPTY, WARM_UP_RUNS, daemon
-from benchmarks.workloads import NUM_WORKERS, WORKLOADS, Result, latency_rep, ok
+from benchmarks.workloads import NUM_WORKERS, Result, latency_rep, ok, standalone
 
 IDLE_RUNS = 200
 BIG_TIMEOUT = 600.0  # s for the big SubmitRun call
@@ -153,18 +151,7 @@ def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.w11", description=__doc__.splitlines()[0]
-    )
-    ap.add_argument("--smoke", action="store_true", help="small counts")
-    ap.add_argument("--repeat", type=int, default=1)
-    args = ap.parse_args(argv)
-    params = WORKLOADS["W11"].params(args.smoke)
-    result = measure(params, args.repeat)["ours"]
-    for rep in result["reps"]:
-        rep.pop("samples_us", None)
-    print(json.dumps(result, indent=1))
-    return 0
+    return standalone("w11", "W11", measure, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ Run inside the suite (``python -m benchmarks --only W1,W2,W6``) or standalone::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -32,7 +30,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workloads import NUM_WORKERS, WORKLOADS, Result, latency_rep, ok, throughput_rep
+from benchmarks.workloads import (
+    NUM_WORKERS,
+    Result,
+    latency_rep,
+    ok,
+    standalone,
+    throughput_rep,
+)
 
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 30.0
@@ -155,18 +160,7 @@ def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.w6", description=__doc__.splitlines()[0]
-    )
-    ap.add_argument("--smoke", action="store_true", help="small counts")
-    ap.add_argument("--repeat", type=int, default=1)
-    args = ap.parse_args(argv)
-    params = WORKLOADS["W6"].params(args.smoke)
-    result = measure(params, args.repeat)["ours"]
-    for rep in result["reps"]:
-        rep.pop("samples_us", None)
-    print(json.dumps(result, indent=1))
-    return 0
+    return standalone("w6", "W6", measure, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ A *cell* is one workload measured on one system in one fresh subprocess (see
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import time
@@ -559,3 +561,24 @@ PEER_LOOPS: dict[str, Callable[[Peer, dict[str, int], int], Result]] = {
     "W5": peer_w5,
     "W8": peer_w8,
 }
+
+
+def standalone(
+    prog: str,
+    workload: str,
+    measure: Callable[[dict[str, Any], int], Result],
+    argv: list[str] | None,
+    doc: str,
+) -> int:
+    """``python -m benchmarks.<prog> [--smoke] [--repeat N]``: one workload, printed as JSON
+    (per-sample lists left out)."""
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{prog}", description=doc)
+    ap.add_argument("--smoke", action="store_true", help="small counts")
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args(argv)
+    result = measure(WORKLOADS[workload].params(args.smoke), args.repeat)
+    result = result.get("ours", result)
+    for rep in result.get("reps", []):
+        rep.pop("samples_us", None)
+    print(json.dumps(result, indent=1))
+    return 0

@@ -220,18 +220,7 @@ class Scheduler(ProgressLoop):
                     self._send(member, WorkerDispatch(g, i))
                 did = True
                 continue
-            gone = [m for m in lanes if m is not None and m.gone is not None]
-            if gone:
-                gq.popleft()
-                self._fail_slot(
-                    g,
-                    FailureInfo(
-                        Outcome.ENDPOINT_FAILURE,
-                        f"worker {gone[0].worker_id} is gone: {gone[0].gone}",
-                        worker_id=gone[0].worker_id,
-                    ),
-                )
-                self._maybe_finish_run(g.run)
+            if self._fail_if_gone(gq, g, lanes):
                 did = True
                 continue
             for m in lanes:
@@ -423,18 +412,7 @@ class Scheduler(ProgressLoop):
                         self._send(member, WorkerDispatch(g, i))
                     did = True
                     continue
-                gone = [m for m in lanes if m is not None and m.gone is not None]
-                if gone:
-                    gq.popleft()
-                    self._fail_slot(
-                        g,
-                        FailureInfo(
-                            Outcome.ENDPOINT_FAILURE,
-                            f"worker {gone[0].worker_id} is gone: {gone[0].gone}",
-                            worker_id=gone[0].worker_id,
-                        ),
-                    )
-                    self._maybe_finish_run(g.run)
+                if self._fail_if_gone(gq, g, lanes):
                     did = True
                     continue
                 for m in lanes:
@@ -580,6 +558,26 @@ class Scheduler(ProgressLoop):
                 self._maybe_finish_run(slot.run)
                 did = True
         return did
+
+    def _fail_if_gone(
+        self, gq: deque[TaskSlot], g: TaskSlot, lanes: list[WorkerThread | None]
+    ) -> bool:
+        """Pop and fail group ``g``, the head of ``gq``, when one of its targets will never
+        return."""
+        gone = next((m for m in lanes if m is not None and m.gone is not None), None)
+        if gone is None:
+            return False
+        gq.popleft()
+        self._fail_slot(
+            g,
+            FailureInfo(
+                Outcome.ENDPOINT_FAILURE,
+                f"worker {gone.worker_id} is gone: {gone.gone}",
+                worker_id=gone.worker_id,
+            ),
+        )
+        self._maybe_finish_run(g.run)
+        return True
 
     def _sub_capacity(self) -> int:
         """SUB workers that can still run a task: live ones, or all of them while dead

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+from simpler_daemon.endpoints.local import proc_state
+
 T = TypeVar("T")
 
 
@@ -73,12 +75,26 @@ def _ancestors(pid: int) -> Iterator[int]:
         yield pid
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    return proc_state(pid) not in ("", "Z")
+
+
+def stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped (SIGSTOP, or traced)."""
+    return proc_state(pid) in ("T", "t")
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """Every live process below ``pid`` (default: this one), recursively."""
+    out: set[int] = set()
+    todo = list(child_pids(pid))
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(child_pids(p))
+    return out
 
 
 def foreign_heap(name: str) -> bool:
@@ -89,7 +105,7 @@ def foreign_heap(name: str) -> bool:
     if m is None:
         return False
     pid, me = int(m.group(1)), os.getpid()
-    return pid != me and _alive(pid) and me not in _ancestors(pid)
+    return pid != me and alive(pid) and me not in _ancestors(pid)
 
 
 def leaked_shm(before: set[str]) -> set[str]:

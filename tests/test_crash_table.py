@@ -60,7 +60,7 @@ import pytest
 from simpler_daemon import CallConfig, RunCancelled, RunState, Tag, TaskArgs, TaskError, Worker
 from simpler_daemon.callables import CallableHandle, spec_for_object
 from simpler_daemon.errors import RegistrationError
-from simpler_daemon.testing import child_pids, poll_for
+from simpler_daemon.testing import alive, child_pids, descendants, poll_for, stopped
 from simpler_daemon.worker import RunHandle
 from tests import tasks
 from tests.tasks import targs
@@ -202,35 +202,6 @@ def write_crashing_module(directory: Path, fault: str) -> tuple[str, Path]:
 
 
 # -- process bookkeeping ---------------------------------------------------------------------------
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def descendants(pid: int | None = None) -> set[int]:
-    """Every process below ``pid`` (default: this one), recursively."""
-    out: set[int] = set()
-    todo = list(child_pids(pid))
-    while todo:
-        p = todo.pop()
-        if p not in out:
-            out.add(p)
-            todo.extend(child_pids(p))
-    return out
 
 
 # -- one Worker per cell, seen through its victim ---------------------------------------------------

@@ -32,7 +32,7 @@ from simpler_daemon.endpoints.base import EventKind, Outcome
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import EndpointError
 from simpler_daemon.mailbox import ControlOp
-from simpler_daemon.testing import poll_for
+from simpler_daemon.testing import alive, poll_for
 from tests.test_chip_loop import SPECS as CHIP_SPECS
 from tests.test_chip_loop import ChipRig
 from tests.test_nested import closing, l3_worker, l4_worker, subtree
@@ -106,14 +106,6 @@ def _pids(w: Worker, kind: str = "sub") -> list[int]:
     return [r["pid"] for r in _rows(w, kind)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
 def _drive(w: Worker) -> bool:
     """One empty run: the Scheduler notices deaths and replaces; False (for ``or``)."""
     w.run(lambda o, a, c: None)
@@ -156,7 +148,7 @@ def test_a_sub_task_ignoring_its_deadline_is_killed_and_replaced(task: Any) -> N
         assert "deadline exceeded (200 ms)" in str(err)
         assert "sub worker 0" in str(err) and err.worker_id == 0
         poll_for(lambda: _replaced(w, "sub", 1), timeout=30, message="not replaced")
-        assert not _alive(victim)
+        assert not alive(victim)
         out = w.alloc((2,), "int64")
         _one(w, probe, out, CallConfig()).wait(30)
         assert out[0] not in (0, victim)
@@ -218,7 +210,7 @@ def test_a_nested_l3_child_ignoring_its_deadline_is_killed_and_replaced() -> Non
         assert time.monotonic() - t0 < 20.0  # not the orchestration's 30 s
         assert "deadline exceeded (300 ms)" in str(info.value)
         poll_for(lambda: _replaced(w4, "l3", 1), timeout=60, message="L3 child not replaced")
-        assert not _alive(old)
+        assert not alive(old)
         seen |= subtree(w4)
 
 
@@ -282,7 +274,7 @@ def test_children_a_fork_server_started_outlive_it() -> None:
         (replacement,) = _pids(w)
         assert os.getppid() != replacement and replacement in _own_children()
         _kill_every_server(w)
-        assert _alive(replacement)
+        assert alive(replacement)
         out = w.alloc((2,), "int64")
         _one(w, probe, out, CallConfig()).wait(30)
         assert out[0] == replacement
@@ -296,7 +288,7 @@ def _kill_every_server(w: Worker) -> None:
         live = _servers(w)
         if live:
             os.kill(live[0], signal.SIGKILL)
-            poll_for(lambda: not _alive(live[0]), timeout=10)
+            poll_for(lambda: not alive(live[0]), timeout=10)
         return not live
 
     poll_for(gone, timeout=60, message="fork servers kept coming back")
@@ -350,7 +342,7 @@ def test_a_stopped_child_with_a_task_in_flight_is_killed_and_replaced() -> None:
             handle.wait(30)
         assert f"pid {victim}" in str(info.value)
         poll_for(lambda: _replaced(w, "sub", 1), timeout=30, message="not replaced")
-        assert not _alive(victim)
+        assert not alive(victim)
 
 
 def test_a_control_that_times_out_kills_and_replaces_its_child() -> None:
@@ -362,7 +354,7 @@ def test_a_control_that_times_out_kills_and_replaces_its_child() -> None:
         with pytest.raises(EndpointError, match="timed out"):
             asyncio.run(ep.control(ControlOp.PING, timeout=0.3))
         poll_for(lambda: _replaced(w, "sub", 1), timeout=30, message="not replaced")
-        assert not _alive(victim) and _pids(w) != [victim]
+        assert not alive(victim) and _pids(w) != [victim]
 
 
 # -- item 18: the death of a replaced child names its status -----------------------------------------
@@ -394,7 +386,7 @@ def test_a_grandchild_forked_inside_a_task_dies_at_close() -> None:
         t = w.alloc((2,), "int64")
         w.run(lambda o, a, c: o.submit_sub(h, TaskArgs().add_tensor(t, Tag.OUTPUT)))
         grandchild = int(t[1])
-        assert grandchild and _alive(grandchild)
+        assert grandchild and alive(grandchild)
         fd = os.pidfd_open(grandchild)
     finally:
         w.close()

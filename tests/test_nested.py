@@ -30,7 +30,7 @@ from simpler_daemon import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle, spec_for_object
 from simpler_daemon.errors import RegistrationError, StartupError, TaskError, WorkerClosedError
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
-from simpler_daemon.testing import child_pids, poll_for
+from simpler_daemon.testing import alive, child_pids, poll_for
 from simpler_daemon.worker import Worker, WorkerState
 
 pytestmark = pytest.mark.timeout(90)
@@ -117,14 +117,6 @@ def l4_call(
 
 
 # -- process bookkeeping ---------------------------------------------------------------------------------
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def subtree(w4: Worker) -> set[int]:
