@@ -146,6 +146,92 @@ class TensorDesc:
         return self.buffer_id
 
 
+class ViewError(ValueError):
+    """A tensor view that does not fit its buffer; ``field`` is the part to blame
+    (``shape``, ``strides`` or ``byte_offset``)."""
+
+    def __init__(self, field: str, text: str) -> None:
+        super().__init__(text)
+        self.field = field
+
+
+_I64_MAX: Final = (1 << 63) - 1
+
+
+def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """The strides of a C-contiguous view of ``shape``."""
+    out: list[int] = []
+    acc = itemsize
+    for dim in reversed(shape):
+        out.append(acc)
+        acc *= dim
+    return tuple(reversed(out))
+
+
+def check_view(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    itemsize: int,
+    byte_offset: int,
+    nbytes: int,
+    *,
+    max_view_bytes: int,
+    strides_given: bool = True,
+    what: str = "the buffer",
+) -> tuple[int, int]:
+    """Check a view described by numbers against its buffer of ``nbytes`` bytes and
+    return the half-open byte range ``[lo, hi)`` it touches.
+
+    Every byte reachable must lie in the buffer: ``byte_offset`` plus the sum of
+    ``(dim - 1) * stride`` over the negative strides is at least 0, and with the
+    positive ones plus ``itemsize`` at most ``nbytes``. A zero-size view touches
+    nothing. The view's logical size (elements x itemsize) is bounded by
+    ``max_view_bytes`` as well: a stride-0 view over one byte is inside its buffer
+    whatever its shape, and 2**40 elements would keep a task busy for days.
+
+    Raises :class:`ViewError` naming the field to blame (an overrun is blamed on
+    ``strides`` when they were given, else on ``shape``: C-contiguous strides follow it).
+    """
+    if len(shape) > MAX_NDIM:
+        raise ViewError("shape", f"{len(shape)} dimensions, at most {MAX_NDIM}")
+    if len(strides) != len(shape):
+        raise ViewError("strides", f"{len(strides)} strides for {len(shape)} dimensions")
+    for i, dim in enumerate(shape):
+        if not 0 <= dim <= _I64_MAX:
+            raise ViewError("shape", f"dimension {i} is {dim}, outside 0..{_I64_MAX}")
+    for i, stride in enumerate(strides):
+        if not -_I64_MAX <= stride <= _I64_MAX:
+            raise ViewError("strides", f"stride {i} is {stride}, outside +-{_I64_MAX}")
+    if not 0 <= byte_offset <= nbytes:
+        raise ViewError("byte_offset", f"{byte_offset} is outside {what} of {nbytes} bytes")
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if elements == 0:
+        return (byte_offset, byte_offset)
+    if elements * itemsize > max_view_bytes:
+        raise ViewError(
+            "shape",
+            f"{'x'.join(map(str, shape))} is {elements} elements of {itemsize} bytes, "
+            f"more than the {max_view_bytes} bytes a view may present",
+        )
+    lo = hi = byte_offset
+    for dim, stride in zip(shape, strides, strict=True):
+        span = (dim - 1) * stride
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    hi += itemsize
+    if lo < 0 or hi > nbytes:
+        blame = "byte_offset" if byte_offset + itemsize > nbytes else None
+        raise ViewError(
+            blame or ("strides" if strides_given else "shape"),
+            f"the view reaches bytes [{lo}, {hi}): it overruns {what} of {nbytes} bytes",
+        )
+    return (lo, hi)
+
+
 class TaskArgs:
     """Tensors (with tags) and u64 scalars passed to one task.
 

@@ -20,7 +20,8 @@ import hashlib
 import importlib
 import re
 import struct
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final, Literal
@@ -127,13 +128,121 @@ def parse_import_path(target: str) -> tuple[str, str]:
     return module, qualname
 
 
-def resolve_import(module: str, qualname: str) -> Callable[..., Any]:
-    """Import ``module`` and walk ``qualname``; raises ImportError/AttributeError/TypeError."""
+def module_allowed(module: str, allowed: Sequence[str]) -> bool:
+    """Whether ``module`` lies under an allow-list entry.
+
+    ``"pkg"`` and ``"pkg."`` both allow ``pkg`` itself and every ``pkg.x`` below it,
+    never ``pkgfoo``: a prefix always ends at a dot.
+    """
+    for entry in allowed:
+        base = entry[:-1] if entry.endswith(".") else entry
+        if base and (module == base or module.startswith(base + ".")):
+            return True
+    return False
+
+
+#: The process-wide allow-list (:func:`restrict_imports`); ``None``: unrestricted.
+_import_policy: tuple[str, ...] | None = None
+
+
+def restrict_imports(allowed: Sequence[str] | None) -> None:
+    """Make every :func:`resolve_import` of this process (and of the children it forks
+    afterwards) apply the allow-list ``allowed``; ``None`` lifts it.
+
+    The daemon sets it before it forks its workers: a child resolves the import paths
+    it is sent by itself, and the parent never imports a SUB callable.
+    """
+    global _import_policy
+    _import_policy = None if allowed is None else tuple(allowed)
+
+
+def import_policy() -> tuple[str, ...] | None:
+    """The allow-list :func:`restrict_imports` set, ``None`` when there is none."""
+    return _import_policy
+
+
+def resolve_import(
+    module: str, qualname: str, allowed: Sequence[str] | None = None
+) -> Callable[..., Any]:
+    """Import ``module`` and walk ``qualname``; raises ImportError/AttributeError/TypeError.
+
+    Under an allow-list (``allowed``, else the one of :func:`restrict_imports`) the
+    target must be a function defined in an allowed module, or a method of a class
+    defined in one (``Cls.m``): a ``PermissionError`` naming the path and the reason
+    otherwise (see :func:`_resolve_allowed`).
+    """
+    policy = _import_policy if allowed is None else tuple(allowed)
+    if policy is not None:
+        return _resolve_allowed(module, qualname, policy)
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{module}:{qualname} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]
+
+
+#: What an allow-listed import path may name: a Python function, a bound method (a
+#: classmethod reached through its class) or a C function.
+_FUNCTION_TYPES: Final = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
+def _allowed_text(allowed: Sequence[str]) -> str:
+    return ", ".join(allowed) or "nothing"
+
+
+def _resolve_allowed(module: str, qualname: str, allowed: tuple[str, ...]) -> Callable[..., Any]:
+    """The allow-listed walk: checking only the module is not enough, since an attribute
+    chain reaches anything the module imported (``tasks:np.f2py.subprocess.Popen``).
+
+    * the module is under ``allowed``;
+    * the first name is looked up in the module's own namespace (no module
+      ``__getattr__``, which may import more code);
+    * every step before the last is a class whose ``__module__`` is allowed, never
+      a module;
+    * the target is a Python function, a method, or a C function, whose
+      ``__module__`` is allowed (``os.system`` imported into an allowed module is
+      still ``posix``'s).
+    """
+    path = f"{module}:{qualname}"
+    if not module_allowed(module, allowed):
+        raise PermissionError(
+            f"cannot use {path}: module {module!r} is not under the allowed modules "
+            f"({_allowed_text(allowed)})"
+        )
+    obj: Any = importlib.import_module(module)
+    walked = ""
+    parts = qualname.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(obj, types.ModuleType):
+            try:
+                obj = vars(obj)[part]
+            except KeyError:
+                raise AttributeError(f"module {module!r} has no attribute {part!r}") from None
+        else:
+            obj = getattr(obj, part)
+        walked = f"{walked}.{part}" if walked else part
+        if isinstance(obj, types.ModuleType):
+            raise PermissionError(
+                f"cannot use {path}: {walked!r} is the module {obj.__name__!r}; a qualname "
+                "must not reach into another module"
+            )
+        if i < len(parts) - 1 and not isinstance(obj, type):
+            raise PermissionError(
+                f"cannot use {path}: {walked!r} is of type {type(obj).__name__}, not a class "
+                "(only a class's methods may be named through a dot)"
+            )
+        if i == len(parts) - 1 and not isinstance(obj, _FUNCTION_TYPES):
+            raise PermissionError(
+                f"cannot use {path}: it is of type {type(obj).__name__}, not a function"
+            )
+        owner = getattr(obj, "__module__", None)
+        if not isinstance(owner, str) or not module_allowed(owner, allowed):
+            raise PermissionError(
+                f"cannot use {path}: {walked!r} is defined in "
+                f"{'no module' if owner is None else repr(owner)}, outside the allowed "
+                f"modules ({_allowed_text(allowed)})"
+            )
     return obj  # type: ignore[no-any-return]
 
 

@@ -27,6 +27,20 @@ def no_leaked_children() -> Iterator[None]:
     assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_process_policy() -> Iterator[None]:
+    """A test that runs ``Daemon.prepare()`` in this process sets the process-wide import
+    allow-list and task-time ceiling the daemon sets for itself; later tests must not
+    inherit them."""
+    from simpler_daemon import callables
+    from simpler_daemon.endpoints import local
+
+    policy, ceiling = callables.import_policy(), local._max_task_ms
+    yield
+    callables.restrict_imports(policy)
+    local._max_task_ms = ceiling
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:

@@ -196,7 +196,7 @@ CASES: list[tuple[str, Callable[[Ctx], Any], grpc.StatusCode, str]] = [
         "view overruns",
         lambda c: _submit(c, _sub(c, _ref(c.buf, shape=[9]))),
         Code.INVALID_ARGUMENT,
-        "tasks[0].members[0].tensors[0]: cannot describe tensor: view [0, 36)",
+        "tasks[0].members[0].tensors[0].shape: the view reaches bytes [0, 36)",
     ),
     (
         "offset overruns",
@@ -633,7 +633,8 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
 def test_tcp_requires_the_bearer_token(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     token = tmp_path / "token"
-    token.write_text("s3cret-token\n")
+    token.write_text("s3cret-token-0123456789\n")
+    token.chmod(0o600)
     overrides = {
         "grpc": {
             "tcp_listen": "127.0.0.1:0",
@@ -659,7 +660,7 @@ def test_tcp_requires_the_bearer_token(tmp_path: Path) -> None:
             with tcp(tok) as c, pytest.raises(grpc.RpcError) as info:
                 list(c.watch(1))
             assert info.value.code() == Code.UNAUTHENTICATED
-        with tcp("s3cret-token") as c:
+        with tcp("s3cret-token-0123456789") as c:
             assert c.get_info().pid == d.pid
             fill = c.register(f"{EXAMPLES}:fill")
             buf = c.alloc_array(np.zeros(4, dtype=np.int32))

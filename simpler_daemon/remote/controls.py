@@ -164,7 +164,7 @@ def check_target(target: str, kind: Kind, hashid: str, allowed_modules: tuple[st
             f"hashid {hashid} does not match target {target!r} (expected {spec.handle.hashid})"
         )
     try:
-        return resolve_import(module, qualname)
+        return resolve_import(module, qualname, allowed_modules)
     except Exception as exc:
         raise InstallError(
             f"target {target!r} cannot be imported: {type(exc).__name__}: {exc}"

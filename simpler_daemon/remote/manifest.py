@@ -27,13 +27,18 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
 import msgspec
 
-from simpler_daemon.callables import parse_import_path, spec_for_chip, spec_for_import
+# module_allowed lives with the resolver that applies it to every step of a qualname.
+from simpler_daemon.callables import (
+    module_allowed,
+    parse_import_path,
+    spec_for_chip,
+    spec_for_import,
+)
 from simpler_daemon.errors import ProtocolError, RegistrationError, SimplerError
 
 __all__ = [
@@ -172,19 +177,6 @@ class ManifestLimits:
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def module_allowed(module: str, allowed: Sequence[str]) -> bool:
-    """Whether ``module`` lies under an allow-list entry.
-
-    ``"pkg"`` and ``"pkg."`` both allow ``pkg`` itself and every ``pkg.x`` below it,
-    never ``pkgfoo``: a prefix always ends at a dot.
-    """
-    for entry in allowed:
-        base = entry[:-1] if entry.endswith(".") else entry
-        if base and (module == base or module.startswith(base + ".")):
-            return True
-    return False
 
 
 def decode_manifest(data: bytes) -> Manifest:

@@ -49,7 +49,7 @@ import msgspec
 
 from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import CallConfig
-from simpler_daemon.callables import hashid_of_digest
+from simpler_daemon.callables import hashid_of_digest, restrict_imports
 from simpler_daemon.errors import ProtocolError, TaskError
 from simpler_daemon.remote.controls import (
     IMMEDIATE_CONTROLS,
@@ -153,6 +153,7 @@ class SessionRunner:
         # The dispatcher registry first: nothing is started for a session whose
         # callables are not allowed, do not import, or carry a wrong hashid.
         allowed = tuple(self.spec.allowed_modules)
+        restrict_imports(allowed)  # the inner Worker's children resolve under it too
         for i, c in enumerate(m.callables):
             try:
                 check_target(c.target, c.kind, c.hashid, allowed)

@@ -26,7 +26,17 @@ from typing import Any, Final
 
 import numpy as np
 
-from simpler_daemon.args import MAX_NDIM, MAX_OUTPUT_PREFIX, CallConfig, Tag, TaskArgs, dtype_code
+from simpler_daemon.args import (
+    MAX_NDIM,
+    MAX_OUTPUT_PREFIX,
+    CallConfig,
+    Tag,
+    TaskArgs,
+    ViewError,
+    c_strides,
+    check_view,
+    dtype_code,
+)
 from simpler_daemon.callables import CallableHandle, digest_of, parse_import_path
 from simpler_daemon.errors import RegistrationError, SimplerError
 from simpler_daemon.heap import Buffer
@@ -165,6 +175,7 @@ class Planner:
         self._callables = callables
         self._credentials_dir = credentials_dir
         self._dtypes: dict[str, np.dtype[Any]] = {}
+        self._default_config: CallConfig | None = None
 
     # -- single fields -------------------------------------------------------------------
 
@@ -222,6 +233,25 @@ class Planner:
             )
         return handle
 
+    def task_deadline_ms(self, deadline_ms: int) -> int:
+        """``deadline_ms`` under ``limits.max_task_seconds``: min(deadline_ms, the ceiling),
+        the ceiling when there is no deadline (0). The parent enforces it (it kills the
+        child), here and on a remote worker the config travels to."""
+        ceiling = self._limits.max_task_seconds
+        if ceiling <= 0:
+            return deadline_ms
+        ceiling_ms = max(1, math.ceil(ceiling * 1000))
+        return ceiling_ms if deadline_ms == 0 else min(deadline_ms, ceiling_ms)
+
+    def default_config(self) -> CallConfig | None:
+        """The config of a task that sends none: ``None`` (the engine's default) unless
+        ``limits.max_task_seconds`` gives it a deadline."""
+        if self._limits.max_task_seconds <= 0:
+            return None
+        if self._default_config is None:
+            self._default_config = CallConfig(deadline_ms=self.task_deadline_ms(0))
+        return self._default_config
+
     def call_config(self, msg: Any, field: str) -> CallConfig:
         if msg.deadline_ms >= _U63:
             raise InvalidArgument(f"{field}.deadline_ms", f"{msg.deadline_ms} is too large")
@@ -235,7 +265,7 @@ class Planner:
             )
         try:
             return CallConfig(
-                deadline_ms=msg.deadline_ms,
+                deadline_ms=self.task_deadline_ms(msg.deadline_ms),
                 threads=msg.threads,
                 enable_profile=msg.enable_profile,
                 enable_dump_args=msg.enable_dump_args,
@@ -295,6 +325,22 @@ class Planner:
                     f"{where}.strides",
                     f"{len(strides)} strides for {len(shape)} dimensions",
                 )
+            # Every byte the view reaches lies in its buffer, and the view presents at
+            # most as many bytes as the largest buffer: a stride-0 view over one byte
+            # would otherwise claim any shape (2**40 elements pin a worker for days).
+            try:
+                check_view(
+                    shape,
+                    strides if strides is not None else c_strides(shape, dt.itemsize),
+                    dt.itemsize,
+                    ref.byte_offset,
+                    buf.nbytes,
+                    max_view_bytes=limits.max_buffer_bytes,
+                    strides_given=strides is not None,
+                    what=f"buffer {buf.buffer_id}",
+                )
+            except ViewError as exc:
+                raise InvalidArgument(f"{where}.{exc.field}", str(exc)) from exc
             try:
                 desc = heap.describe_buffer(
                     buf.buffer_id,
@@ -524,7 +570,7 @@ class Planner:
             config = (
                 self.call_config(task.config, f"{where}.config")
                 if task.HasField("config")
-                else None
+                else self.default_config()
             )
             args_list: list[TaskArgs] = []
             for m, member in enumerate(members):
