@@ -27,6 +27,7 @@ the same-host zero-copy view of the daemon's heap; every request is built by
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import uuid
@@ -58,6 +59,8 @@ from simpler_daemon.client_requests import (
     write_chunk,
     write_requests,
 )
+from simpler_daemon.heap import SHM_DIR
+from simpler_daemon.localtrust import UntrustedPathError, check_socket_path, open_trusted_heap
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -104,6 +107,12 @@ def _address(target: str) -> tuple[str, bool]:
     return target, True
 
 
+def _unix_path(address: str) -> str:
+    """The file path of a ``unix:path`` / ``unix:///path`` gRPC address."""
+    path = address.removeprefix("unix:")
+    return path[2:] if path.startswith("///") else path
+
+
 def _read(path: str | None) -> bytes | None:
     if not path:
         return None
@@ -127,6 +136,13 @@ class _Base:
     ) -> None:
         self.target = target or default_target()
         self.address, self.tcp = _address(self.target)
+        #: The uid trusted to own the daemon's heap besides ours and root's (the owner of
+        #: a trusted socket directory); None over TCP.
+        self._daemon_uid: int | None = None
+        if self.address.startswith("unix:"):
+            # Refuse a socket someone else could have planted (a directory in /tmp made
+            # by another user would receive our connection): UntrustedPathError.
+            self._daemon_uid = check_socket_path(_unix_path(self.address))
         self.timeout = call_deadline(check_wait(timeout, "timeout"), 0.0)
         self.client_id = client_id or uuid.uuid4().hex[:16]
         self.metadata: tuple[tuple[str, str], ...] = ((CLIENT_ID_METADATA, self.client_id),)
@@ -159,44 +175,60 @@ class _Base:
             if server_name:
                 self.options.append(("grpc.ssl_target_name_override", server_name))
         self._chunk: int | None = None
-        self._heaps: dict[str, mmap.mmap] = {}
         self._open()
 
     def _view(self, info: Any) -> np.ndarray[Any, Any]:
-        """Zero-copy view of a buffer described by a ``BufferInfo`` (same host only)."""
+        """Zero-copy view of the buffer a ``BufferInfo`` describes (same host only).
+
+        Only the pages holding that buffer are mapped, never the whole heap (the other
+        buffers may be other clients'), and only from a heap file the client trusts: a
+        regular file (not a symlink) owned by the client's user, root or the daemon's
+        user, that nobody else can write."""
+        buffer_id = info.buffer_id
         name = info.heap_name
         if not name:
             raise ValueError(
-                f"cannot map buffer {info.buffer_id}: the daemon's heap is not shared "
+                f"cannot map buffer {buffer_id}: the daemon's heap is not shared "
                 "(workers.heap_shared = false); use write_buffer / read_buffer"
             )
         if "/" in name or not name.startswith("simpler-heap-"):
-            raise ValueError(f"cannot map buffer {info.buffer_id}: unexpected heap name {name!r}")
-        heap = self._heaps.get(name)
-        if heap is None:
-            try:
-                fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_CLOEXEC)
-            except OSError as exc:
+            raise ValueError(f"cannot map buffer {buffer_id}: unexpected heap name {name!r}")
+        dt = np.dtype(info.dtype)
+        shape = tuple(int(d) for d in info.shape)
+        need = math.prod(shape) * dt.itemsize
+        offset, nbytes = int(info.heap_offset), int(info.nbytes)
+        if need > nbytes:
+            raise ValueError(
+                f"cannot map buffer {buffer_id}: shape {shape} of {dt.name} needs {need} "
+                f"bytes, the buffer has {nbytes}"
+            )
+        path = os.path.join(SHM_DIR, name)
+        owners = {0, os.geteuid()}
+        if self._daemon_uid is not None:
+            owners.add(self._daemon_uid)
+        try:
+            fd, size = open_trusted_heap(path, owners)
+        except UntrustedPathError as exc:
+            raise ValueError(f"cannot map buffer {buffer_id}: {exc}") from exc
+        except OSError as exc:
+            raise ValueError(
+                f"cannot map buffer {buffer_id}: heap {path}: {exc.strerror} "
+                "(map_buffer works on the daemon's host, as its user)"
+            ) from exc
+        try:
+            if offset + nbytes > size:
                 raise ValueError(
-                    f"cannot map buffer {info.buffer_id}: heap /dev/shm/{name}: {exc.strerror} "
-                    "(map_buffer works on the daemon's host, as its user)"
-                ) from exc
-            try:
-                heap = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-            self._heaps[name] = heap
-        return np.ndarray(
-            tuple(info.shape), dtype=np.dtype(info.dtype), buffer=heap, offset=info.heap_offset
-        )
-
-    def _release_heaps(self) -> None:
-        heaps, self._heaps = self._heaps, {}
-        for heap in heaps.values():
-            try:
-                heap.close()
-            except BufferError:
-                pass  # arrays from map_buffer still view it; unmapped when they are freed
+                    f"cannot map buffer {buffer_id}: its bytes [{offset}, {offset + nbytes}) "
+                    f"lie outside heap {path} of {size} bytes"
+                )
+            if need == 0:
+                return np.zeros(shape, dtype=dt)  # no bytes to share: nothing to map
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            region = mmap.mmap(fd, offset + need - start, flags=mmap.MAP_SHARED, offset=start)
+        finally:
+            os.close(fd)
+        # The array keeps ``region`` alive; it is unmapped when the array is collected.
+        return np.ndarray(shape, dtype=dt, buffer=region, offset=offset - start)
 
     def _find_buffer(self, listing: Any, buffer_id: int) -> Any:
         for info in listing.buffers:
@@ -215,7 +247,9 @@ class Client(_Base):
     ``token_file`` for the bearer token, ``root_certificates`` for a private CA,
     ``client_cert``/``client_key`` for mutual TLS, ``server_name`` to override
     the name checked against the certificate). ``timeout`` is the default
-    deadline of unary calls (None = no deadline).
+    deadline of unary calls (None = no deadline). A Unix socket is checked first:
+    ``UntrustedPathError`` (a ``PermissionError``) when a user other than this one or
+    root could have put it, or its directory, there (see :mod:`simpler_daemon.localtrust`).
     """
 
     def _open(self) -> None:
@@ -226,7 +260,6 @@ class Client(_Base):
         self.stub = pb_grpc.DaemonStub(self.channel)
 
     def close(self) -> None:
-        self._release_heaps()
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -322,8 +355,10 @@ class Client(_Base):
 
     def map_buffer(self, buffer_id: int) -> np.ndarray[Any, Any]:
         """A NumPy array over the buffer's bytes in the daemon's shared heap: writes are
-        seen by tasks without any copy. Local clients only (same host, the daemon's user);
-        raises ``ValueError`` otherwise or when the heap is not shared."""
+        seen by tasks without any copy. Only that buffer's pages are mapped, from a heap
+        file the client trusts. Local clients only (same host, the daemon's user);
+        raises ``KeyError`` for a buffer the caller cannot list, ``ValueError`` otherwise
+        or when the heap is not shared or not trusted."""
         return self._view(self._find_buffer(self.list_buffers(), buffer_id))
 
     def alloc_array(self, array: np.ndarray[Any, Any], label: str = "") -> int:
@@ -438,7 +473,6 @@ class AsyncClient(_Base):
         self.stub = pb_grpc.DaemonStub(self.channel)
 
     async def close(self) -> None:
-        self._release_heaps()
         await self.channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -6,7 +6,9 @@ same bytes. The parent owns allocation; children only build views.
 
 A heap is anonymous by default (nothing in ``/dev/shm`` can leak). A named
 heap (for local clients that map it by name) is a ``/dev/shm`` file that is
-unlinked at close and swept at start when its creator is gone.
+unlinked at close and swept at start when its creator is gone; it is reserved
+in full at creation (``posix_fallocate``), so a full ``/dev/shm`` is a start-up
+error rather than a SIGBUS on some later first write.
 
 Freed buffers are reused only after every task slot that captured them has
 retired: slots ``pin`` buffers at submit and ``unpin`` them when they retire.
@@ -23,6 +25,7 @@ pins them.
 from __future__ import annotations
 
 import bisect
+import errno
 import math
 import mmap
 import operator
@@ -35,6 +38,7 @@ from typing import Any, Final
 import numpy as np
 
 from simpler_daemon.args import MAX_NDIM, TensorDesc, dtype_code, dtype_of
+from simpler_daemon.errors import StartupError
 
 ALIGN: Final = 64
 SHM_DIR: Final = "/dev/shm"
@@ -71,10 +75,15 @@ class Heap:
         if name is None:
             self.mmap = mmap.mmap(-1, self.size, flags=mmap.MAP_SHARED)
         else:
-            self.path = os.path.join(SHM_DIR, name)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            directory = SHM_DIR  # read at call time: tests point it at a small tmpfs
+            self.path = os.path.join(directory, name)
+            fd = os.open(
+                self.path,
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+            )
             try:
-                os.ftruncate(fd, self.size)
+                _reserve(fd, self.size, directory)
                 self.mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
             except BaseException:
                 os.unlink(self.path)
@@ -403,6 +412,29 @@ class Heap:
             # Arrays handed to the user still view the mapping; it is released
             # when the last of them is collected.
             pass
+
+
+def _reserve(fd: int, size: int, directory: str) -> None:
+    """Back every page of a named heap now: a sparse file would SIGBUS the first process
+    that touches a page the file system cannot provide (a full ``/dev/shm``).
+    ``StartupError`` saying how much space there is when it cannot."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise StartupError(
+                f"cannot create the heap: reserving {size} bytes in {directory} failed: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        try:
+            vfs = os.statvfs(directory)
+            free = f"{vfs.f_bavail * vfs.f_frsize} bytes free"
+        except OSError:
+            free = "too little space"
+        raise StartupError(
+            f"cannot create the heap: {directory} has {free}, the heap needs {size} bytes "
+            "(free space there, or lower workers.heap_bytes)"
+        ) from exc
 
 
 def check_shape(shape: Any) -> tuple[int, ...]:
