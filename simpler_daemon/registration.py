@@ -42,6 +42,7 @@ onto a replacement child.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -57,6 +58,8 @@ from simpler_daemon.callables import (
 from simpler_daemon.endpoints.local import CONTROL_TIMEOUT_S, LocalMailboxEndpoint
 from simpler_daemon.errors import ControlError, EndpointError, RegistrationError
 from simpler_daemon.mailbox import ControlOp
+
+log = logging.getLogger("simpler_daemon.registration")
 
 
 def spec_for(fn: Callable[..., Any] | str, kind: Role) -> CallableSpec:
@@ -269,17 +272,62 @@ async def register_on_all(
     entry = registry.lookup(hashid)
     assert entry is not None
     entry.settled = done = loop.create_future()
+
+    async def broadcast() -> None:
+        try:
+            await install_all(spec, targets, f"cannot register {spec.handle.name}")
+        except BaseException as exc:
+            registry.abort_register(hashid)
+            _settle(done, exc, f"cannot register {spec.handle.name}")
+            raise
+        finally:
+            entry.settled = None
+        registry.commit_register(hashid)
+        done.set_result(None)
+
+    # The broadcast runs to its end even when this caller is cancelled (a client's
+    # deadline): a control cut in half would leave children holding a callable the
+    # registry does not know. The caller's reference is then dropped the normal way.
+    task = loop.create_task(broadcast())
     try:
-        await install_all(spec, targets, f"cannot register {spec.handle.name}")
-    except BaseException as exc:
-        registry.abort_register(hashid)
-        _settle(done, exc, f"cannot register {spec.handle.name}")
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _BACKGROUND.add(task)
+        task.add_done_callback(lambda t: _drop_abandoned(t, registry, spec, targets))
         raise
-    finally:
-        entry.settled = None
-    registry.commit_register(hashid)
-    done.set_result(None)
     return spec.handle
+
+
+#: Broadcasts whose caller went away, kept referenced until they and their undo end.
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _drop_abandoned(
+    task: asyncio.Task[None],
+    registry: CallableRegistry,
+    spec: CallableSpec,
+    targets: Sequence[RegistrationTarget],
+) -> None:
+    """A registration whose caller was cancelled: drop the reference it took, once the
+    broadcast has ended (uninstalling it when it was the last one)."""
+    _BACKGROUND.discard(task)
+    if task.cancelled() or task.exception() is not None:
+        return  # rolled back already
+    undo = task.get_loop().create_task(
+        unregister_on_all(registry, spec.handle, lambda _spec: targets)
+    )
+    _BACKGROUND.add(undo)
+
+    def settled(t: asyncio.Task[None]) -> None:
+        _BACKGROUND.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning(
+                "cannot drop the registration of %s its caller abandoned: %s",
+                spec.handle.name,
+                t.exception(),
+            )
+
+    undo.add_done_callback(settled)
 
 
 async def unregister_on_all(

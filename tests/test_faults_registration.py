@@ -287,3 +287,40 @@ def test_a_level4_worker_with_nowhere_to_run_a_sub_callable_fails_init() -> None
     with pytest.raises(StartupError, match=r"cannot init: .*noop.*no SUB workers"):
         w4.init()
     w4.close()
+
+
+# -- a register whose caller is cancelled (issue 15 item 8) ----------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_cancelled_register_ends_its_broadcast_and_drops_its_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that gives up (a client's deadline) while the children import: the
+    controls still end, the reference the caller took is dropped, and registration keeps
+    working for everyone."""
+    marker = tmp_path / "importing"
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_MARKER", str(marker))
+    monkeypatch.setenv("SIMPLER_TEST_IMPORT_SLEEP", "0.5")
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
+    async with w:
+        slow = asyncio.ensure_future(w.register_async("tests.helpers_slow_import:fn"))
+        deadline = asyncio.get_running_loop().time() + 20
+        while not marker.exists():
+            assert asyncio.get_running_loop().time() < deadline, "no child started the import"
+            await asyncio.sleep(0.005)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        hashid = registration_mod.spec_for("tests.helpers_slow_import:fn", "sub").handle.hashid
+        while w.registry.lookup(hashid) is not None:
+            assert asyncio.get_running_loop().time() < deadline, "the abandoned reference stayed"
+            await asyncio.sleep(0.01)
+        # Every endpoint is free for the next control, and a new register works everywhere.
+        h = await w.register_async(tasks.noop)
+        await w.run_async(lambda o, a, c: [o.submit_sub(h, targs()) for _ in range(4)])
+        h2 = await w.register_async("tests.helpers_slow_import:fn")
+        assert w.registry.get(h2.hashid).refcount == 1
+        await w.unregister_async(h2)
+        assert w.registry.lookup(h2.hashid) is None

@@ -211,14 +211,15 @@ def test_manifest_limits_follow_config(tmp_path: Path) -> None:
 
 def test_token_file_is_read_stripped_and_guarded(tmp_path: Path) -> None:
     token = tmp_path / "token"
-    token.write_bytes(b"  s3cret\n")
-    token.chmod(0o640)
+    token.write_bytes(b"  s3cret-s3cret-s3cret\n")
+    token.chmod(0o600)
     config = load_text(tmp_path, f"[auth]\ntoken_file = '{token}'\n")
-    assert cfg.load_credentials(config) == cfg.Credentials(b"s3cret", None)
-    token.chmod(0o644)
-    with pytest.raises(ConfigError, match="others must not read") as info:
-        cfg.load_credentials(config)
-    assert info.value.key == "auth.token_file"
+    assert cfg.load_credentials(config) == cfg.Credentials(b"s3cret-s3cret-s3cret", None)
+    for mode in (0o644, 0o640):  # neither others nor the group may read it
+        token.chmod(mode)
+        with pytest.raises(ConfigError, match="group or others may read") as info:
+            cfg.load_credentials(config)
+        assert info.value.key == "auth.token_file"
     token.chmod(0o600)
     token.write_bytes(b" \n")
     with pytest.raises(ConfigError, match="is empty"):

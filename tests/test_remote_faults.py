@@ -548,7 +548,7 @@ def test_wrong_token_is_refused_before_anything_spawns(
     remote_worker: Callable[..., RemoteWorkerProc], tmp_path: Path
 ) -> None:
     good = tmp_path / "token"
-    good.write_text("the right token\n")
+    good.write_text("the right token, long enough\n")
     good.chmod(0o600)
     bad = tmp_path / "wrong"
     bad.write_text("not the token\n")

@@ -21,7 +21,8 @@ ENDPOINT_FAILURE. Later submissions fail.
 The parent does not trust the child to stop on its own. While a task is in
 flight, each progress round checks (one time comparison; more only when due):
 
-* the task's ``deadline_ms``: past it plus ``DEADLINE_GRACE_S`` since the frame
+* the task's ``deadline_ms`` (capped by :func:`set_max_task_seconds`, the daemon's
+  ``limits.max_task_seconds``): past it plus ``DEADLINE_GRACE_S`` since the frame
   was published (a staged chip frame: since its activation), the child's process
   group is SIGKILLed and the task fails with ``deadline exceeded (N ms)``;
 * every ``STOPPED_POLL_S``, the child's ``/proc`` state: stopped (SIGSTOP) for
@@ -33,7 +34,9 @@ answer later). Either way the dead child is replaced by the normal path.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import signal
 import threading
 import time
@@ -131,9 +134,27 @@ class _Frame:
         self.deadline_at = 0.0
 
 
+#: Ceiling on every task's deadline in ms (:func:`set_max_task_seconds`); 0 = none.
+_max_task_ms = 0
+
+
+def set_max_task_seconds(seconds: float) -> None:
+    """Cap the deadline of every task this process's endpoints publish at ``seconds``
+    (``limits.max_task_seconds``; 0 = no ceiling): a task without a deadline gets this
+    one, a longer one is shortened. Process-wide, so that the tasks an orchestration
+    function submits are capped too; set it before forking (a nested L3 inherits it)."""
+    global _max_task_ms
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"cannot cap task time: {seconds!r} seconds is not >= 0 and finite")
+    _max_task_ms = math.ceil(seconds * 1000) if seconds > 0 else 0
+
+
 def _deadline_ms(config: bytes) -> int:
-    """``CallConfig.deadline_ms``: the first 8 bytes of the encoded config."""
-    return int.from_bytes(config[:8], "little")
+    """``CallConfig.deadline_ms`` (the first 8 bytes of the encoded config), capped by
+    :func:`set_max_task_seconds`."""
+    ms = int.from_bytes(config[:8], "little")
+    cap = _max_task_ms
+    return ms if not cap or (ms and ms <= cap) else cap
 
 
 def proc_state(pid: int) -> str:
@@ -549,21 +570,48 @@ class LocalMailboxEndpoint:
     async def control(
         self, op: ControlOp, digest: bytes = b"", payload: bytes = b"", timeout: float | None = None
     ) -> ControlResult:
-        """Awaitable control; never blocks the event loop."""
-        import asyncio
+        """Awaitable control; never blocks the event loop.
 
+        Cancelling the caller does not cancel the control: once published, it is
+        polled to its end by a task of its own (the child is working on it, and the
+        base frame is busy until it answers), and the next control waits for that.
+        Abandoning it instead would leave the control-in-flight flag set for good,
+        and every later control (registration for every client) would wait forever.
+        """
         delay = 0.0002
         while self._control_op is not None:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.005)
         self.begin_control(op, digest, payload, timeout)
+        task = asyncio.ensure_future(self._finish_control(op))
+        task.add_done_callback(self._control_settled)
+        return await asyncio.shield(task)
+
+    async def _finish_control(self, op: ControlOp) -> ControlResult:
+        """Poll the published control ``op`` until it completes, fails or times out."""
         delay = 0.00005
-        while True:
-            res = self.poll_control()
-            if res is not None:
-                return res
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.005)
+        try:
+            while True:
+                res = self.poll_control()
+                if res is not None:
+                    return res
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.005)
+        except asyncio.CancelledError:
+            # Only the loop's own teardown cancels this task: whether the child applied
+            # the control is unknown, so the child cannot be trusted any more.
+            if self._control_op is op:
+                self._control_op = None
+                self.poison(f"{op.name} abandoned; completion uncertain")
+            raise
+
+    def _control_settled(self, task: asyncio.Future[ControlResult]) -> None:
+        """Retrieve the outcome of a control whose caller may have been cancelled."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.debug("control on %s ended with %s: %s", self.who(), type(exc).__name__, exc)
 
     def _wait_free_sync(self, op: ControlOp) -> None:
         delay = 0.0002

@@ -23,13 +23,13 @@ import ipaddress
 import math
 import os
 import ssl
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
 import msgspec
 
+from simpler_daemon.authguard import check_private_file, read_token_file
 from simpler_daemon.configfile import (
     ConfigSchema,
     Invalid,
@@ -42,7 +42,6 @@ from simpler_daemon.configfile import (
 from simpler_daemon.errors import ConfigError
 from simpler_daemon.remote.manifest import (
     MAX_MANIFEST_BYTES,
-    MAX_TOKEN_BYTES,
     ManifestLimits,
     module_allowed,
 )
@@ -316,8 +315,9 @@ class Credentials:
 def load_credentials(config: RemoteWorkerConfig) -> Credentials:
     """Read the token file and build the TLS context; ``ConfigError`` naming the key.
 
-    A token file readable or writable by others is refused: the token is the only
-    thing between the network and code execution.
+    A token or key file its group or others may read is refused, and so is a token
+    shorter than ``MIN_TOKEN_BYTES``: the token is the only thing between the network
+    and code execution.
     """
     token = b""
     if config.auth.token_file:
@@ -329,29 +329,8 @@ def load_credentials(config: RemoteWorkerConfig) -> Credentials:
 
 
 def _read_token(path: str) -> bytes:
-    key = "auth.token_file"
-    try:
-        with open(path, "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            data = fh.read(64 << 10)
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}", key=key) from exc
-    if not stat.S_ISREG(mode):
-        raise ConfigError(f"{key}: {path} is not a regular file", key=key)
-    if mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise ConfigError(
-            f"{key}: {path} has mode {stat.S_IMODE(mode):04o}; others must not read or write "
-            "the token (chmod 600 or 640)",
-            key=key,
-        )
-    token = data.strip()
-    if not token:
-        raise ConfigError(f"{key}: {path} is empty", key=key)
-    if len(token) > MAX_TOKEN_BYTES:
-        raise ConfigError(
-            f"{key}: {path} holds {len(token)} bytes, at most {MAX_TOKEN_BYTES} allowed", key=key
-        )
-    return token
+    # At least MIN_TOKEN_BYTES, mode 0600 (no group or other bits): authguard's rules.
+    return read_token_file(path, "auth.token_file")
 
 
 def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
@@ -365,6 +344,7 @@ def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
             f"tls.cert_file: cannot load {tls.cert_file} with key {tls.key_file}: {exc}",
             key="tls.cert_file",
         ) from exc
+    check_private_file(tls.key_file, "tls.key_file")
     if tls.client_ca_file:
         try:
             context.load_verify_locations(cafile=tls.client_ca_file)

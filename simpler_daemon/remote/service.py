@@ -49,6 +49,7 @@ from typing import Any, Final
 import msgspec
 
 from simpler_daemon import __version__
+from simpler_daemon.authguard import FailedAuthLimiter
 from simpler_daemon.configfile import add_set_option, overrides_from_set
 from simpler_daemon.errors import ConfigError, ProtocolError, StartupError
 from simpler_daemon.remote import config as cfg
@@ -121,6 +122,10 @@ class _Refused(Exception):
     """Ends a connection with ``{"ok": false, "error": str(exc)}``."""
 
 
+class _AuthFailed(_Refused):
+    """A wrong token: counted against the peer's host (``FailedAuthLimiter``)."""
+
+
 class _StartFailed(Exception):
     """The runner did not become ready; the error gets its exit status and output tail
     once its process group has been reclaimed."""
@@ -146,6 +151,8 @@ class RemoteWorkerService:
         self.config = config
         self._token = credentials.token
         self._ssl = credentials.ssl_context
+        #: Hosts that sent too many wrong tokens are refused a while (not even compared).
+        self.auth_limiter = FailedAuthLimiter()
         self._limits = cfg.manifest_limits(config)
         self.notifier = notifier or SystemdNotifier(None)
         self._runner_argv = list(runner_argv or (sys.executable, "-m", _RUNNER_MODULE))
@@ -260,11 +267,18 @@ class RemoteWorkerService:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
         peer = format_host_port(peername[0], peername[1]) if peername else "?"
+        host = peername[0] if peername else "?"
         counted = False
         log.debug("connection from %s", peer)
         try:
             if self._stopping:
                 raise _Refused("cannot open session: the worker is stopping")
+            blocked = self.auth_limiter.blocked_for(host)
+            if blocked:
+                raise _Refused(
+                    f"cannot open session: too many failed authentications from {host}; "
+                    f"refused for {blocked:.0f} s"
+                )
             if self._handshakes >= self.config.sessions.max_connections:
                 raise _Refused(
                     f"cannot open session: {self._handshakes} connections are already in their "
@@ -276,6 +290,17 @@ class RemoteWorkerService:
             self._handshakes -= 1
             counted = False
             await self._session(manifest, peer, writer)
+        except _AuthFailed as exc:
+            limiter = self.auth_limiter
+            failures = limiter.failed(host)
+            if failures >= limiter.max_failures:
+                log.warning(
+                    "refusing %s for %.0f s: %d failed authentications within %.0f s",
+                    host, limiter.block_s, failures, limiter.window_s,
+                )  # fmt: skip
+            else:
+                log.warning("refused %s: %s", peer, exc)
+            await _refuse(reader, writer, str(exc))
         except _Refused as exc:
             log.info("refused %s: %s", peer, exc)
             await _refuse(reader, writer, str(exc))
@@ -297,7 +322,7 @@ class RemoteWorkerService:
             async with asyncio.timeout(s.handshake_timeout):
                 token = await read_auth(reader)
                 if not hmac.compare_digest(token, self._token):
-                    raise _Refused("cannot open session: authentication failed")
+                    raise _AuthFailed("cannot open session: authentication failed")
                 data = await read_lp(reader, s.max_manifest_bytes)
         except TimeoutError:
             raise _Refused(

@@ -8,12 +8,19 @@ a small HTTP/1.1 responder on the daemon's event loop::
 
 so no thread is started (see the fork rule: threads only after the last fork,
 and none that the daemon does not need).
+
+The listener cannot starve the daemon of file descriptors: at most
+``max_connections`` (64) are served at once (more are closed at accept), and each
+gets ``idle_timeout`` (10 s) to send its request and read the answer. With a
+``token`` every request must carry ``Authorization: Bearer <token>`` (401 otherwise,
+compared in constant time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
@@ -32,7 +39,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-__all__ = ["LATENCY_BUCKETS", "Metrics", "RemoteWorkerCollector"]
+__all__ = [
+    "IDLE_TIMEOUT",
+    "LATENCY_BUCKETS",
+    "MAX_CONNECTIONS",
+    "Metrics",
+    "RemoteWorkerCollector",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +61,15 @@ LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 
 _MAX_REQUEST_HEAD: Final = 16 * 1024
-_REQUEST_TIMEOUT: Final = 10.0
+#: Scrape connections served at once; more are closed at accept.
+MAX_CONNECTIONS: Final = 64
+#: Seconds a connection has to send its request and take the answer.
+IDLE_TIMEOUT: Final = 10.0
 _CLOSE_TIMEOUT: Final = 5.0
 _REASONS: Final = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     431: "Request Header Fields Too Large",
@@ -123,8 +140,29 @@ class Metrics:
     loop (or any thread: ``prometheus_client`` values are lock-protected).
     """
 
-    def __init__(self, *, namespace: str = "simpler_daemon", runtime_metrics: bool = True) -> None:
-        """``runtime_metrics`` adds the standard ``process_*`` and ``python_*`` collectors."""
+    def __init__(
+        self,
+        *,
+        namespace: str = "simpler_daemon",
+        runtime_metrics: bool = True,
+        token: bytes | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout: float = IDLE_TIMEOUT,
+    ) -> None:
+        """``runtime_metrics`` adds the standard ``process_*`` and ``python_*`` collectors;
+        ``token`` (non-empty) makes the listener require ``Authorization: Bearer <token>``;
+        ``max_connections`` and ``idle_timeout`` bound what scrapers may hold open."""
+        if max_connections < 1 or not idle_timeout > 0:
+            raise ValueError(
+                f"cannot create Metrics: max_connections={max_connections}, "
+                f"idle_timeout={idle_timeout}"
+            )
+        self._expected_auth = b"Bearer " + token if token else None
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        #: Connections closed at accept because ``max_connections`` were open.
+        self.refused_connections = 0
+        self._at_capacity = False
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         ns = namespace
@@ -283,23 +321,38 @@ class Metrics:
                 await server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.max_connections:
+            # Closed at once: each open connection is a descriptor the gRPC server needs.
+            self.refused_connections += 1
+            if not self._at_capacity:
+                self._at_capacity = True
+                logger.warning(
+                    "metrics listener: %d connections open (the limit); closing new ones "
+                    "until some end",
+                    len(self._connections),
+                )
+            writer.transport.abort()
+            return
+        self._at_capacity = False
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
         try:
             if self._closed:  # accepted while close() ran
                 return
-            try:
-                async with asyncio.timeout(_REQUEST_TIMEOUT):
+            # One deadline for the request and the answer: a scraper that sends nothing,
+            # or reads nothing, holds its descriptor for idle_timeout at most.
+            async with asyncio.timeout(self.idle_timeout):
+                try:
                     head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.LimitOverrunError:
-                await _respond(writer, 431, b"request head too large\n")
-                return
-            except (asyncio.IncompleteReadError, TimeoutError):
-                return
-            status, headers, body = self._handle(head)
-            await _respond(writer, status, body, headers)
-        except ConnectionError:
+                except asyncio.LimitOverrunError:
+                    await _respond(writer, 431, b"request head too large\n")
+                    return
+                except asyncio.IncompleteReadError:
+                    return
+                status, headers, body = self._handle(head)
+                await _respond(writer, status, body, headers)
+        except (ConnectionError, TimeoutError):
             pass
         finally:
             self._connections.pop(task, None)
@@ -313,6 +366,18 @@ class Metrics:
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return 400, {}, b"bad request line\n"
         method, target, _ = parts
+        if self._expected_auth is not None:
+            given = b""
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "authorization":
+                    given = value.strip().encode("latin-1")
+            if not hmac.compare_digest(given, self._expected_auth):
+                return (
+                    401,
+                    {"WWW-Authenticate": 'Bearer realm="metrics"'},
+                    b"missing or wrong bearer token: send 'Authorization: Bearer <token>'\n",
+                )
         if target.partition("?")[0] != "/metrics":
             return 404, {}, b"not found; metrics are at /metrics\n"
         if method not in ("GET", "HEAD"):

@@ -14,6 +14,7 @@ Nothing here imports the servicer; it is the bottom of the server's layers.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import grpc
@@ -32,6 +33,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "at_field",
+    "bound_text",
     "error_text",
     "status_of",
 ]
@@ -60,7 +62,8 @@ class NotFound(RequestError):
 
 
 class PermissionDenied(RequestError):
-    """An import path outside ``callables.allowed_modules``."""
+    """An import path outside ``callables.allowed_modules``, another client's run,
+    buffer or registration, or an admin call from a client that is not an admin."""
 
 
 class LimitExceeded(RequestError):
@@ -129,6 +132,12 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, _AtField):
         return exc.code
     if isinstance(exc, RegistrationError):
+        # A child whose callable slots are full reports it inside the broadcast's
+        # failure: that is a resource running out, not a bad argument.
+        if exc.code == "REGISTER_PARTIAL_FAILURE" and any(
+            "LOCAL_SLOT_EXHAUSTED" in why for why in exc.failures.values()
+        ):
+            return Code.RESOURCE_EXHAUSTED
         return REGISTRATION_STATUS.get(exc.code, Code.INVALID_ARGUMENT)
     for exc_type, code in STATUS_TABLE:
         if isinstance(exc, exc_type):
@@ -136,11 +145,39 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return Code.INTERNAL
 
 
+#: Longest run of non-blank characters (a path, a name, a value) an error text echoes whole.
+MAX_ECHOED_CHARS: Final = 256
+#: Longest error text (UTF-8 bytes) a client is sent: status details travel in gRPC
+#: trailing metadata (percent-encoded, up to 3x), and a text past its size limit (8 KiB
+#: by default) turns the refusal into a bare "Stream removed".
+MAX_DETAILS_BYTES: Final = 2048
+_LONG_WORD: Final = re.compile(rf"\S{{{MAX_ECHOED_CHARS + 1},}}")
+
+
+def _shorten(match: re.Match[str]) -> str:
+    word = match.group(0)
+    # The space keeps the cut word at MAX_ECHOED_CHARS: bounding again changes nothing.
+    return f"{word[:MAX_ECHOED_CHARS]} … ({len(word)} chars)"
+
+
+def bound_text(text: str) -> str:
+    """``text`` with every echoed value longer than MAX_ECHOED_CHARS cut to its start and
+    `` … (N chars)``, and the whole at most about MAX_DETAILS_BYTES bytes of UTF-8.
+    Idempotent: a bounded text is bounded already."""
+    text = _LONG_WORD.sub(_shorten, text)
+    data = text.encode(errors="replace")
+    if len(data) > MAX_DETAILS_BYTES:
+        head = data[: MAX_DETAILS_BYTES - 32].decode(errors="ignore")
+        text = f"{head} … ({len(text)} chars)"
+    return text
+
+
 def error_text(exc: BaseException) -> str:
-    """The message a client sees (a KeyError's bare argument, not its repr)."""
+    """The message a client sees (a KeyError's bare argument, not its repr), bounded by
+    :func:`bound_text`."""
     if isinstance(exc, KeyError) and exc.args:
-        return str(exc.args[0])
-    return str(exc) or type(exc).__name__
+        return bound_text(str(exc.args[0]))
+    return bound_text(str(exc) or type(exc).__name__)
 
 
 def at_field(field: str, exc: BaseException) -> RequestError:
