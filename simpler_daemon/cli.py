@@ -140,6 +140,12 @@ def cmd_info(c: Client, a: argparse.Namespace, out: Out) -> int:
         f"and {lim.max_scalars_per_task} scalars/task, {lim.max_message_bytes} bytes/message, "
         f"{lim.max_buffer_bytes} bytes/buffer, {lim.max_concurrent_runs} concurrent runs"
     )
+    out.line(
+        f"quotas:   {lim.per_client_runs} runs, {lim.per_client_heap_bytes} heap bytes, "
+        f"{lim.per_client_registrations} registrations, {lim.max_streams_per_client} streams "
+        "per client"
+    )
+    out.line(f"caller:   {info.caller}" + (" (admin)" if info.caller_is_admin else ""))
     return EXIT_OK
 
 

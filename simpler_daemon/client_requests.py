@@ -246,9 +246,11 @@ def write_requests(
 ) -> Iterator[pb.WriteBufferRequest]:
     """The WriteBuffer stream: the target first, then ``data`` in ``chunk``-byte pieces."""
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-    yield pb.WriteBufferRequest(
-        target=pb.WriteBufferTarget(buffer_id=buffer_id, generation=generation, offset=offset)
+    # total_bytes: the daemon refuses an overrun before the data is sent.
+    target = pb.WriteBufferTarget(
+        buffer_id=buffer_id, generation=generation, offset=offset, total_bytes=len(view)
     )
+    yield pb.WriteBufferRequest(target=target)
     for start in range(0, len(view), chunk):
         yield pb.WriteBufferRequest(data=bytes(view[start : start + chunk]))
 

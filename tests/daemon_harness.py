@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from simpler_daemon.client import Client
-from simpler_daemon.testing import child_pids, poll_for, shm_files
+from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = "simpler_daemon.examples.tasks"
@@ -250,7 +250,7 @@ def module_leak_guard(daemon: Callable[[], DaemonProcess]) -> Iterator[None]:
         timeout=5.0,
         message=f"threads outlived the test: {threading.enumerate()}",
     )
-    leaked = shm_files() - shm_before
+    leaked = leaked_shm(shm_before)
     assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
 
 
@@ -263,7 +263,7 @@ def module_daemon(
     shm_before = shm_files()
     with running_daemon(tmp_path_factory.mktemp(name), overrides) as daemon:
         yield daemon
-    assert not (shm_files() - shm_before)
+    assert not leaked_shm(shm_before)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, message: str = "") -> Any:

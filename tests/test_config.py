@@ -32,8 +32,8 @@ def test_defaults_load_on_a_fresh_machine() -> None:
     config = cfg.load(None, env={})
     assert config == cfg.resolve(DaemonConfig(), env={})
     assert config.daemon.level == 3
-    assert config.daemon.runtime_dir == f"/tmp/simpler-daemon-{os.getuid()}"
-    assert config.grpc.unix_socket == f"/tmp/simpler-daemon-{os.getuid()}/daemon.sock"
+    assert config.daemon.runtime_dir == cfg.default_runtime_dir({})  # /run/..., else /tmp/...
+    assert config.grpc.unix_socket == os.path.join(config.daemon.runtime_dir, "daemon.sock")
     assert config.grpc.tcp_listen == ""
     assert config.grpc.socket_mode == 0o660
     assert config.workers.num_sub_workers >= 1
@@ -128,9 +128,19 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_streams_per_client": 10,
         "max_finished_runs_kept": 11,
         "max_group_members": 12,
+        "per_client_runs": 13,
+        "per_client_heap_bytes": 14,
+        "per_client_registrations": 15,
+        "max_import_path_chars": 16,
+        "max_task_seconds": 2.5,
     },
     "callables": {"allowed_modules": ["pkg", "other.mod"], "preload": ["pkg.sub:fn", "pkg:Cls.m"]},
-    "metrics": {"listen": "127.0.0.1:9464"},
+    "metrics": {"listen": "127.0.0.1:9464", "token_file": "/etc/simpler/metrics-token"},
+    "security": {
+        "admin_uids": [1001, 1002],
+        "admin_groups": ["simpler-admins", "1003"],
+        "admin_token_file": "/etc/simpler/admin-token",
+    },
 }
 
 

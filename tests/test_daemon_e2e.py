@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from simpler_daemon.client import AsyncClient, make_args, sub_task, tensor
 from simpler_daemon.errors import TaskError
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.testing import shm_files
+from simpler_daemon.testing import leaked_shm, shm_files
 from tests.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
@@ -111,7 +111,7 @@ def test_dag_flow_then_sigterm(tmp_path: Path) -> None:
         assert d.notify.seen("STOPPING", "1")
         d.children_gone()
         assert not Path(d.socket).exists()
-        assert not (shm_files() - shm_before)
+        assert not leaked_shm(shm_before)
         logs = [json.loads(line) for line in d.stderr().splitlines() if line.strip()]
         assert {"time", "level", "logger", "message", "pid"} <= set(logs[0])
         assert any(entry["message"].startswith("ready: serving on unix:") for entry in logs)

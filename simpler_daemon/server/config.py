@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections.abc import Mapping
 from typing import Final, Literal
 
@@ -51,6 +52,7 @@ __all__ = [
     "MetricsConfig",
     "RemoteCallableConfig",
     "RemoteWorkerConfig",
+    "SecurityConfig",
     "ServiceConfig",
     "WorkersConfig",
     "default_runtime_dir",
@@ -80,8 +82,8 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     level: Literal[3, 4] = 3
     """3 = node (one host: chips and SUB workers), 4 = pod parent of L3 workers."""
     runtime_dir: str = ""
-    """Socket and state directory; "" = ``$XDG_RUNTIME_DIR/simpler-daemon``, else
-    ``/tmp/simpler-daemon-<uid>``."""
+    """Socket and state directory; "" = ``default_runtime_dir()`` (``$XDG_RUNTIME_DIR``,
+    ``/run/user/<uid>``, ``/run`` for root, else ``/tmp/simpler-daemon-<uid>``)."""
     startup_timeout: float = 30.0
     """Seconds for every child to report ready before start-up fails."""
     shutdown_grace: float = 30.0
@@ -196,6 +198,11 @@ class GrpcConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """File holding the bearer token TCP clients must send."""
 
 
+#: Largest ``limits.max_task_seconds``: ``CallConfig.deadline_ms`` stops at a week
+#: (``args.MAX_DEADLINE_MS``; not imported here, the config loads without NumPy).
+_MAX_TASK_SECONDS: Final = 7 * 24 * 3600.0
+
+
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[limits]`` section: every size and count a client controls is bounded."""
 
@@ -209,6 +216,33 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_finished_runs_kept: int = 10_000
     max_group_members: int = 65_536
     """Members of one SUB_GROUP / NEXT_LEVEL_GROUP task."""
+    per_client_runs: int = 128
+    """Active runs of one client identity (``Identity.owner``); below max_concurrent_runs
+    so that one client cannot take every run slot."""
+    per_client_heap_bytes: int = 128 * MIB
+    """Bytes of heap buffers one client identity may hold at once (freed buffers stop
+    counting; a client's buffers outlive its connection and keep counting)."""
+    per_client_registrations: int = 256
+    """Callable registrations (references) one client identity may hold at once."""
+    max_import_path_chars: int = 1024
+    """Length of a RegisterCallable import path."""
+    max_task_seconds: float = 0.0
+    """Ceiling on every task's time: its effective deadline is min(deadline_ms, this),
+    enforced by the parent (the child is killed, the task fails with ``deadline
+    exceeded``); 0 = none."""
+
+
+class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[security]`` section: who is an admin (see docs/operations.md, threat model).
+
+    Root and the daemon's own uid are always admins."""
+
+    admin_uids: list[int] = []
+    """Further uids (Unix-socket peers) that may Drain, shut down and act on others' objects."""
+    admin_groups: list[str] = []
+    """Groups (name or gid) whose members are admins on the Unix socket."""
+    admin_token_file: str = ""
+    """File holding the bearer token that makes a TCP client an admin; "" = none."""
 
 
 class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -231,6 +265,9 @@ class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     listen: str = ""
     """"host:port" of the Prometheus ``/metrics`` listener; "" = off."""
+    token_file: str = ""
+    """Set: scrapes must send ``Authorization: Bearer <token>`` (the file's content, at
+    least 16 bytes, mode 0600); "" = no token (keep ``listen`` on loopback then)."""
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -243,6 +280,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     callables: CallablesConfig = msgspec.field(default_factory=CallablesConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
 
 #: The configuration used when no file is given; equal to ``DaemonConfig()``.
@@ -253,7 +291,7 @@ DEFAULT_CONFIG_TOML: Final = """\
 
 [daemon]
 level = 3
-runtime_dir = ""            # "" = $XDG_RUNTIME_DIR/simpler-daemon or /tmp/simpler-daemon-<uid>
+runtime_dir = ""            # "" = $XDG_RUNTIME_DIR/simpler-daemon, /run/user/<uid>/..., see docs
 startup_timeout = 30.0
 shutdown_grace = 30.0
 log_format = "text"
@@ -290,6 +328,11 @@ max_concurrent_runs = 256
 max_streams_per_client = 16
 max_finished_runs_kept = 10000
 max_group_members = 65536
+per_client_runs = 128
+per_client_heap_bytes = 134217728   # 128 MiB
+per_client_registrations = 256
+max_import_path_chars = 1024
+max_task_seconds = 0.0              # 0 = no ceiling on a task's time
 
 [callables]
 allowed_modules = ["simpler_daemon.examples"]
@@ -297,6 +340,12 @@ preload = []
 
 [metrics]
 listen = ""
+token_file = ""             # set: scrapes send "Authorization: Bearer <token>"
+
+[security]
+admin_uids = []
+admin_groups = []
+admin_token_file = ""
 """
 
 _SCHEMA: Final = ConfigSchema(
@@ -324,12 +373,28 @@ def _split_import_path(text: str) -> tuple[str, str]:
 
 
 def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
-    """``$XDG_RUNTIME_DIR/simpler-daemon`` when that is set, else ``/tmp/simpler-daemon-<uid>``."""
+    """Where the daemon keeps its sockets when ``daemon.runtime_dir`` is not set.
+
+    ``$XDG_RUNTIME_DIR/simpler-daemon`` when that is set; else
+    ``/run/user/<uid>/simpler-daemon`` when ``/run/user/<uid>`` is a real directory of
+    this user that nobody else can write; else, for root, ``/run/simpler-daemon``; else
+    ``/tmp/simpler-daemon-<uid>``. A fixed name (not a random one) so that clients find
+    the socket; the daemon creates it exclusively and refuses an existing one that is
+    not its own private directory (another user may have planted it in ``/tmp``).
+    """
     env = os.environ if env is None else env
     xdg = env.get("XDG_RUNTIME_DIR", "")
     if xdg and os.path.isabs(xdg):
         return os.path.join(xdg, "simpler-daemon")
-    return f"/tmp/simpler-daemon-{os.getuid()}"
+    uid = os.geteuid()
+    for base in (f"/run/user/{uid}", "/run") if uid == 0 else (f"/run/user/{uid}",):
+        try:
+            st = os.lstat(base)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+            return os.path.join(base, "simpler-daemon")
+    return f"/tmp/simpler-daemon-{uid}"
 
 
 def _available_cpus() -> int:
@@ -432,7 +497,13 @@ def _check(config: DaemonConfig) -> None:
 
     for f in msgspec.structs.fields(LimitsConfig):
         value = getattr(config.limits, f.name)
-        if value <= 0:
+        if f.name == "max_task_seconds":  # 0 = no ceiling
+            if not 0 <= value <= _MAX_TASK_SECONDS:  # NaN fails too
+                raise Invalid(
+                    f"limits.{f.name}",
+                    f": must be between 0 (none) and {_MAX_TASK_SECONDS:.0f} (a week), got {value}",
+                )
+        elif value <= 0:
             raise Invalid(f"limits.{f.name}", f": must be > 0, got {value}")
     if config.limits.max_message_bytes > _GRPC_MAX_MESSAGE:
         raise Invalid(
@@ -448,6 +519,16 @@ def _check(config: DaemonConfig) -> None:
 
     if config.metrics.listen:
         check_host_port("metrics.listen", config.metrics.listen)
+    check_path("metrics.token_file", config.metrics.token_file)
+
+    security = config.security
+    for i, uid in enumerate(security.admin_uids):
+        if uid < 0:
+            raise Invalid(f"security.admin_uids[{i}]", f": must be >= 0, got {uid}")
+    for i, group in enumerate(security.admin_groups):
+        if not group.strip():
+            raise Invalid(f"security.admin_groups[{i}]", ": must name a group (or a gid)")
+    check_path("security.admin_token_file", security.admin_token_file)
 
 
 def _check_callable_target(key: str, target: str, callables: CallablesConfig) -> None:

@@ -28,7 +28,6 @@ import contextlib
 import datetime as dt
 import grp
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -41,8 +40,18 @@ from collections.abc import Callable
 from typing import Any, Final, TextIO
 
 from simpler_daemon.args import MAX_TENSORS
+from simpler_daemon.authguard import check_private_file, read_token_file
+from simpler_daemon.callables import restrict_imports
+from simpler_daemon.endpoints.local import set_max_task_seconds
 from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
+from simpler_daemon.localtrust import (
+    UntrustedPathError,
+    ensure_private_dir,
+    publish_socket,
+    staged_socket_path,
+    sweep_staging_dirs,
+)
 from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
 from simpler_daemon.remote.spec import RemoteWorkerSpec
 from simpler_daemon.server.config import (
@@ -53,6 +62,7 @@ from simpler_daemon.server.config import (
     parse_host_port,
 )
 from simpler_daemon.server.notify import SystemdNotifier
+from simpler_daemon.server.tcpauth import is_loopback, token_interceptor
 from simpler_daemon.worker import Worker
 
 __all__ = [
@@ -80,7 +90,6 @@ STREAM_GRACE: Final = 2.0
 #: Seconds the Worker gets to stop its children once the runs are settled.
 CLOSE_TIMEOUT: Final = 10.0
 _GAUGE_PERIOD: Final = 1.0
-_HEALTH_SERVICE: Final = "grpc.health.v1.Health"
 
 
 # --------------------------------------------------------------------------- config checks
@@ -216,53 +225,6 @@ def private_socket_of(config: DaemonConfig) -> str:
     return os.path.join(config.daemon.runtime_dir, f"private-{digest}.sock")
 
 
-# --------------------------------------------------------------------------- auth
-
-
-def _token_interceptor(token: bytes) -> Any:
-    """A server interceptor requiring ``authorization: Bearer <token>`` (health is exempt)."""
-    import grpc
-
-    expected = b"Bearer " + token
-
-    def deny(handler: Any, message: str) -> Any:
-        async def abort(_request: Any, context: Any) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-        return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
-
-    class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-        async def intercept_service(self, continuation: Any, details: Any) -> Any:
-            if details.method.startswith(f"/{_HEALTH_SERVICE}/"):
-                return await continuation(details)
-            given = b""
-            for key, value in details.invocation_metadata or ():
-                if key == "authorization":
-                    given = value.encode() if isinstance(value, str) else bytes(value)
-                    break
-            handler = await continuation(details)
-            if handler is None:
-                return None
-            if not given:
-                return deny(handler, "missing bearer token: send 'authorization: Bearer <token>'")
-            if not hmac.compare_digest(given, expected):
-                log.warning("rejected a TCP call to %s: wrong bearer token", details.method)
-                return deny(handler, "wrong bearer token")
-            return handler
-
-    return TokenInterceptor()
-
-
 # --------------------------------------------------------------------------- the daemon
 
 
@@ -292,6 +254,8 @@ class Daemon:
         self.tcp_port: int | None = None
         self._token: bytes | None = None
         self._tls: tuple[bytes, bytes, bytes | None] | None = None
+        self._metrics_token: bytes | None = None
+        self._admin_token = b""
         self._gid: int | None = None
         self._stop_event: asyncio.Event | None = None
         self._stop_reason: str | None = None
@@ -308,6 +272,12 @@ class Daemon:
         """Everything that must happen while the process is single-threaded: sweep stale
         heaps, check the socket path, read credentials, build and ``init()`` the Worker."""
         cfg = self.config
+        # Before any fork: every import path this process and its children resolve from
+        # now on (preload, [[workers.local]] callables, RegisterCallable, orchestrations)
+        # must name something defined in an allowed module; and no task outlives the
+        # operator's ceiling, whatever deadline its orchestration gave it.
+        restrict_imports(cfg.callables.allowed_modules)
+        set_max_task_seconds(cfg.limits.max_task_seconds)
         for name in sweep_stale_heaps():
             log.info("removed stale heap /dev/shm/%s", name)
         self._prepare_paths()
@@ -400,15 +370,27 @@ class Daemon:
                     ) from exc
 
     def _prepare_paths(self) -> None:
+        """Verify (or create) the runtime and socket directories, remove a stale socket.
+
+        A directory someone else owns or can write, or a symlink, is refused: whoever
+        controls it would receive the daemon's socket and its clients' connections."""
         cfg = self.config
         path = self.socket_path
-        for directory in {cfg.daemon.runtime_dir, os.path.dirname(path)}:
+        socket_dir = os.path.dirname(os.path.abspath(path))
+        runtime_dir = os.path.abspath(cfg.daemon.runtime_dir)
+        directories = {runtime_dir: "runtime directory"}
+        directories.setdefault(socket_dir, "socket directory")
+        for directory, what in directories.items():
             try:
-                os.makedirs(directory, mode=0o750, exist_ok=True)
+                ensure_private_dir(directory, 0o750, what=what)
+            except UntrustedPathError as exc:
+                raise StartupError(str(exc)) from exc
             except OSError as exc:
                 raise StartupError(
-                    f"cannot create directory {directory}: {exc.strerror or exc}"
+                    f"cannot create the {what} {directory}: {exc.strerror or exc}"
                 ) from exc
+            for stale in sweep_staging_dirs(directory):
+                log.info("removed a staging directory a killed daemon left: %s", stale)
         if len(os.fsencode(self.private_socket_path)) > 107:
             raise StartupError(
                 f"cannot bind {self.private_socket_path}: the path is too long for a Unix "
@@ -456,17 +438,46 @@ class Daemon:
                 raise ConfigError(
                     f"grpc.socket_group: no group named {g.socket_group!r}", key="grpc.socket_group"
                 ) from exc
+        self._warn_exposure()
+        m = self.config.metrics
+        if m.token_file:
+            self._metrics_token = read_token_file(
+                m.token_file, "metrics.token_file", "metrics token"
+            )
+        admin_file = self.config.security.admin_token_file
+        if admin_file:  # read here too, so a bad file stops the daemon before it forks
+            self._admin_token = read_token_file(
+                admin_file, "security.admin_token_file", "admin token"
+            )
         if not g.tcp_listen:
             return
-        token = read("token_file", g.token_file).strip()
-        if not token:
-            raise ConfigError(
-                f"grpc.token_file: {g.token_file} is empty; a TCP listener needs a bearer token",
-                key="grpc.token_file",
-            )
-        self._token = token
+        # Mode and length first: a token others may read, or one short enough to guess,
+        # is refused before the listener exists.
+        self._token = read_token_file(g.token_file, "grpc.token_file")
+        check_private_file(g.tls_key, "grpc.tls_key")
         ca = read("tls_client_ca", g.tls_client_ca) if g.tls_client_ca else None
         self._tls = (read("tls_key", g.tls_key), read("tls_cert", g.tls_cert), ca)
+
+    def _warn_exposure(self) -> None:
+        """Warn (at start) about settings that open the daemon wider than its defaults."""
+        cfg = self.config
+        mode = cfg.grpc.socket_mode
+        if mode & ~0o660:
+            log.warning(
+                "grpc.socket_mode %#o is wider than 0o660: %s may connect to %s and run "
+                "registered code as this user",
+                mode,
+                "every local user" if mode & 0o006 else "more than the socket's owner and group",
+                cfg.grpc.unix_socket,
+            )
+        if cfg.metrics.listen:
+            host, _ = parse_host_port(cfg.metrics.listen, key="metrics.listen")
+            if not is_loopback(host):
+                log.warning(
+                    "metrics.listen %s is not a loopback address: other hosts can reach /metrics%s",
+                    cfg.metrics.listen,
+                    "" if cfg.metrics.token_file else " without a token (set metrics.token_file)",
+                )
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -548,7 +559,7 @@ class Daemon:
         assert worker is not None
         await worker.start_async()
         if cfg.metrics.listen:
-            self._metrics = Metrics()
+            self._metrics = Metrics(token=self._metrics_token)
             if cfg.daemon.level == 4:
                 self._metrics.watch_remote_workers(worker.list_workers)
         self._relay = UnixRelay(self.socket_path, self.private_socket_path)
@@ -591,13 +602,14 @@ class Daemon:
         private = self.private_socket_path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(private)  # stale: the public socket was checked in prepare()
-        old_umask = os.umask(0o177)  # only the daemon's user may connect, ever
+        # Bound in a private directory and renamed into place already 0600: only the
+        # daemon's user may connect, ever, and a path swapped meanwhile is never followed.
         try:
-            unix_server.add_insecure_port(f"unix:{private}")
-        except RuntimeError as exc:
+            with staged_socket_path(private) as staged:
+                unix_server.add_insecure_port(f"unix:{staged}")
+                publish_socket(staged, private, 0o600, None)
+        except (RuntimeError, OSError) as exc:
             raise StartupError(f"cannot bind the Unix socket {private}: {exc}") from exc
-        finally:
-            os.umask(old_umask)
         self._servers.append(unix_server)
 
         if cfg.grpc.tcp_listen:
@@ -606,7 +618,7 @@ class Daemon:
             creds = grpc.ssl_server_credentials(
                 [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
             )
-            tcp_server = build([_token_interceptor(self._token)])
+            tcp_server = build([token_interceptor(self._token, admin_token=self._admin_token)])
             try:
                 port = tcp_server.add_secure_port(cfg.grpc.tcp_listen, creds)
             except RuntimeError as exc:
@@ -618,14 +630,18 @@ class Daemon:
 
         for server in self._servers:
             await server.start()
+        # The public socket gets its mode and group before it appears at ``path`` (a chmod
+        # after bind would follow a symlink swapped in for the socket).
         try:
-            await self._relay.start()
+            with staged_socket_path(path) as staged:
+                self._relay.public_path = staged
+                await self._relay.start()
+                publish_socket(staged, path, cfg.grpc.socket_mode, self._gid)
         except OSError as exc:
             raise StartupError(str(exc)) from exc
+        finally:
+            self._relay.public_path = path
         self._socket_bound = True
-        os.chmod(path, cfg.grpc.socket_mode)
-        if self._gid is not None:
-            os.chown(path, -1, self._gid)
         if self._metrics is not None:
             host, port = parse_host_port(cfg.metrics.listen, key="metrics.listen")
             await self._metrics.start(host, port)

@@ -15,26 +15,39 @@ socket, reading the peer's credentials (``SO_PEERCRED``) at accept::
 TCP clients are identified by their TLS client certificate when mutual TLS is on,
 else by their address (without the port: a new connection is the same client).
 The client's ``x-simpler-client`` header is only ever a display label.
+
+Ownership and quotas key on :class:`Identity` ``.owner``: ``uid:<n>`` on the Unix
+socket (every process of one user is one client), ``cert:<CN>`` under mutual TLS,
+``token:admin`` for the admin token, else ``tcp:<host>``. :class:`AdminPolicy`
+decides who is an admin (root, the daemon's uid, ``security.admin_uids``, members of
+``security.admin_groups``, the holder of ``security.admin_token_file``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
+import hmac
 import logging
 import os
+import pwd
 import secrets
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 __all__ = [
     "CLIENT_LABEL_KEY",
+    "DAEMON_OWNER",
+    "AdminPolicy",
+    "Identity",
     "PeerCredentials",
     "UnixRelay",
-    "client_identity",
     "client_label",
+    "identify",
     "peer_credentials",
 ]
 
@@ -236,15 +249,94 @@ def client_label(context: Any) -> str:
     return ""
 
 
-def client_identity(context: Any, relay: UnixRelay | None) -> str:
-    """The client a call comes from, as the kernel or the transport knows it."""
+# --------------------------------------------------------------------------- identities
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a call comes from: ownership and quotas key on ``owner``."""
+
+    owner: str
+    uid: int | None = None
+    gid: int | None = None
+    admin: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.owner} (admin)" if self.admin else self.owner
+
+
+#: The identity of objects the daemon made itself (preloaded callables): admins only.
+DAEMON_OWNER: Final = "daemon"
+
+
+class AdminPolicy:
+    """Who is an admin: root, the daemon's own uid, ``admin_uids``, members of
+    ``admin_groups`` (primary or supplementary, by the group database), and on TCP
+    the holder of the admin token."""
+
+    def __init__(
+        self,
+        *,
+        admin_uids: Iterable[int] = (),
+        admin_groups: Iterable[str] = (),
+        admin_token: bytes = b"",
+    ) -> None:
+        self._uids = {0, os.getuid(), *admin_uids}
+        self._gids: set[int] = set()
+        self._members: set[str] = set()
+        for name in admin_groups:
+            try:
+                entry = grp.getgrgid(int(name)) if name.isdigit() else grp.getgrnam(name)
+            except (KeyError, OverflowError):
+                if name.isdigit():  # a gid without a name still counts as a primary group
+                    self._gids.add(int(name))
+                    continue
+                log.warning("security.admin_groups: no group named %r; ignored", name)
+                continue
+            self._gids.add(entry.gr_gid)
+            self._members.update(entry.gr_mem)
+        self._token = b"Bearer " + admin_token if admin_token else b""
+
+    def is_admin_uid(self, uid: int, gid: int) -> bool:
+        if uid in self._uids or gid in self._gids:
+            return True
+        if not self._gids:
+            return False
+        try:
+            user = pwd.getpwuid(uid)
+        except KeyError:
+            return False
+        return user.pw_gid in self._gids or user.pw_name in self._members
+
+    def is_admin_token(self, authorization: bytes) -> bool:
+        return bool(self._token) and hmac.compare_digest(authorization, self._token)
+
+
+def _authorization(context: Any) -> bytes:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value.encode() if isinstance(value, str) else bytes(value)
+    return b""
+
+
+def identify(context: Any, relay: UnixRelay | None, policy: AdminPolicy) -> Identity:
+    """The :class:`Identity` behind a call, as the kernel or the transport knows it."""
     peer = str(context.peer() or "")
     if peer.startswith("unix"):
         creds = relay.credentials(peer) if relay is not None else None
-        return f"unix {creds}" if creds is not None else "unix (unidentified)"
+        if creds is None:  # not through our relay: nobody we can name owns anything
+            return Identity("unix:unidentified")
+        return Identity(
+            f"uid:{creds.uid}",
+            uid=creds.uid,
+            gid=creds.gid,
+            admin=policy.is_admin_uid(creds.uid, creds.gid),
+        )
+    if policy.is_admin_token(_authorization(context)):
+        return Identity("token:admin", admin=True)
     auth = context.auth_context() or {}
     cert = auth.get("x509_common_name") or auth.get("x509_subject_alternative_name")
     if cert:
-        return "tls " + b",".join(cert).decode(errors="replace")
+        return Identity("cert:" + b",".join(cert).decode(errors="replace"))
     host, sep, _port = peer.rpartition(":")
-    return f"tcp {host if sep else peer}"
+    return Identity(f"tcp:{host if sep else peer}")

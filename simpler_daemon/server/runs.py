@@ -8,7 +8,7 @@
          |  (counts, state, watchers, terminal event)         done callbacks
          v
     runs / active / live / finished (bounded by limits.max_finished_runs_kept),
-    idempotency keys -> run ids, per-client active counts
+    idempotency keys (scoped per owner) -> run ids, per-owner active counts
 
 Everything here runs on the daemon's one event loop, beside the Scheduler
 coroutine. A bookkeeping bug is logged and never propagates into the Scheduler
@@ -475,10 +475,15 @@ class RunTable:
             "different request (a key stands for one request; use a new key)",
         )
 
+    @staticmethod
+    def _scoped(owner: str, key: str) -> str:
+        """Keys are scoped per owner: another client's key never names this one's run."""
+        return f"{owner}\n{key}"
+
     @contextlib.asynccontextmanager
-    async def claim_key(self, key: str, key_print: bytes) -> AsyncIterator[int | None]:
-        """Yields the run ``key`` already started (a retry: answer with it) or None (the
-        caller starts the run; :meth:`launch` records the key with ``key_print``).
+    async def claim_key(self, owner: str, key: str, key_print: bytes) -> AsyncIterator[int | None]:
+        """Yields the run ``owner``'s ``key`` already started (a retry: answer with it) or
+        None (the caller starts the run; :meth:`launch` records the key with ``key_print``).
 
         While a caller holds a new key, a retry with it waits for that run to be
         launched instead of starting a second one. ``Precondition`` naming the key
@@ -488,14 +493,15 @@ class RunTable:
             yield None
             return
         self.check_key(key)
+        shown, key = key, self._scoped(owner, key)
         while (pending := self._pending_keys.get(key)) is not None:
             if pending[0] != key_print:
-                raise self._reused(key, "a run being submitted")
+                raise self._reused(shown, "a run being submitted")
             await asyncio.shield(pending[1])
         run_id = self._keys.get(key)
         if run_id is not None and run_id in self._runs:
             if self._key_prints.get(key) != key_print:
-                raise self._reused(key, f"run {run_id}")
+                raise self._reused(shown, f"run {run_id}")
             yield run_id
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -507,7 +513,8 @@ class RunTable:
             done.set_result(None)
 
     def check_capacity(self, client: str, what: str) -> None:
-        """``LimitExceeded`` when the daemon or this client is at limits.max_concurrent_runs."""
+        """``LimitExceeded`` when the daemon is at limits.max_concurrent_runs or the
+        client (``Identity.owner``) at its quota limits.per_client_runs."""
         limit = self._limits.max_concurrent_runs
         if len(self._active) >= limit:
             raise LimitExceeded(
@@ -515,11 +522,12 @@ class RunTable:
                 f"cannot {what}: {len(self._active)} runs are active "
                 f"(limits.max_concurrent_runs = {limit})",
             )
-        if self._client_runs[client] >= limit:
+        quota = self._limits.per_client_runs
+        if self._client_runs[client] >= quota:
             raise LimitExceeded(
                 "",
-                f"cannot {what}: this client has {self._client_runs[client]} active runs "
-                f"(limits.max_concurrent_runs = {limit})",
+                f"cannot {what}: quota limits.per_client_runs ({quota}) reached: "
+                f"{client} has {self._client_runs[client]} active runs",
             )
 
     # -- scheduler events ------------------------------------------------------------------
@@ -553,9 +561,10 @@ class RunTable:
         while len(self._finished) > self._limits.max_finished_runs_kept:
             old, _ = self._finished.popitem(last=False)
             gone = self._runs.pop(old, None)
-            if gone is not None and gone.key and self._keys.get(gone.key) == old:
-                del self._keys[gone.key]
-                self._key_prints.pop(gone.key, None)
+            scoped = self._scoped(gone.client, gone.key) if gone is not None else ""
+            if gone is not None and gone.key and self._keys.get(scoped) == old:
+                del self._keys[scoped]
+                self._key_prints.pop(scoped, None)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -587,8 +596,9 @@ class RunTable:
             self._client_runs[rec.client] += 1
             rec.on_finished = self._run_finished
         if rec.key:
-            self._keys[rec.key] = run_id
-            self._key_prints[rec.key] = rec.key_print
+            scoped = self._scoped(rec.client, rec.key)
+            self._keys[scoped] = run_id
+            self._key_prints[scoped] = rec.key_print
         log.debug("run %d submitted by %s (%s)", run_id, rec.client, rec.label or "no label")
         return run_id
 

@@ -17,6 +17,10 @@ The loop must stay responsive for every client: a big SubmitRun is planned and
 built in slices (plan.py), a RunOrchestration function runs on a worker thread
 (offloop.py), garbage request bytes never reach a handler as a message
 (wire.py), and a client is who the kernel or the transport says (peers.py).
+
+Every run, buffer and registration has an owner (``Identity.owner``); only the owner
+or an admin acts on it, admin calls need an admin, and each owner has quotas
+(access.py).
 """
 
 from __future__ import annotations
@@ -43,10 +47,17 @@ from simpler_daemon.errors import StartupError, WorkerClosedError
 from simpler_daemon.heap import Buffer
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
+from simpler_daemon.server.access import Owners, read_admin_token, require_admin
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.offloop import run_off_loop
-from simpler_daemon.server.peers import UnixRelay, client_identity, client_label
+from simpler_daemon.server.peers import (
+    AdminPolicy,
+    Identity,
+    UnixRelay,
+    client_label,
+    identify,
+)
 from simpler_daemon.server.plan import (
     REGISTER_KINDS,
     Planner,
@@ -59,10 +70,12 @@ from simpler_daemon.server.runs import RunTable, fingerprint, now_ts
 from simpler_daemon.server.status import (
     InvalidArgument,
     LimitExceeded,
+    PermissionDenied,
     Precondition,
     RequestError,
     Unavailable,
     at_field,
+    bound_text,
     error_text,
     status_of,
 )
@@ -82,6 +95,8 @@ READ_CHUNK: Final = 1 << 20
 _CHUNK_OVERHEAD: Final = 1024
 
 _ROLE_KINDS: Final[dict[str, int]] = {role: kind for kind, role in REGISTER_KINDS.items()}
+
+
 # --------------------------------------------------------------------------- decorators
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -151,6 +166,13 @@ class DaemonService(pb_grpc.DaemonServicer):
     ) -> None:
         self._worker = worker
         self._relay = relay
+        sec = config.security
+        self._admins = AdminPolicy(
+            admin_uids=sec.admin_uids,
+            admin_groups=sec.admin_groups,
+            admin_token=read_admin_token(sec.admin_token_file),
+        )
+        self._owners = Owners(config.limits)
         self._on_draining = on_draining
         self._config = config
         self._limits = config.limits
@@ -196,10 +218,12 @@ class DaemonService(pb_grpc.DaemonServicer):
         code = status_of(exc)
         if code is Code.INTERNAL:
             log.error("%s failed: %s: %s", method, type(exc).__name__, exc, exc_info=exc)
-            details = (
+            details = bound_text(
                 str(exc)
                 if isinstance(exc, RequestError)
-                else f"internal error in {method}: {type(exc).__name__}: {exc}"
+                # Its text may hold anything, another client's data included: the
+                # operator reads it in the log, the client gets where and what kind.
+                else f"internal error in {method} ({type(exc).__name__}); see the daemon log"
             )
         else:
             details = error_text(exc)
@@ -208,10 +232,20 @@ class DaemonService(pb_grpc.DaemonServicer):
         await context.abort(code, details)
         raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
 
-    def _client(self, context: Any) -> str:
-        """Client identity for the per-client limits: what the kernel or the transport
-        says (peer credentials, TLS identity, address), never a client-chosen header."""
-        return client_identity(context, self._relay)
+    def _who(self, context: Any) -> Identity:
+        """Who the call comes from, for ownership and quotas: what the kernel or the
+        transport says (peer credentials, TLS identity, admin token), never a header."""
+        return identify(context, self._relay, self._admins)
+
+    def _check_pins(self, who: Identity, pins: set[int], what: str) -> None:
+        """A run may use only its submitter's buffers (an admin's: anyone's)."""
+        heap = self._worker.heap
+        for buffer_id in sorted(pins):
+            try:
+                generation = heap.get(buffer_id).generation
+            except KeyError:
+                continue  # the planner checked it; a free meanwhile is deferred by the pin
+            self._owners.check_buffer(who, buffer_id, generation, what)
 
     def _unpin(self, pins: set[int]) -> None:
         """Give back the pins a run took at submit; a freed buffer is released now."""
@@ -257,8 +291,8 @@ class DaemonService(pb_grpc.DaemonServicer):
         if self._streams[client] >= limit:
             raise LimitExceeded(
                 "",
-                f"cannot open another stream: this client has {self._streams[client]} open "
-                f"(limits.max_streams_per_client = {limit})",
+                f"cannot open another stream: quota reached: {client} has "
+                f"{self._streams[client]} open (limits.max_streams_per_client = {limit})",
             )
         self._streams[client] += 1
         try:
@@ -272,6 +306,7 @@ class DaemonService(pb_grpc.DaemonServicer):
 
     @_unary
     async def GetInfo(self, request: Any, context: Any) -> Any:
+        who = self._who(context)
         w = self._worker
         heap = w.heap
         lim = self._limits
@@ -292,10 +327,15 @@ class DaemonService(pb_grpc.DaemonServicer):
                 max_buffer_bytes=lim.max_buffer_bytes,
                 max_concurrent_runs=lim.max_concurrent_runs,
                 max_streams_per_client=lim.max_streams_per_client,
+                per_client_runs=lim.per_client_runs,
+                per_client_heap_bytes=lim.per_client_heap_bytes,
+                per_client_registrations=lim.per_client_registrations,
             ),
             num_sub_workers=w.num_sub_workers,
             num_next_level_workers=len(self._plan.next_level_ids()),
             active_runs=self._runs.active_count,
+            caller=who.owner,
+            caller_is_admin=who.admin,
         )
 
     @_unary
@@ -310,49 +350,70 @@ class DaemonService(pb_grpc.DaemonServicer):
 
     @_unary
     async def RegisterCallable(self, request: Any, context: Any) -> Any:
-        module, qualname, kind = self._plan.register_target(request)
-        self._check_usable("register a callable")
-        target = f"{module}:{qualname}"
-        fn: Callable[..., Any] | None = None
-        if kind == "orchestration":
-            # Orchestration functions run in the daemon itself: import them here (off
-            # the loop, so a slow import does not stall the Scheduler).
+        who = self._who(context)
+        limit = self._limits.max_import_path_chars
+        if len(request.import_path) > limit:  # before anything parses or echoes it
+            raise LimitExceeded(
+                "import_path",
+                f"{len(request.import_path)} characters, limits.max_import_path_chars = {limit}",
+            )
+        with self._owners.registering(who) as commit:
+            module, qualname, kind = self._plan.register_target(request)
+            self._check_usable("register a callable")
+            target = f"{module}:{qualname}"
+            fn: Callable[..., Any] | None = None
+            if kind == "orchestration":
+                # Orchestration functions run in the daemon itself: import them here (off
+                # the loop, so a slow import does not stall the Scheduler).
+                try:
+                    fn = await asyncio.to_thread(resolve_import, module, qualname)
+                except PermissionError as exc:  # outside the allow-list (callables.py)
+                    raise PermissionDenied("import_path", str(exc)) from exc
+                except Exception as exc:
+                    raise InvalidArgument(
+                        "import_path", f"cannot import {target}: {type(exc).__name__}: {exc}"
+                    ) from exc
             try:
-                fn = await asyncio.to_thread(resolve_import, module, qualname)
+                if request.workers:  # level 4 only (checked by the planner)
+                    handle = await self._worker.register_async(
+                        target,
+                        kind=kind,  # type: ignore[arg-type]
+                        workers=list(request.workers),
+                    )
+                else:
+                    handle = await self._worker.register_async(target, kind=kind)  # type: ignore[arg-type]
             except Exception as exc:
-                raise InvalidArgument(
-                    "import_path", f"cannot import {target}: {type(exc).__name__}: {exc}"
-                ) from exc
-        try:
-            if request.workers:  # level 4 only (checked by the planner)
-                handle = await self._worker.register_async(
-                    target,
-                    kind=kind,  # type: ignore[arg-type]
-                    workers=list(request.workers),
-                )
-            else:
-                handle = await self._worker.register_async(target, kind=kind)  # type: ignore[arg-type]
-        except Exception as exc:
-            raise at_field("import_path", exc) from exc
-        if fn is not None:
-            self._orch_fns[handle.hashid] = fn
+                raise at_field("import_path", exc) from exc
+            if fn is not None:
+                self._orch_fns[handle.hashid] = fn
+            commit(handle.hashid)
         entry = self._worker.registry.lookup(handle.hashid)
         refcount = entry.refcount if entry is not None else 1
-        log.info("registered %s as %s (%s, refcount %d)", target, kind, handle.hashid, refcount)
+        log.info(
+            "registered %s as %s (%s, refcount %d) for %s",
+            target,
+            kind,
+            handle.hashid,
+            refcount,
+            who,
+        )
         return pb.RegisterCallableResponse(hashid=handle.hashid, refcount=refcount)
 
     @_unary
     async def UnregisterCallable(self, request: Any, context: Any) -> Any:
         handle = self._plan.handle(request.hashid, "hashid")
+        owner = self._owners.registration_owner(self._who(context), handle.hashid)
         self._check_usable("unregister a callable")
         try:
             await self._worker.unregister_async(handle)
         except Exception as exc:
             raise at_field("hashid", exc) from exc
+        self._owners.drop_registration(owner, handle.hashid)
         entry = self._worker.registry.lookup(handle.hashid)
         refcount = entry.refcount if entry is not None and entry.state == "active" else 0
         if refcount == 0:
             self._orch_fns.pop(handle.hashid, None)
+            self._owners.forget_registration(handle.hashid)
         return pb.UnregisterCallableResponse(refcount=refcount)
 
     @_unary
@@ -394,12 +455,15 @@ class DaemonService(pb_grpc.DaemonServicer):
         limit = self._limits.max_buffer_bytes
         if nbytes > limit:
             raise LimitExceeded("shape", f"{nbytes} bytes, limits.max_buffer_bytes = {limit}")
+        who = self._who(context)
+        self._owners.check_alloc(who, nbytes)
         self._check_usable("allocate a buffer")
         heap = self._worker.heap
         try:
             buf = heap.alloc_buffer(shape, dt)
         except MemoryError as exc:
             raise LimitExceeded("shape", str(exc)) from exc
+        self._owners.add_buffer(who, buf.buffer_id, buf.generation, buf.nbytes)
         if request.label:
             self._labels[buf.buffer_id] = request.label
         return pb.AllocBufferResponse(
@@ -412,7 +476,8 @@ class DaemonService(pb_grpc.DaemonServicer):
 
     @_unary
     async def WriteBuffer(self, request_iterator: Any, context: Any) -> Any:
-        with self._stream_slot(self._client(context)):
+        who = self._who(context)
+        with self._stream_slot(who.owner):
             heap = self._worker.heap
             buf: Buffer | None = None
             pos = written = 0
@@ -428,11 +493,20 @@ class DaemonService(pb_grpc.DaemonServicer):
                     t = msg.target
                     self._check_usable("write a buffer")
                     buf = self._plan.buffer(t.buffer_id, t.generation, "target")
+                    self._owners.check_buffer(
+                        who, buf.buffer_id, buf.generation, "write", "target.buffer_id"
+                    )
                     if t.offset > buf.nbytes:
                         raise InvalidArgument(
                             "target.offset",
                             f"offset {t.offset} is past the end of buffer {buf.buffer_id} "
                             f"({buf.nbytes} bytes)",
+                        )
+                    if t.offset + t.total_bytes > buf.nbytes:  # refused before any data
+                        raise InvalidArgument(
+                            "target.total_bytes",
+                            f"writing {t.total_bytes} bytes at offset {t.offset} overruns "
+                            f"buffer {buf.buffer_id} of {buf.nbytes} bytes",
                         )
                     pos = t.offset
                     continue
@@ -462,9 +536,11 @@ class DaemonService(pb_grpc.DaemonServicer):
 
     @_server_stream
     async def ReadBuffer(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        with self._stream_slot(self._client(context)):
+        who = self._who(context)
+        with self._stream_slot(who.owner):
             self._check_usable("read a buffer")
             buf = self._plan.buffer(request.buffer_id, request.generation, "")
+            self._owners.check_buffer(who, buf.buffer_id, buf.generation, "read", "buffer_id")
             start = request.offset
             if start > buf.nbytes:
                 raise InvalidArgument(
@@ -496,9 +572,13 @@ class DaemonService(pb_grpc.DaemonServicer):
     async def FreeBuffer(self, request: Any, context: Any) -> Any:
         self._check_usable("free a buffer")
         buf = self._plan.buffer(request.buffer_id, request.generation, "")
+        self._owners.check_buffer(
+            self._who(context), buf.buffer_id, buf.generation, "free", "buffer_id"
+        )
         deferred = buf.pins > 0
         self._worker.heap.free(buf.buffer_id)
         self._labels.pop(buf.buffer_id, None)
+        self._owners.drop_buffer(buf.buffer_id)
         return pb.FreeBufferResponse(deferred=deferred)
 
     @_unary
@@ -507,8 +587,10 @@ class DaemonService(pb_grpc.DaemonServicer):
         out = pb.ListBuffersResponse()
         if heap.closed:
             return out
-        for buf in heap.buffers():
-            out.buffers.append(self._buffer_info(buf))
+        who = self._who(context)
+        for buf in heap.buffers():  # a client sees its own buffers; an admin every one
+            if self._owners.may_use_buffer(who, buf.buffer_id, buf.generation):
+                out.buffers.append(self._buffer_info(buf))
         out.heap.CopyFrom(
             pb.HeapInfo(
                 name=heap.name or "", size_bytes=heap.size, used_bytes=heap.size - heap.free_bytes()
@@ -528,30 +610,33 @@ class DaemonService(pb_grpc.DaemonServicer):
             runs.check_key(key)
             request.ClearField("wait_seconds")  # how to answer, not what to run
             key_print = await fingerprint("SubmitRun", request)
-        async with runs.claim_key(key, key_print) as run_id:
+        who = self._who(context)
+        async with runs.claim_key(who.owner, key, key_print) as run_id:
             if run_id is not None:
                 response = pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
                 if wait is not None:
                     response.status.CopyFrom(await runs.wait(runs.record(run_id), wait))
                 return response
-            rec = await self._submit_run(request, self._client(context), key_print)
+            rec = await self._submit_run(request, who, key_print)
             log.debug("run %d is from client %r", rec.run_id, client_label(context))
         response = pb.SubmitRunResponse(run_id=rec.run_id)
         if wait is not None:
             response.status.CopyFrom(await runs.wait(rec, wait))
         return response
 
-    async def _submit_run(self, request: Any, client: str, key_print: bytes) -> Any:
+    async def _submit_run(self, request: Any, who: Identity, key_print: bytes) -> Any:
         """Plan (in slices: the loop keeps serving) and launch a SubmitRun; its record.
 
         Every buffer the tasks reference is pinned from the moment it is checked until
         the run is terminal: a FreeBuffer meanwhile is deferred (``deferred = true``)."""
         runs = self._runs
         check_label(request.label)
+        client = who.owner
         self._admission_checks(client, "submit a run")
         pins: set[int] = set()
         try:
             plan, total = await self._plan.plan_run(request, pins)
+            self._check_pins(who, pins, "submit a run with")
             # Planning yielded to the loop: the daemon may have begun stopping meanwhile.
             self._admission_checks(client, "submit a run")
             rec = runs.new_record(
@@ -572,14 +657,15 @@ class DaemonService(pb_grpc.DaemonServicer):
         if key:
             self._runs.check_key(key)
             key_print = await fingerprint("RunOrchestration", request)
-        async with self._runs.claim_key(key, key_print) as run_id:
+        who = self._who(context)
+        async with self._runs.claim_key(who.owner, key, key_print) as run_id:
             if run_id is not None:
                 return pb.RunOrchestrationResponse(run_id=run_id, deduplicated=True)
-            run_id = await self._run_orchestration(request, self._client(context), key_print)
+            run_id = await self._run_orchestration(request, who, key_print)
             log.debug("run %d is from client %r", run_id, client_label(context))
         return pb.RunOrchestrationResponse(run_id=run_id)
 
-    async def _run_orchestration(self, request: Any, client: str, key_print: bytes) -> int:
+    async def _run_orchestration(self, request: Any, who: Identity, key_print: bytes) -> int:
         """Launch a RunOrchestration; the function runs on a worker thread (see
         :func:`run_off_loop`) and its argument buffers stay pinned until the run ends."""
         check_label(request.label)
@@ -589,15 +675,19 @@ class DaemonService(pb_grpc.DaemonServicer):
             module, qualname = parse_import_path(handle.name)
             try:
                 fn = await asyncio.to_thread(resolve_import, module, qualname)
+            except PermissionError as exc:
+                raise PermissionDenied("hashid", str(exc)) from exc
             except Exception as exc:
                 raise Precondition(
                     "hashid", f"cannot import {handle.name}: {type(exc).__name__}: {exc}"
                 ) from exc
             self._orch_fns[handle.hashid] = fn
+        client = who.owner
         self._admission_checks(client, "run an orchestration")
         pins: set[int] = set()
         try:
             args = self._plan.task_args(request.args, "args", pins)
+            self._check_pins(who, pins, "run an orchestration with")
             config = self._plan.call_config(request.config, "config")
             rec = self._runs.new_record(
                 label=request.label or handle.name,
@@ -622,7 +712,9 @@ class DaemonService(pb_grpc.DaemonServicer):
     @_server_stream
     async def WatchRun(self, request: Any, context: Any) -> AsyncIterator[Any]:
         rec = self._runs.record(request.run_id)
-        with self._stream_slot(self._client(context)):
+        who = self._who(context)
+        self._owners.check_run(who, rec.client, rec.run_id, "watch")
+        with self._stream_slot(who.owner):
             async with contextlib.aclosing(rec.events(request.after_sequence)) as events:
                 async for event in events:
                     yield event
@@ -630,6 +722,7 @@ class DaemonService(pb_grpc.DaemonServicer):
     @_unary
     async def WaitRun(self, request: Any, context: Any) -> Any:
         rec = self._runs.record(request.run_id)
+        self._owners.check_run(self._who(context), rec.client, rec.run_id, "wait for")
         timeout = (
             timeout_field(request, "timeout_seconds")
             if request.HasField("timeout_seconds")
@@ -640,6 +733,7 @@ class DaemonService(pb_grpc.DaemonServicer):
     @_unary
     async def CancelRun(self, request: Any, context: Any) -> Any:
         rec = self._runs.record(request.run_id)
+        self._owners.check_run(self._who(context), rec.client, rec.run_id, "cancel")
         check_reason(request.reason)
         cancelled = self._runs.cancel(rec, request.reason)
         return pb.CancelRunResponse(state=rec.proto_state(), already_finished=not cancelled)
@@ -655,6 +749,7 @@ class DaemonService(pb_grpc.DaemonServicer):
                 f"cannot add a remote worker: this daemon is level {level}; remote L3 workers "
                 "need daemon.level = 4",
             )
+        require_admin(self._who(context), "add a remote worker")
         spec = self._plan.remote_spec(request)
         self._check_usable("add a remote worker")
         try:
@@ -668,6 +763,7 @@ class DaemonService(pb_grpc.DaemonServicer):
 
     @_unary
     async def Drain(self, request: Any, context: Any) -> Any:
+        require_admin(self._who(context), "shut down" if request.shutdown else "drain")
         if request.HasField("grace_seconds"):
             grace = request.grace_seconds
             if not math.isfinite(grace) or grace < 0:

@@ -141,7 +141,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "level", "hostname", "pid", "start_time", "serving_state", "heap", "limits", "num_sub_workers", "num_next_level_workers", "active_runs")
+    __slots__ = ("version", "level", "hostname", "pid", "start_time", "serving_state", "heap", "limits", "num_sub_workers", "num_next_level_workers", "active_runs", "caller", "caller_is_admin")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,8 @@ class GetInfoResponse(_message.Message):
     NUM_SUB_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEXT_LEVEL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    CALLER_IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
     version: str
     level: int
     hostname: str
@@ -164,7 +166,9 @@ class GetInfoResponse(_message.Message):
     num_sub_workers: int
     num_next_level_workers: int
     active_runs: int
-    def __init__(self, version: _Optional[str] = ..., level: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., serving_state: _Optional[_Union[ServingState, str]] = ..., heap: _Optional[_Union[HeapInfo, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., num_sub_workers: _Optional[int] = ..., num_next_level_workers: _Optional[int] = ..., active_runs: _Optional[int] = ...) -> None: ...
+    caller: str
+    caller_is_admin: bool
+    def __init__(self, version: _Optional[str] = ..., level: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., serving_state: _Optional[_Union[ServingState, str]] = ..., heap: _Optional[_Union[HeapInfo, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., num_sub_workers: _Optional[int] = ..., num_next_level_workers: _Optional[int] = ..., active_runs: _Optional[int] = ..., caller: _Optional[str] = ..., caller_is_admin: _Optional[bool] = ...) -> None: ...
 
 class HeapInfo(_message.Message):
     __slots__ = ("name", "size_bytes", "used_bytes")
@@ -177,7 +181,7 @@ class HeapInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_tasks_per_run", "max_tensors_per_task", "max_scalars_per_task", "max_buffer_bytes", "max_concurrent_runs", "max_streams_per_client")
+    __slots__ = ("max_message_bytes", "max_tasks_per_run", "max_tensors_per_task", "max_scalars_per_task", "max_buffer_bytes", "max_concurrent_runs", "max_streams_per_client", "per_client_runs", "per_client_heap_bytes", "per_client_registrations")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSORS_PER_TASK_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +189,9 @@ class Limits(_message.Message):
     MAX_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_RUNS_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAMS_PER_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    PER_CLIENT_RUNS_FIELD_NUMBER: _ClassVar[int]
+    PER_CLIENT_HEAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PER_CLIENT_REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_tasks_per_run: int
     max_tensors_per_task: int
@@ -192,7 +199,10 @@ class Limits(_message.Message):
     max_buffer_bytes: int
     max_concurrent_runs: int
     max_streams_per_client: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_tasks_per_run: _Optional[int] = ..., max_tensors_per_task: _Optional[int] = ..., max_scalars_per_task: _Optional[int] = ..., max_buffer_bytes: _Optional[int] = ..., max_concurrent_runs: _Optional[int] = ..., max_streams_per_client: _Optional[int] = ...) -> None: ...
+    per_client_runs: int
+    per_client_heap_bytes: int
+    per_client_registrations: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_tasks_per_run: _Optional[int] = ..., max_tensors_per_task: _Optional[int] = ..., max_scalars_per_task: _Optional[int] = ..., max_buffer_bytes: _Optional[int] = ..., max_concurrent_runs: _Optional[int] = ..., max_streams_per_client: _Optional[int] = ..., per_client_runs: _Optional[int] = ..., per_client_heap_bytes: _Optional[int] = ..., per_client_registrations: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -351,14 +361,16 @@ class BufferInfo(_message.Message):
     def __init__(self, buffer_id: _Optional[int] = ..., generation: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., heap_name: _Optional[str] = ..., heap_offset: _Optional[int] = ..., label: _Optional[str] = ..., references: _Optional[int] = ...) -> None: ...
 
 class WriteBufferTarget(_message.Message):
-    __slots__ = ("buffer_id", "generation", "offset")
+    __slots__ = ("buffer_id", "generation", "offset", "total_bytes")
     BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     buffer_id: int
     generation: int
     offset: int
-    def __init__(self, buffer_id: _Optional[int] = ..., generation: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    total_bytes: int
+    def __init__(self, buffer_id: _Optional[int] = ..., generation: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class WriteBufferRequest(_message.Message):
     __slots__ = ("target", "data")
