@@ -9,6 +9,7 @@ socket passed as ``NOTIFY_SOCKET`` receives ``READY=1``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -232,12 +233,14 @@ def running_daemon(
     daemon.children_gone()
 
 
-def module_leak_guard(daemon: Callable[[], DaemonProcess]) -> Iterator[None]:
-    """The conftest leak guard, minus the module's own daemon (it outlives each test
-    on purpose; its teardown checks that it and its children go away)."""
+def module_leak_guard(kept: Callable[[], set[int]]) -> Iterator[None]:
+    """The conftest leak guard, minus the processes ``kept()`` names: a module's own
+    daemons outlive each test on purpose (their teardown checks that they and their
+    children go away)."""
     shm_before = shm_files()
     yield
-    allowed = {daemon().pid}
+    gc.collect()
+    allowed = kept()
     poll_for(
         lambda: not (child_pids() - allowed),
         timeout=10.0,

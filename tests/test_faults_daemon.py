@@ -46,7 +46,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 @pytest.fixture(autouse=True)
 def no_leaked_children(daemon: DaemonProcess) -> Iterator[None]:
     """Overrides the conftest guard: the module daemon lives across tests on purpose."""
-    yield from module_leak_guard(lambda: daemon)
+    yield from module_leak_guard(lambda: {daemon.pid})
 
 
 @pytest.fixture

@@ -32,8 +32,8 @@ import pytest
 
 from simpler_daemon.client import Client, sub_task, tensor
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
-from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess
+from simpler_daemon.testing import leaked_shm, shm_files
+from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_leak_guard
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -226,31 +226,22 @@ def daemon(
     shm_before = shm_files()
     overrides = _overrides(other_user, sock_dir / "daemon.sock")
     with _running(tmp_path_factory.mktemp("security"), overrides) as d:
+        _MODULE_DAEMONS.add(d.pid)
         yield d
+    _MODULE_DAEMONS.discard(d.pid)
     assert not leaked_shm(shm_before)
+
+
+#: The module daemon, alive from the first test that uses it to the module's end.
+_MODULE_DAEMONS: set[int] = set()
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_children(request: pytest.FixtureRequest) -> Iterator[None]:
     """The conftest guard, minus the module daemon (it lives across tests on purpose)."""
-    if "daemon" not in request.fixturenames:
-        yield
-        return
-    d: DaemonProcess = request.getfixturevalue("daemon")
-    shm_before = shm_files()
-    yield
-    poll_for(
-        lambda: not (child_pids() - {d.pid}),
-        timeout=10.0,
-        message="child processes outlived the test",
-    )
-    # No gRPC thread may outlive a test: later tests in this process fork Workers.
-    poll_for(
-        lambda: threading.active_count() == 1,
-        timeout=5.0,
-        message=f"threads outlived the test: {threading.enumerate()}",
-    )
-    assert not leaked_shm(shm_before), "files left in /dev/shm"
+    if "daemon" in request.fixturenames:
+        request.getfixturevalue("daemon")
+    yield from module_leak_guard(lambda: set(_MODULE_DAEMONS))
 
 
 @dataclass

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,8 +38,8 @@ from simpler_daemon.server import config as cfg
 from simpler_daemon.server.daemon import Daemon
 from simpler_daemon.server.metrics import MAX_CONNECTIONS, Metrics
 from simpler_daemon.server.status import bound_text, status_of
-from simpler_daemon.testing import child_pids, leaked_shm, poll_for, self_signed_cert, shm_files
-from tests.daemon_harness import EXAMPLES, DaemonProcess, wait_until
+from simpler_daemon.testing import leaked_shm, poll_for, self_signed_cert, shm_files
+from tests.daemon_harness import EXAMPLES, DaemonProcess, module_leak_guard, wait_until
 from tests.test_remote_worker_service import (  # noqa: F401  (fixtures)
     TOKEN,
     RunningWorker,
@@ -139,22 +137,7 @@ def no_leaked_children(request: pytest.FixtureRequest) -> Iterator[None]:
     """The conftest guard, minus the module daemon (alive from its first test on)."""
     if "hardened" in request.fixturenames:
         request.getfixturevalue("hardened")
-    shm_before = shm_files()
-    yield
-    gc.collect()
-    poll_for(
-        lambda: not (child_pids() - _MODULE_DAEMONS),
-        timeout=10.0,
-        message="child processes outlived the test",
-    )
-    # gRPC must leave no thread behind: later tests fork Workers in this process.
-    poll_for(
-        lambda: threading.active_count() == 1,
-        timeout=10.0,
-        message=f"threads outlived the test: {threading.enumerate()}",
-    )
-    leaked = leaked_shm(shm_before)
-    assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
+    yield from module_leak_guard(lambda: set(_MODULE_DAEMONS))
 
 
 # --------------------------------------------------------------------------- item 8
