@@ -1,4 +1,4 @@
-"""Which local paths the daemon and its clients may trust (issue 15, local access).
+"""Which local paths the daemon and its clients may trust.
 
 A Unix socket or a ``/dev/shm`` heap is only as trustworthy as whoever could have
 put it where it is. Two sides use the same rules:
