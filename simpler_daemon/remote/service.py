@@ -40,7 +40,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,12 +52,11 @@ from simpler_daemon.authguard import FailedAuthLimiter
 from simpler_daemon.configfile import add_set_option, overrides_from_set
 from simpler_daemon.errors import ConfigError, ProtocolError, StartupError
 from simpler_daemon.remote import config as cfg
+from simpler_daemon.remote.launch import runner_env, write_runner_spec
 from simpler_daemon.remote.manifest import (
     HandshakeReply,
     Manifest,
     ManifestError,
-    RunnerSpec,
-    RunnerTLS,
     decode_manifest,
     decode_reply,
     encode_lp_json,
@@ -427,7 +425,7 @@ class RemoteWorkerService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         try:
-            spec_path = self._write_spec(m, time.time() + budget)
+            spec_path = write_runner_spec(self.config, m, time.time() + budget)
         except OSError as exc:
             raise _Refused(
                 f"cannot open session: cannot write the runner spec file: {exc.strerror or exc}"
@@ -446,7 +444,7 @@ class RemoteWorkerService:
                     stderr=out_w,
                     pass_fds=(ready_w,),
                     start_new_session=True,
-                    env=self._runner_env(),
+                    env=runner_env(self.config, RUNNER_ARGV_ENV),
                 )
             except OSError as exc:
                 raise _Refused(
@@ -535,45 +533,6 @@ class RemoteWorkerService:
         # Also after a clean exit: nothing of the session's group may outlive it.
         _killpg(info.pid, signal.SIGKILL)
         await proc.wait()
-
-    def _write_spec(self, m: Manifest, deadline_unix: float) -> str:
-        c, tls = self.config, self.config.tls
-        spec = RunnerSpec(
-            manifest=m,
-            listen_host=c.listen_address[0],
-            deadline_unix=deadline_unix,
-            allowed_modules=list(c.callables.allowed_modules),
-            python_path=list(c.callables.python_path),
-            tls=(
-                RunnerTLS(tls.cert_file, tls.key_file, tls.client_ca_file or None)
-                if c.tls_enabled
-                else None
-            ),
-        )
-        # mkstemp creates the file 0600: the attach key in it is a session secret.
-        fd, path = tempfile.mkstemp(
-            prefix=f"simpler-remote-{m.session_id:016x}-",
-            suffix=".json",
-            dir=c.worker.spec_dir or None,
-        )
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(msgspec.json.encode(spec))
-        except BaseException:
-            os.unlink(path)
-            raise
-        return path
-
-    def _runner_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop(RUNNER_ARGV_ENV, None)
-        paths = list(self.config.callables.python_path)
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        if paths:
-            env["PYTHONPATH"] = os.pathsep.join(paths)
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
 
 
 # --------------------------------------------------------------------------- helpers
