@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import pwd
 import secrets
 import shutil
 import subprocess
@@ -34,6 +32,7 @@ from simpler_daemon.client import Client, sub_task, tensor
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import leaked_shm, shm_files
 from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_leak_guard
+from tests.users import User, throwaway_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -108,13 +107,6 @@ _PEER = textwrap.dedent(
 )
 
 
-@dataclass(frozen=True)
-class User:
-    name: str
-    uid: int
-    gid: int
-
-
 class Peer:
     """The other user's client process."""
 
@@ -167,21 +159,8 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def other_user() -> Iterator[User]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: creates a second unprivileged user and runs a client as it")
-    if shutil.which("useradd") is None or shutil.which("userdel") is None:
-        pytest.skip("needs useradd and userdel to create a second user")
-    name = f"simpler-test-{secrets.token_hex(4)}"
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        entry = pwd.getpwnam(name)
-        yield User(name, entry.pw_uid, entry.pw_gid)
-    finally:
-        subprocess.run(["userdel", name], check=False, capture_output=True)
+    with throwaway_user() as user:
+        yield user
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 import shutil
 import signal
 import stat
@@ -20,7 +19,6 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -33,6 +31,7 @@ from simpler_daemon.localtrust import UntrustedPathError
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import poll_for
 from tests.daemon_harness import REPO, DaemonProcess, NotifySocket, merged, write_config
+from tests.users import User, throwaway_user
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,33 +40,11 @@ needs_root = pytest.mark.skipif(
 )
 
 
-class User(NamedTuple):
-    name: str
-    uid: int
-    gid: int
-
-
 @pytest.fixture
 def other_user() -> Iterator[User]:
     """A throw-away unprivileged user (the local attacker), removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a second user")
-    if shutil.which("useradd") is None or shutil.which("setpriv") is None:
-        pytest.skip("needs useradd and setpriv")
-    name = f"simpler-test-{secrets.token_hex(4)}"
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-    try:
-        import pwd
-
-        entry = pwd.getpwnam(name)
-        yield User(name, entry.pw_uid, entry.pw_gid)
-    finally:
-        subprocess.run(["userdel", name], check=False, capture_output=True, timeout=30)
+    with throwaway_user() as user:
+        yield user
 
 
 def run_as(user: User, code: str, *args: str) -> None:
