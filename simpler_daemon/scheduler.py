@@ -211,13 +211,9 @@ class Scheduler(ProgressLoop):
             lanes = [manager.next_level.get(w) for w in g.targets]
             ready = [m for m in lanes if m is not None and m.idle()]
             if len(ready) == len(lanes):
-                gq.popleft()
-                self._claim(g)
+                self._launch_group(gq, g, ready)
                 self._stall_since = None
                 self._stall_warned = False
-                for i, member in enumerate(ready):
-                    g.members_started += 1
-                    self._send(member, WorkerDispatch(g, i))
                 did = True
                 continue
             if self._fail_if_gone(gq, g, lanes):
@@ -401,15 +397,11 @@ class Scheduler(ProgressLoop):
                     m for m in lanes if m is not None and m.idle() and m.worker_id not in reserved
                 ]
                 if len(ready) == len(lanes):
-                    gq.popleft()
-                    self._claim(g)
+                    self._launch_group(gq, g, ready)
                     if not blocked:
                         self._stall_since = None
                         self._stall_warned = False
                     fair.charge(g.run, len(ready))
-                    for i, member in enumerate(ready):
-                        g.members_started += 1
-                        self._send(member, WorkerDispatch(g, i))
                     did = True
                     continue
                 if self._fail_if_gone(gq, g, lanes):
@@ -558,6 +550,14 @@ class Scheduler(ProgressLoop):
                 self._maybe_finish_run(slot.run)
                 did = True
         return did
+
+    def _launch_group(self, gq: deque[TaskSlot], g: TaskSlot, members: list[WorkerThread]) -> None:
+        """Pop group ``g``, the head of ``gq``, and send member ``i`` to ``members[i]``."""
+        gq.popleft()
+        self._claim(g)
+        for i, member in enumerate(members):
+            g.members_started += 1
+            self._send(member, WorkerDispatch(g, i))
 
     def _fail_if_gone(
         self, gq: deque[TaskSlot], g: TaskSlot, lanes: list[WorkerThread | None]

@@ -22,23 +22,10 @@ from simpler_daemon import CallableHandle, CallConfig, RunCancelled, RunState, T
 from simpler_daemon.args import MAX_DEADLINE_MS
 from simpler_daemon.heap import Heap
 from simpler_daemon.testing import poll_for
-from tests import tasks
 from tests.tasks import targs
+from tests.test_worker import Pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-TASKS = ("fill", "consume", "wait_flag", "noop", "add_one")
-
-
-class Pool:
-    """A started Worker plus a handle per helper task (registered before init)."""
-
-    def __init__(self, n: int = 2) -> None:
-        self.w = Worker(num_sub_workers=n)
-        self.h: dict[str, CallableHandle] = {
-            name: self.w.register(getattr(tasks, name)) for name in TASKS
-        }
-        self.w.init()
 
 
 @pytest.fixture
