@@ -132,7 +132,9 @@ class DaemonProcess:
         self.dir.mkdir(parents=True, exist_ok=True)
         sections = merged(overrides)
         sections["daemon"].setdefault("runtime_dir", str(directory / "run"))
-        self.socket = str(directory / "run" / "daemon.sock")
+        self.socket = str(
+            sections.get("grpc", {}).get("unix_socket") or directory / "run" / "daemon.sock"
+        )
         self.config_path = write_config(directory / "daemon.toml", sections)
         self.notify = NotifySocket(directory / "notify.sock")
         self.stdout_path = directory / "stdout.txt"

@@ -10,7 +10,6 @@ keys are scoped per owner. Skipped (with the reason) when not root.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
 import shutil
@@ -31,7 +30,7 @@ import pytest
 from simpler_daemon.client import Client, sub_task, tensor
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import leaked_shm, shm_files
-from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_leak_guard
+from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_leak_guard, running_daemon
 from tests.users import User, throwaway_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -183,28 +182,13 @@ def _overrides(user: User, sock: Path, **extra: dict[str, Any]) -> dict[str, dic
     return out
 
 
-@contextlib.contextmanager
-def _running(directory: Path, overrides: dict[str, dict[str, Any]]) -> Iterator[DaemonProcess]:
-    daemon = DaemonProcess(directory, overrides)
-    daemon.socket = overrides["grpc"]["unix_socket"]
-    try:
-        daemon.start()
-        yield daemon
-    except BaseException:
-        daemon.kill()
-        raise
-    code = daemon.stop()
-    assert code == 0, f"daemon exited with {code}:\n{daemon.stderr()}"
-    daemon.children_gone()
-
-
 @pytest.fixture(scope="module")
 def daemon(
     tmp_path_factory: pytest.TempPathFactory, other_user: User, sock_dir: Path
 ) -> Iterator[DaemonProcess]:
     shm_before = shm_files()
     overrides = _overrides(other_user, sock_dir / "daemon.sock")
-    with _running(tmp_path_factory.mktemp("security"), overrides) as d:
+    with running_daemon(tmp_path_factory.mktemp("security"), overrides) as d:
         _MODULE_DAEMONS.add(d.pid)
         yield d
     _MODULE_DAEMONS.discard(d.pid)
@@ -363,7 +347,7 @@ def test_a_configured_admin_may_shut_down(
     value: list[Any] = [other_user.uid] if how == "admin_uids" else [other_user.name]
     sock = sock_dir / f"{how}.sock"
     overrides = _overrides(other_user, sock, security={how: value})
-    with _running(tmp_path / "d", overrides) as d:
+    with running_daemon(tmp_path / "d", overrides) as d:
         peer = Peer(other_user, str(sock), tmp_path / "peer-stderr.txt")
         try:
             peer.ok("drain", grace=0.0, shutdown=True)
