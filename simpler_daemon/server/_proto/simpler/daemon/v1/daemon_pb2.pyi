@@ -181,7 +181,7 @@ class HeapInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_tasks_per_run", "max_tensors_per_task", "max_scalars_per_task", "max_buffer_bytes", "max_concurrent_runs", "max_streams_per_client", "per_client_runs", "per_client_heap_bytes", "per_client_registrations")
+    __slots__ = ("max_message_bytes", "max_tasks_per_run", "max_tensors_per_task", "max_scalars_per_task", "max_buffer_bytes", "max_concurrent_runs", "max_streams_per_client", "per_client_runs", "per_client_heap_bytes", "per_client_registrations", "max_group_members", "admission")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSORS_PER_TASK_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,8 @@ class Limits(_message.Message):
     PER_CLIENT_RUNS_FIELD_NUMBER: _ClassVar[int]
     PER_CLIENT_HEAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     PER_CLIENT_REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_tasks_per_run: int
     max_tensors_per_task: int
@@ -202,7 +204,9 @@ class Limits(_message.Message):
     per_client_runs: int
     per_client_heap_bytes: int
     per_client_registrations: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_tasks_per_run: _Optional[int] = ..., max_tensors_per_task: _Optional[int] = ..., max_scalars_per_task: _Optional[int] = ..., max_buffer_bytes: _Optional[int] = ..., max_concurrent_runs: _Optional[int] = ..., max_streams_per_client: _Optional[int] = ..., per_client_runs: _Optional[int] = ..., per_client_heap_bytes: _Optional[int] = ..., per_client_registrations: _Optional[int] = ...) -> None: ...
+    max_group_members: int
+    admission: str
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_tasks_per_run: _Optional[int] = ..., max_tensors_per_task: _Optional[int] = ..., max_scalars_per_task: _Optional[int] = ..., max_buffer_bytes: _Optional[int] = ..., max_concurrent_runs: _Optional[int] = ..., max_streams_per_client: _Optional[int] = ..., per_client_runs: _Optional[int] = ..., per_client_heap_bytes: _Optional[int] = ..., per_client_registrations: _Optional[int] = ..., max_group_members: _Optional[int] = ..., admission: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -261,14 +265,16 @@ class RemoteWorkerInfo(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., session_id: _Optional[str] = ..., runner_pid: _Optional[int] = ..., state: _Optional[_Union[RemoteSessionState, str]] = ..., health_age_seconds: _Optional[float] = ..., round_trip_us: _Optional[float] = ..., failures: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
 
 class RegisterCallableRequest(_message.Message):
-    __slots__ = ("import_path", "kind", "workers")
+    __slots__ = ("import_path", "kind", "workers", "reload")
     IMPORT_PATH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_FIELD_NUMBER: _ClassVar[int]
     import_path: str
     kind: CallableKind
     workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, import_path: _Optional[str] = ..., kind: _Optional[_Union[CallableKind, str]] = ..., workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    reload: bool
+    def __init__(self, import_path: _Optional[str] = ..., kind: _Optional[_Union[CallableKind, str]] = ..., workers: _Optional[_Iterable[int]] = ..., reload: _Optional[bool] = ...) -> None: ...
 
 class RegisterCallableResponse(_message.Message):
     __slots__ = ("hashid", "refcount")
@@ -491,16 +497,20 @@ class Task(_message.Message):
     def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., hashid: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Args, _Mapping]]] = ..., workers: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[CallConfig, _Mapping]] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
-    __slots__ = ("idempotency_key", "tasks", "label", "wait_seconds")
+    __slots__ = ("idempotency_key", "tasks", "label", "wait_seconds", "priority", "include_results")
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_RESULTS_FIELD_NUMBER: _ClassVar[int]
     idempotency_key: str
     tasks: _containers.RepeatedCompositeFieldContainer[Task]
     label: str
     wait_seconds: float
-    def __init__(self, idempotency_key: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., label: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    priority: int
+    include_results: bool
+    def __init__(self, idempotency_key: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., label: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., include_results: _Optional[bool] = ...) -> None: ...
 
 class SubmitRunResponse(_message.Message):
     __slots__ = ("run_id", "deduplicated", "status")
@@ -513,18 +523,20 @@ class SubmitRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[int] = ..., deduplicated: _Optional[bool] = ..., status: _Optional[_Union[RunStatus, _Mapping]] = ...) -> None: ...
 
 class RunOrchestrationRequest(_message.Message):
-    __slots__ = ("hashid", "args", "config", "idempotency_key", "label")
+    __slots__ = ("hashid", "args", "config", "idempotency_key", "label", "priority")
     HASHID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     hashid: str
     args: Args
     config: CallConfig
     idempotency_key: str
     label: str
-    def __init__(self, hashid: _Optional[str] = ..., args: _Optional[_Union[Args, _Mapping]] = ..., config: _Optional[_Union[CallConfig, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, hashid: _Optional[str] = ..., args: _Optional[_Union[Args, _Mapping]] = ..., config: _Optional[_Union[CallConfig, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class RunOrchestrationResponse(_message.Message):
     __slots__ = ("run_id", "deduplicated")
@@ -601,15 +613,17 @@ class RunEvent(_message.Message):
     def __init__(self, run_id: _Optional[int] = ..., sequence: _Optional[int] = ..., type: _Optional[_Union[RunEventType, str]] = ..., task_index: _Optional[int] = ..., member_index: _Optional[int] = ..., worker_id: _Optional[int] = ..., dispatch_id: _Optional[int] = ..., outcome: _Optional[str] = ..., message: _Optional[str] = ..., counts: _Optional[_Union[RunCounts, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WaitRunRequest(_message.Message):
-    __slots__ = ("run_id", "timeout_seconds")
+    __slots__ = ("run_id", "timeout_seconds", "include_results")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_RESULTS_FIELD_NUMBER: _ClassVar[int]
     run_id: int
     timeout_seconds: float
-    def __init__(self, run_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    include_results: bool
+    def __init__(self, run_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., include_results: _Optional[bool] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "error", "counts", "label", "submit_time", "finish_time")
+    __slots__ = ("run_id", "state", "error", "counts", "label", "submit_time", "finish_time", "results", "client", "priority")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -617,6 +631,9 @@ class RunStatus(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_TIME_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     run_id: int
     state: RunState
     error: RunError
@@ -624,15 +641,66 @@ class RunStatus(_message.Message):
     label: str
     submit_time: _timestamp_pb2.Timestamp
     finish_time: _timestamp_pb2.Timestamp
-    def __init__(self, run_id: _Optional[int] = ..., state: _Optional[_Union[RunState, str]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ..., counts: _Optional[_Union[RunCounts, _Mapping]] = ..., label: _Optional[str] = ..., submit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[TaskResult]
+    client: str
+    priority: int
+    def __init__(self, run_id: _Optional[int] = ..., state: _Optional[_Union[RunState, str]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ..., counts: _Optional[_Union[RunCounts, _Mapping]] = ..., label: _Optional[str] = ..., submit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., client: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class TaskResult(_message.Message):
+    __slots__ = ("task_index", "member_index", "value")
+    TASK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    task_index: int
+    member_index: int
+    value: bytes
+    def __init__(self, task_index: _Optional[int] = ..., member_index: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class CancelRunRequest(_message.Message):
-    __slots__ = ("run_id", "reason")
+    __slots__ = ("run_id", "reason", "terminate")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TERMINATE_FIELD_NUMBER: _ClassVar[int]
     run_id: int
     reason: str
-    def __init__(self, run_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    terminate: bool
+    def __init__(self, run_id: _Optional[int] = ..., reason: _Optional[str] = ..., terminate: _Optional[bool] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ("states", "limit")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[RunState]
+    limit: int
+    def __init__(self, states: _Optional[_Iterable[_Union[RunState, str]]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("run_id", "state", "client", "label", "counts", "submit_time", "finish_time", "age_seconds", "priority")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    state: RunState
+    client: str
+    label: str
+    counts: RunCounts
+    submit_time: _timestamp_pb2.Timestamp
+    finish_time: _timestamp_pb2.Timestamp
+    age_seconds: float
+    priority: int
+    def __init__(self, run_id: _Optional[int] = ..., state: _Optional[_Union[RunState, str]] = ..., client: _Optional[str] = ..., label: _Optional[str] = ..., counts: _Optional[_Union[RunCounts, _Mapping]] = ..., submit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., age_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CancelRunResponse(_message.Message):
     __slots__ = ("state", "already_finished")
@@ -681,6 +749,16 @@ class DrainRequest(_message.Message):
     grace_seconds: float
     shutdown: bool
     def __init__(self, grace_seconds: _Optional[float] = ..., shutdown: _Optional[bool] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("was_draining",)
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    was_draining: bool
+    def __init__(self, was_draining: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("runs_finished", "runs_cancelled")

@@ -113,6 +113,11 @@ class DaemonStub:
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.CancelRunRequest.SerializeToString,
                 response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.CancelRunResponse.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/simpler.daemon.v1.Daemon/ListRuns',
+                request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsResponse.FromString,
+                _registered_method=True)
         self.AddRemoteWorker = channel.unary_unary(
                 '/simpler.daemon.v1.Daemon/AddRemoteWorker',
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.AddRemoteWorkerRequest.SerializeToString,
@@ -122,6 +127,11 @@ class DaemonStub:
                 '/simpler.daemon.v1.Daemon/Drain',
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.DrainRequest.SerializeToString,
                 response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/simpler.daemon.v1.Daemon/Resume',
+                request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ResumeResponse.FromString,
                 _registered_method=True)
 
 
@@ -240,7 +250,16 @@ class DaemonServicer:
 
     def CancelRun(self, request, context):
         """Cancel a run: tasks not yet started never start; running tasks finish or
-        are stopped at their deadline.
+        are stopped at their deadline (terminate = true stops them now).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRuns(self, request, context):
+        """Runs this daemon knows (active, queued, and the most recent finished ones,
+        up to limits.max_finished_runs_kept), newest first. A client sees its own
+        runs; an admin sees every client's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,6 +278,14 @@ class DaemonServicer:
     def Drain(self, request, context):
         """Stop admitting runs, let admitted runs finish within a grace period, then
         cancel the rest. Used before maintenance; optionally stops the daemon.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Undo a Drain that did not stop the daemon: admit runs again; health
+        returns to SERVING. Admin only, like Drain.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -342,6 +369,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.CancelRunRequest.FromString,
                     response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.CancelRunResponse.SerializeToString,
             ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsRequest.FromString,
+                    response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsResponse.SerializeToString,
+            ),
             'AddRemoteWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.AddRemoteWorker,
                     request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.AddRemoteWorkerRequest.FromString,
@@ -351,6 +383,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.DrainRequest.FromString,
                     response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ResumeRequest.FromString,
+                    response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -770,6 +807,33 @@ class Daemon:
             _registered_method=True)
 
     @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/simpler.daemon.v1.Daemon/ListRuns',
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsRequest.SerializeToString,
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def AddRemoteWorker(request,
             target,
             options=(),
@@ -813,6 +877,33 @@ class Daemon:
             '/simpler.daemon.v1.Daemon/Drain',
             simpler_dot_daemon_dot_v1_dot_daemon__pb2.DrainRequest.SerializeToString,
             simpler_dot_daemon_dot_v1_dot_daemon__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/simpler.daemon.v1.Daemon/Resume',
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.ResumeRequest.SerializeToString,
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
