@@ -13,7 +13,7 @@ from simpler_daemon.errors import (
     TaskError,
     WorkerClosedError,
 )
-from simpler_daemon.orchestrator import Orchestrator, RunState
+from simpler_daemon.orchestrator import Orchestrator, RunState, TaskRef
 from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef, RemoteWorkerSpec
 from simpler_daemon.worker import RunHandle, Worker, WorkerState
 
@@ -38,6 +38,7 @@ __all__ = [
     "Tag",
     "TaskArgs",
     "TaskError",
+    "TaskRef",
     "Worker",
     "WorkerClosedError",
     "WorkerState",

@@ -25,7 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
+from simpler_daemon.endpoints.local import LocalMailboxEndpoint
+from simpler_daemon.errors import RunCancelled
 from simpler_daemon.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS, FairAdmission
 from simpler_daemon.manager import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.orchestrator import (
@@ -98,6 +100,9 @@ class RunCompletion(SubmitSink):
         self._poked = False
         self.latency_ewma = 0.0
         self._suspect: set[WorkerThread] = set()
+        #: Dispatches of other runs staged on a chip whose child ``terminate`` killed: they
+        #: never started, so they go back to their queue (by ``id``) instead of failing.
+        self._withdrawn: dict[int, WorkerDispatch] = {}
         #: Called once for a lane whose child died and whose frames are all terminal.
         self.on_lane_dead: Callable[[WorkerThread], None] | None = None
         #: Dead SUB lanes come back (a fork server replaces them): queued SUB tasks wait.
@@ -177,6 +182,77 @@ class RunCompletion(SubmitSink):
             self._promoted(self.admission.detach(run))
         self.wake()
 
+    def terminate(self, run: Run, reason: str = "") -> int:
+        """Stop the tasks of cancelled ``run`` that are running on local children (SUB,
+        chip, nested L3): each child's process group is SIGKILLed now, the replacement path
+        forks a new one, and the task ends CANCELLED (``run N cancelled (terminate): task
+        stopped on sub worker 0 (pid P)``). Returns how many tasks were stopped.
+
+        Call it after ``cancel(run)`` (nothing new starts then). Tasks on remote lanes run
+        to their end: the remote worker is not ours to kill. A task of ``run`` only staged
+        behind another run's task on a chip is not stopped (its kill would stop the other
+        run's task); it runs when that one ends, as after a plain cancel. A task of another
+        run staged behind a stopped one on the same chip never started: it is queued
+        again and runs on the replacement."""
+        if run.terminal:
+            return 0
+        if not run.cancelled:
+            raise ValueError(f"cannot terminate run {run.run_id}: cancel it first")
+        why = f"run {run.run_id} cancelled (terminate)" + (f": {reason}" if reason else "")
+        stopped = 0
+        first: tuple[WorkerThread, WorkerDispatch, str] | None = None
+        for lane in self._lanes:
+            ep = lane.endpoint
+            if not isinstance(ep, LocalMailboxEndpoint):
+                continue  # a remote lane: its tasks run to their end
+            active, staged = lane.active, lane.staged
+            killed = False
+            for d in (active, staged):
+                if d is None or d.task_slot.run is not run:
+                    continue
+                if d is staged and active is not None and active.task_slot.run is not run:
+                    continue  # staged behind another run's running task: leave that alone
+                text = f"run {run.run_id} cancelled (terminate): task stopped on {ep.who()}"
+                if ep.terminate(d, text, why):
+                    stopped += 1
+                    killed = True
+                    if first is None:
+                        first = (lane, d, text)
+            if killed and staged is not None and staged.task_slot.run is not run:
+                self._withdrawn[id(staged)] = staged
+        if first is not None:
+            self._name_stopped_task(run, *first)
+        if stopped:
+            self.wake()
+        return stopped
+
+    @staticmethod
+    def _name_stopped_task(run: Run, lane: WorkerThread, d: WorkerDispatch, text: str) -> None:
+        """The run's error (the cancel's, ``runs.cancelled_error``: no task named yet)
+        names the first task ``terminate`` stopped: where it ran and how it ended, as a
+        failed task's error does."""
+        err = run.error
+        if not isinstance(err, RunCancelled) or err.worker_id is not None:
+            return  # a task failure came first, or a task is named already
+        if err.outcome != Outcome.CANCELLED.name:
+            return  # not a cancel's error (e.g. the daemon's own text): left as it is
+        slot = d.task_slot
+        ep = lane.endpoint
+        child = getattr(ep, "child", None)
+        where = ep.who() if isinstance(ep, LocalMailboxEndpoint) else f"worker {lane.worker_id}"
+        run.error = RunCancelled(
+            f"{err}; task {slot.index} ({slot.kind.name} {slot.handle.name}, hashid "
+            f"{slot.hashid}) stopped on {where}, dispatch {d.dispatch_id}: "
+            f"{Outcome.CANCELLED.name}: {text}",
+            run_id=run.run_id,
+            worker_id=lane.worker_id,
+            hashid=slot.hashid,
+            dispatch_id=d.dispatch_id,
+            outcome=Outcome.CANCELLED.name,
+            remote_text=f"{err.remote_text}; {text}",
+            pid=getattr(child, "pid", None),
+        )
+
     def _maybe_finish_run(self, run: Run) -> None:
         if run.remaining or run.building or run.terminal:
             return
@@ -255,6 +331,14 @@ class RunCompletion(SubmitSink):
         run = slot.run
         if run is RETIRED_RUN:
             return  # a run force-finished by close(); nothing is waiting for this slot
+        if (
+            self._withdrawn
+            and self._withdrawn.pop(id(c.dispatch), None) is c.dispatch
+            and not run.cancelled
+            and slot.state == SlotState.RUNNING
+        ):
+            self._requeue_staged(slot, c)
+            return
         if c.dispatch.issued_at:
             # Smoothed dispatch-to-completion latency: decides whether spinning pays.
             self.latency_ewma += 0.125 * (
@@ -264,7 +348,7 @@ class RunCompletion(SubmitSink):
             self.stats["completed"] += 1
         else:
             self.stats["failed"] += 1
-            if c.outcome is Outcome.ENDPOINT_FAILURE:
+            if c.outcome is Outcome.ENDPOINT_FAILURE or c.outcome is Outcome.CANCELLED:
                 lane = self._lane_of(c)
                 if lane is not None:
                     self._suspect.add(lane)
@@ -294,6 +378,20 @@ class RunCompletion(SubmitSink):
             slot.failure = None
             self._fail_slot(slot, failure, running=True)
         self._maybe_finish_run(run)
+
+    def _requeue_staged(self, slot: TaskSlot, c: WorkerCompletion) -> None:
+        """A staged single that never started goes back to the head of its run's queue
+        for its chip (it was the first there), to run on the replacement child."""
+        run = slot.run
+        slot.state = SlotState.READY
+        slot.members_started = 0
+        run.counts["running"] -= 1
+        run.staged_one = False
+        if self.on_task_event is not None:
+            self.on_task_event(slot, "requeued", c)
+        per = self.singles.setdefault(slot.targets[0], {})
+        per.setdefault(run.run_id, deque()).appendleft(slot)
+        self.wake()
 
     def _lane_of(self, c: WorkerCompletion) -> WorkerThread | None:
         return self.manager.get_worker_by_id(c.worker_type, c.worker_id)

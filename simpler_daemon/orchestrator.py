@@ -1,388 +1,58 @@
-"""Runs, task slots, dependency inference and whole-run admission.
+"""The Orchestrator facade an orchestration function receives, and its submit checks.
 
-Pure bookkeeping: no loop, no mailbox. The Scheduler owns one instance of
-:class:`Admission` and calls into it; the :class:`Orchestrator` facade is what
-an orchestration function receives.
-
-Dependencies come from tensor tags, keyed by backing buffer and byte range::
-
-    INPUT            depends on the last writer of every overlapping range
-    OUTPUT(_EXISTING) becomes the writer of its range, depends on nothing
-    INOUT            both
-    NO_DEP           neither
-
-A remote buffer (an L4's ``RemoteTensorRef``) is keyed by (owner worker, buffer
-id, generation), so a freed and reused remote buffer never aliases its past.
-
-Run lifecycle: BUILDING -> PREPARED -> EXECUTING -> COMPLETED | FAILED.
+``orch(o, args, config)`` calls ``o.submit_sub`` / ``submit_sub_group`` /
+``submit_next_level`` / ``submit_next_level_group``: each builds a
+:class:`~simpler_daemon.runmodel.TaskSlot`, infers its dependencies from the
+tensor tags and hands it to the Scheduler (:class:`SubmitSink`). The run model
+itself (runs, slots, states, admission) is :mod:`simpler_daemon.runmodel`; its
+names are re-exported here, where most callers import them from.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import itertools
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
 from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, Tag, TaskArgs, encode_args
 from simpler_daemon.callables import CallableHandle
-from simpler_daemon.endpoints.base import Outcome
-from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
+from simpler_daemon.errors import WorkerClosedError
+from simpler_daemon.runmodel import (
+    RETIRED_RUN,
+    Admission,
+    FailureInfo,
+    Run,
+    RunState,
+    SlotState,
+    TaskKind,
+    TaskRef,
+    TaskSlot,
+    TensorMap,
+)
 
 if TYPE_CHECKING:
     from simpler_daemon.args import TensorDesc
-    from simpler_daemon.fair import Share
     from simpler_daemon.heap import Heap
 
+__all__ = [
+    "RETIRED_RUN",
+    "Admission",
+    "FailureInfo",
+    "Orchestrator",
+    "RemoteTensors",
+    "Run",
+    "RunState",
+    "SlotState",
+    "SubmitSink",
+    "TaskKind",
+    "TaskRef",
+    "TaskSlot",
+    "TensorMap",
+]
 
-class RunState(enum.Enum):
-    BUILDING = "BUILDING"
-    PREPARED = "PREPARED"
-    EXECUTING = "EXECUTING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-
-
-class SlotState(enum.IntEnum):
-    PENDING = 0
-    READY = 1
-    RUNNING = 2
-    COMPLETED = 3
-    FAILED = 4
-
-
-class TaskKind(enum.Enum):
-    SUB = "SUB"
-    SUB_GROUP = "SUB_GROUP"
-    NEXT_LEVEL = "NEXT_LEVEL"
-    NEXT_LEVEL_GROUP = "NEXT_LEVEL_GROUP"
-
-
-@dataclass(slots=True)
-class FailureInfo:
-    """The first failure of a slot or run."""
-
-    outcome: Outcome
-    message: str
-    worker_id: int | None = None
-    dispatch_id: int | None = None
-    pid: int | None = None
-    worker_label: str | None = None
-
-
-class TaskSlot:
-    """Parent-side record of one task (or one group) inside a run."""
-
-    __slots__ = (
-        "blobs",
-        "config",
-        "config_bytes",
-        "consumers",
-        "deps",
-        "digest",
-        "failure",
-        "group_size",
-        "handle",
-        "hashid",
-        "index",
-        "kind",
-        "lease_generation",
-        "lease_slot",
-        "members_done",
-        "members_started",
-        "pins",
-        "run",
-        "run_id",
-        "slot_id",
-        "state",
-        "targets",
-    )
-
-    def __init__(
-        self,
-        slot_id: int,
-        run: Run,
-        index: int,
-        kind: TaskKind,
-        handle: CallableHandle,
-        config: CallConfig,
-        blobs: list[bytes],
-        targets: list[int],
-        pins: list[int],
-    ) -> None:
-        self.slot_id = slot_id
-        self.run = run
-        self.run_id = run.run_id
-        self.index = index
-        self.kind = kind
-        self.handle = handle
-        self.hashid = handle.hashid
-        self.digest = handle.digest
-        self.config = config
-        self.config_bytes = config.encode()
-        self.blobs = blobs
-        self.targets = targets
-        self.group_size = len(blobs)
-        self.pins = pins
-        self.state = SlotState.PENDING
-        self.deps = 0
-        self.consumers: list[TaskSlot] = []
-        self.lease_slot = run.lease_slot
-        self.lease_generation = run.lease_generation
-        self.members_started = 0
-        self.members_done = 0
-        self.failure: FailureInfo | None = None
-
-    @property
-    def is_group(self) -> bool:
-        return self.kind in (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
-
-    def __repr__(self) -> str:
-        return (
-            f"TaskSlot(run={self.run_id}, index={self.index}, {self.kind.name}, {self.state.name})"
-        )
-
-
-class TensorMap:
-    """Last writer per (buffer, byte range) inside one run."""
-
-    __slots__ = ("_writers",)
-
-    def __init__(self) -> None:
-        # Keyed by a local buffer id, or (owner, buffer id, generation) for a remote buffer.
-        self._writers: dict[Any, list[tuple[int, int, TaskSlot]]] = {}
-
-    def producers(self, buffer_id: Any, lo: int, hi: int) -> list[TaskSlot]:
-        out = []
-        for wlo, whi, slot in self._writers.get(buffer_id, ()):
-            if wlo < hi and lo < whi:
-                out.append(slot)
-        return out
-
-    def write(self, buffer_id: Any, lo: int, hi: int, slot: TaskSlot) -> None:
-        if lo >= hi:
-            return
-        segs = self._writers.setdefault(buffer_id, [])
-        kept: list[tuple[int, int, TaskSlot]] = []
-        for wlo, whi, s in segs:
-            if whi <= lo or hi <= wlo:
-                kept.append((wlo, whi, s))
-                continue
-            if wlo < lo:
-                kept.append((wlo, lo, s))
-            if hi < whi:
-                kept.append((hi, whi, s))
-        kept.append((lo, hi, slot))
-        segs[:] = kept
-
-
-class Run:
-    """One submitted graph."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, on_done: Callable[[Run], None] | None = None) -> None:
-        self.run_id = next(Run._ids)
-        #: COMPLETED or FAILED; kept in step by the ``state`` setter (read on every task).
-        self.terminal = False
-        self.state = RunState.BUILDING
-        self.admitted = False
-        self.building = True
-        self.slots: list[TaskSlot] = []
-        self.remaining = 0
-        self.tensor_map = TensorMap()
-        self.error: TaskError | None = None
-        self.lease_slot = 0
-        self.lease_generation = 0
-        self.cancelled = False
-        self.staged_one = False
-        #: Weight under ``fair`` admission (``fair.check_priority``); ``fifo`` ignores it.
-        self.priority = 1
-        #: Stride-scheduling pass under ``fair`` (see fair.py): the least is served first.
-        self.vpass = 0.0
-        #: Who submitted it (the daemon's client identity): under ``fair`` the workers are
-        #: shared between clients first. ``None``: the one in-process client.
-        self.client: object = None
-        #: The client's share under ``fair``, set at admission.
-        self.share: Share | None = None
-        self.counts = {"done": 0, "failed": 0, "running": 0, "skipped": 0}
-        self._callbacks: list[Callable[[Run], None]] = []
-        if on_done is not None:
-            self._callbacks.append(on_done)
-        self.listeners: list[Callable[[Run, str, TaskSlot | None], None]] = []
-        #: (orchestration function, args, config) until the run is terminal; then ``None``
-        #: so a handle kept by the caller does not keep them alive.
-        self.orch: tuple[Any, Any, CallConfig] | None = None
-        #: False only between RunBuilder.new_run and the call of the orchestration function.
-        self.build_started = True
-        self.orch_exception: BaseException | None = None
-        #: Buffers the run's args referenced at submit (heap ids, or remote keys): held
-        #: from submit to the end of the run, so a free while the run is queued waits.
-        self.pins: list[Any] = []
-        #: Cancelled with tasks still running: out of admission, not yet terminal.
-        self.detached = False
-        #: Heap buffers from ``Orchestrator.alloc``, one list per open scope; index 0 is
-        #: the run itself (buffers allocated outside any scope live until the run ends).
-        self.scopes: list[list[int]] = [[]]
-
-    @property
-    def state(self) -> RunState:
-        return self._state
-
-    @state.setter
-    def state(self, value: RunState) -> None:
-        self._state = value
-        self.terminal = value in (RunState.COMPLETED, RunState.FAILED)
-
-    def add_done_callback(self, fn: Callable[[Run], None]) -> None:
-        if self.terminal:
-            fn(self)
-        else:
-            self._callbacks.append(fn)
-
-    def fire_done(self) -> None:
-        callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
-
-    def emit(self, event: str, slot: TaskSlot | None = None) -> None:
-        for fn in self.listeners:
-            fn(self, event, slot)
-
-    def record_error(self, slot: TaskSlot | None, failure: FailureInfo) -> None:
-        if self.error is not None:
-            return
-        if slot is None:
-            run_cls = RunCancelled if self.cancelled else TaskError
-            self.error = run_cls(
-                f"run {self.run_id} failed: {failure.message}",
-                run_id=self.run_id,
-                outcome=failure.outcome.name,
-                remote_text=failure.message,
-            )
-            return
-        where = failure.worker_label or (
-            f"worker {failure.worker_id}" if failure.worker_id is not None else "no worker"
-        )
-        if failure.pid is not None:
-            where += f" (pid {failure.pid})"
-        dispatch = f", dispatch {failure.dispatch_id}" if failure.dispatch_id is not None else ""
-        msg = (
-            f"run {self.run_id} failed: task {slot.index} ({slot.kind.name} "
-            f"{slot.handle.name}, hashid {slot.hashid}) on {where}{dispatch}: "
-            f"{failure.outcome.name}: {failure.message}"
-        )
-        cls = RunCancelled if self.cancelled else TaskError
-        self.error = cls(
-            msg,
-            run_id=self.run_id,
-            worker_id=failure.worker_id,
-            hashid=slot.hashid,
-            dispatch_id=failure.dispatch_id,
-            outcome=failure.outcome.name,
-            remote_text=failure.message,
-            pid=failure.pid,
-        )
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def __repr__(self) -> str:
-        return f"Run({self.run_id}, {self.state.name}, slots={len(self.slots)}, remaining={self.remaining})"
-
-
-#: What a slot's ``run`` points at once its run retired (see Scheduler._maybe_finish_run).
-RETIRED_RUN = Run()
-RETIRED_RUN.state = RunState.COMPLETED
-RETIRED_RUN.building = False
-
-
-class Admission:
-    """Whole-run FIFO admission with ``depth`` generation-safe pipeline leases."""
-
-    def __init__(self, depth: int) -> None:
-        if depth < 1:
-            raise ValueError(f"pipeline depth {depth} must be at least 1")
-        self.depth = depth
-        self.active: deque[Run] = deque()  # leased runs, FIFO; active[0] is the head
-        self.waiting: deque[Run] = deque()
-        #: Cancelled runs whose running tasks have not finished (see ``detach``).
-        self.detached: list[Run] = []
-        self._free_leases = list(range(depth - 1, -1, -1))
-        self._generation = 0
-        self.closed = False
-
-    @property
-    def head(self) -> Run | None:
-        return self.active[0] if self.active else None
-
-    @property
-    def successor(self) -> Run | None:
-        return self.active[1] if len(self.active) > 1 else None
-
-    def enqueue(self, run: Run) -> list[Run]:
-        """Queue a run; returns the runs that became admitted (lease granted)."""
-        if self.closed:
-            raise WorkerClosedError(f"cannot submit run {run.run_id}: the worker is closing")
-        self.waiting.append(run)
-        return self._admit()
-
-    def _admit(self) -> list[Run]:
-        admitted = []
-        while self.waiting and self._free_leases:
-            run = self.waiting.popleft()
-            self._generation += 1
-            run.lease_slot = self._free_leases.pop()
-            run.lease_generation = self._generation
-            run.admitted = True
-            self.active.append(run)
-            admitted.append(run)
-        if self.active and self.active[0].state in (RunState.BUILDING, RunState.PREPARED):
-            self.active[0].state = RunState.EXECUTING
-        return admitted
-
-    def release(self, run: Run) -> list[Run]:
-        """A terminal run gives back its lease exactly once; promote the next."""
-        try:
-            self.active.remove(run)
-        except ValueError:
-            if run in self.detached:
-                self.detached.remove(run)
-                return []
-            try:
-                self.waiting.remove(run)
-            except ValueError:
-                pass
-            return []
-        self._free_leases.append(run.lease_slot)
-        return self._admit()
-
-    def detach(self, run: Run) -> list[Run]:
-        """A cancelled run with tasks still running leaves admission now: its lease goes
-        to the next run, so one stuck task does not hold back every later run. The run
-        stays listed (``runs()``) until it is terminal; ``release`` then only forgets it.
-        """
-        if run.detached or run not in self.active:
-            return []
-        self.active.remove(run)
-        run.detached = True
-        self.detached.append(run)
-        self._free_leases.append(run.lease_slot)
-        return self._admit()
-
-    def lease_valid(self, lease_slot: int, generation: int) -> bool:
-        return any(
-            r.lease_slot == lease_slot and r.lease_generation == generation for r in self.active
-        )
-
-    def runs(self) -> list[Run]:
-        return [*self.active, *self.detached, *self.waiting]
+_new_int = int.__new__
 
 
 class RemoteTensors(Protocol):
@@ -452,15 +122,17 @@ class Orchestrator:
 
     def submit_sub(
         self, handle: CallableHandle, args: TaskArgs | None = None, config: CallConfig | None = None
-    ) -> int:
-        """Submit one SUB task; returns its index in the run."""
+    ) -> TaskRef:
+        """Submit one SUB task; returns its ``TaskRef`` (its index in the run, and the
+        value the callable returns once the run is terminal)."""
         h = self._sink.validate_handle(handle, "sub", "submit_sub")
         return self._submit(TaskKind.SUB, h, [args or TaskArgs()], config, [])
 
     def submit_sub_group(
         self, handle: CallableHandle, args_list: list[TaskArgs], config: CallConfig | None = None
-    ) -> int:
-        """Submit a SUB group: one member per args, each on a distinct SUB worker."""
+    ) -> TaskRef:
+        """Submit a SUB group: one member per args, each on a distinct SUB worker. The
+        ``TaskRef``'s ``result()`` is a list: the members' values in args order."""
         h = self._sink.validate_handle(handle, "sub", "submit_sub_group")
         if not isinstance(args_list, (list, tuple)) or not args_list:
             raise ValueError(
@@ -475,8 +147,9 @@ class Orchestrator:
         config: CallConfig | None = None,
         *,
         worker: int,
-    ) -> int:
-        """Submit one NEXT_LEVEL task that runs only on ``worker``."""
+    ) -> TaskRef:
+        """Submit one NEXT_LEVEL task that runs only on ``worker``. Its ``TaskRef``'s
+        ``result()`` is None: chip kernels, nested L3 and remote tasks return nothing."""
         h = self._sink.validate_handle(handle, "chip", "submit_next_level")
         if isinstance(worker, bool) or not isinstance(worker, int):
             raise TypeError(
@@ -494,8 +167,9 @@ class Orchestrator:
         config: CallConfig | None = None,
         *,
         workers: list[int],
-    ) -> int:
-        """Submit a NEXT_LEVEL group: member i runs on ``workers[i]``, all launched together."""
+    ) -> TaskRef:
+        """Submit a NEXT_LEVEL group: member i runs on ``workers[i]``, all launched together.
+        Its ``TaskRef``'s ``result()`` is a list of None (NEXT_LEVEL tasks return nothing)."""
         h = self._sink.validate_handle(handle, "chip", "submit_next_level_group")
         if not isinstance(args_list, (list, tuple)) or not args_list:
             raise ValueError("cannot submit_next_level_group: args_list must be a non-empty list")
@@ -520,7 +194,7 @@ class Orchestrator:
         args_list: list[TaskArgs],
         config: CallConfig | None,
         targets: list[int],
-    ) -> int:
+    ) -> TaskRef:
         run = self.run
         if run.terminal or run.error is not None:
             if run.error is not None:
@@ -577,7 +251,10 @@ class Orchestrator:
             run.slots.append(slot)
             run.remaining += 1
             self._sink.add_slot(slot)
-            return slot.index
+            # int.__new__ directly, without TaskRef.__new__: about half the cost per submit.
+            ref = _new_int(TaskRef, slot.index)
+            ref.run = run
+            return ref
 
         pins: list[Any] = list({d.key: None for descs in member_descs for d in descs})
         slot = TaskSlot(
@@ -618,7 +295,9 @@ class Orchestrator:
             self._sink.fail_at_submit(slot, failed_producer)
         else:
             self._sink.add_slot(slot)
-        return slot.index
+        ref = _new_int(TaskRef, slot.index)
+        ref.run = run
+        return ref
 
     # -- run-owned buffers ------------------------------------------------------------------
 

@@ -484,7 +484,7 @@ class ChildPool:
         key = (kind, lane.worker_id)
         self._worker_restarts[key] = self._worker_restarts.get(key, 0) + 1
         self._watch_exit(child)
-        log.warning("%s replaced: %s -> pid %d", old.label, old.poison_reason, child.pid)
+        old.replaced(child.pid)  # the one WARNING line of a replacement
         self._scheduler.wake()
 
     def _give_up(self, lane: WorkerThread, reason: str) -> None:

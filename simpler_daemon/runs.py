@@ -24,6 +24,7 @@ import numpy as np
 
 from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, TaskArgs
 from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.errors import RunCancelled
 from simpler_daemon.fair import check_priority
 from simpler_daemon.orchestrator import FailureInfo, Orchestrator, Run
 from simpler_daemon.remote.spec import RemoteTensorRef
@@ -84,7 +85,13 @@ class RunBuilder:
         except BaseException:
             self.scheduler.release_run_memory(run)
             raise
+        # Runs not terminal yet: the driver's background thread works while any is.
+        self._driver.unfinished_runs += 1
+        run.add_done_callback(self._run_ended)
         return run
+
+    def _run_ended(self, run: Run) -> None:
+        self._driver.unfinished_runs -= 1
 
     def _hold_args(self, run: Run, args: Any) -> None:
         """Pin every heap buffer (and remote buffer) that ``args`` references."""
@@ -196,8 +203,13 @@ class RunBuilder:
             run.orch_exception = exc
         self.scheduler.fail_building(run, exc)
 
-    def cancel_now(self, run: Run) -> None:
+    def cancel_now(self, run: Run, reason: str = "") -> None:
+        """Cancel ``run`` (``Worker.cancel``): its error, recorded first, is a
+        ``RunCancelled`` with outcome CANCELLED and ``reason`` (``cancelled_error``)."""
         sched = self.scheduler
+        if run.error is None and not run.terminal:
+            run.cancelled = True
+            run.error = cancelled_error(run.run_id, reason)
         sched.cancel(run)
         if not run.build_started:
             # Never admitted or not yet built: nothing will call finish_building (a build
@@ -247,6 +259,19 @@ async def wait_run(run: Run, timeout: float | None) -> None:
         raise TimeoutError(
             f"run {run.run_id} not finished within {timeout}s (state {run.state.name})"
         ) from None
+
+
+def cancelled_error(run_id: int, reason: str) -> RunCancelled:
+    """The error of a run cancelled by its owner: ``run N cancelled: <reason>``, outcome
+    CANCELLED (as the daemon reports it). ``Scheduler.terminate`` then names the first
+    task it stopped."""
+    text = f"run cancelled: {reason}" if reason else "run cancelled"
+    return RunCancelled(
+        f"run {run_id} cancelled" + (f": {reason}" if reason else ""),
+        run_id=run_id,
+        outcome=Outcome.CANCELLED.name,
+        remote_text=text,
+    )
 
 
 def closing_failure() -> FailureInfo:

@@ -19,8 +19,10 @@ This module is the facade only; the pieces are:
   children, reaping them at close;
 * ``driver.Driver``: who runs the Scheduler's rounds. Used synchronously
   (``run``/``submit``/``wait``), the calling thread drives them and parks in
-  poll(2); used from a running loop (``run_async``) the Scheduler binds to that
-  loop. One Worker uses one style;
+  poll(2), and a background thread takes over while runs are unfinished and no
+  caller drives; used from a running loop (``run_async``) the Scheduler binds to
+  that loop. One Worker uses one style;
+* ``handle.RunHandle``: a submitted run, used like a ``concurrent.futures.Future``;
 * ``registration``: the register/unregister broadcast (to every child at once, each
   control with a deadline) with rollback;
 * ``remote.fleet.RemoteFleet``: a level-4 Worker's remote L3 workers (sessions,
@@ -44,10 +46,11 @@ from simpler_daemon.callables import CallableHandle, CallableRegistry, CallableS
 from simpler_daemon.children.forkserver import ForkServer
 from simpler_daemon.children.process import ChildProcess
 from simpler_daemon.doorbell import Doorbell
-from simpler_daemon.driver import Driver
+from simpler_daemon.driver import Driver, retire_background_threads
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import RunCancelled, WorkerClosedError
 from simpler_daemon.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS
+from simpler_daemon.handle import RunHandle
 from simpler_daemon.heap import Heap
 from simpler_daemon.lifecycle import (
     InitGate,
@@ -59,12 +62,13 @@ from simpler_daemon.lifecycle import (
 from simpler_daemon.local_l3 import plan_install
 from simpler_daemon.mailbox import ControlOp, Mailbox
 from simpler_daemon.manager import WorkerManager, WorkerThread, WorkerType
-from simpler_daemon.orchestrator import Orchestrator, Run, RunState
+from simpler_daemon.orchestrator import Orchestrator, Run
 from simpler_daemon.pool import ChildPool
 from simpler_daemon.registration import (
     RegistrationTarget,
     nowhere_to_run,
     register_on_all,
+    reload_on_all,
     spec_for,
     unregister_on_all,
 )
@@ -76,55 +80,6 @@ from simpler_daemon.scheduler import Scheduler
 
 Orch = Callable[[Orchestrator, Any, CallConfig], Any]
 Kind = Literal["sub", "chip", "orchestration"]
-
-
-class RunHandle:
-    """A submitted run: ``done()``, ``wait(timeout)``, ``result()``, ``cancel()``."""
-
-    def __init__(self, worker: Worker, run: Run) -> None:
-        self._worker = worker
-        self.run = run
-
-    @property
-    def run_id(self) -> int:
-        return self.run.run_id
-
-    @property
-    def state(self) -> RunState:
-        return self.run.state
-
-    def done(self) -> bool:
-        return self.run.terminal
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the run is terminal; raise its error.
-
-        Raises ``TimeoutError`` when ``timeout`` expires first, ``TaskError`` when it failed;
-        ``timeout`` None or ``inf`` waits forever, NaN or negative is a ``ValueError``.
-        """
-        seconds = check_timeout(timeout, f"wait for run {self.run_id}")
-        self._worker._wait_run(self.run, seconds)
-        self.result()
-
-    def result(self) -> None:
-        """``None`` for a completed run; raises its error; ``InvalidStateError`` while running."""
-        run = self.run
-        if not run.terminal:
-            raise asyncio.InvalidStateError(f"run {run.run_id} is {run.state.name}")
-        orch_exc = getattr(run, "orch_exception", None)
-        if orch_exc is not None:
-            raise orch_exc
-        run.raise_if_failed()
-
-    async def wait_async(self, timeout: float | None = None) -> None:
-        await wait_run(self.run, check_timeout(timeout, f"wait for run {self.run_id}"))
-        self.result()
-
-    def cancel(self) -> None:
-        self._worker.cancel(self)
-
-    def __repr__(self) -> str:
-        return f"RunHandle(run_id={self.run_id}, state={self.run.state.name})"
 
 
 class Worker(Lifecycle, RemoteMethods):
@@ -239,6 +194,17 @@ class Worker(Lifecycle, RemoteMethods):
         self.scheduler: Scheduler | None = None
         self._pid = os.getpid()
 
+    def init(self) -> None:
+        """Fork every child and wait until all are ready (``Lifecycle.init``).
+
+        Forks need a process with one thread: the idle background driver threads of
+        other Workers end first, and while one still drives unfinished runs this raises
+        ``StartupError`` (a Worker cannot be initialised while another Worker's runs are
+        in flight in the same process; wait for them or close it)."""
+        if self.state is WorkerState.NEW and not self._attached:
+            retire_background_threads("init")
+        super().init()
+
     # -- the pieces, as the daemon, the CLI and tests see them ----------------------------------------
 
     @property
@@ -291,6 +257,8 @@ class Worker(Lifecycle, RemoteMethods):
         fn: Callable[..., Any] | str | RemoteCallable,
         kind: Kind = "sub",
         workers: list[int] | None = None,
+        *,
+        reload: bool = False,
     ) -> CallableHandle:
         """Register a callable (object or ``"pkg.mod:fn"``) and return its handle.
 
@@ -308,9 +276,19 @@ class Worker(Lifecycle, RemoteMethods):
         Called while ``init`` runs on another thread, it waits for init, then registers
         (or raises init's failure). A callable that could never run here (a SUB callable
         without SUB workers, a chip kernel without chips) is refused: ``ValueError``.
+
+        ``reload=True`` (after ``init``, an import path already registered): re-import
+        its module from the current source in every SUB child (in this process for an
+        orchestration function), no task of it being dispatched meanwhile; the hashid and
+        the reference count stay (``registration.reload_on_all``).
         """
         self._check_usable("register")
         self._await_init("register")
+        if reload:
+            self._check_ready("reload a callable")
+            return self._driver.drive(  # type: ignore[no-any-return]
+                self.register_async(fn, kind, workers, reload=True)
+            )
         if self.state is WorkerState.NEW:
             if isinstance(fn, RemoteCallable) or workers is not None:
                 spec, kind2, remote, local = plan_install(self, fn, kind, workers)
@@ -333,9 +311,21 @@ class Worker(Lifecycle, RemoteMethods):
         fn: Callable[..., Any] | str | RemoteCallable,
         kind: Kind = "sub",
         workers: list[int] | None = None,
+        *,
+        reload: bool = False,
     ) -> CallableHandle:
         """``register`` after ``init`` without blocking the event loop."""
         self._check_ready("register")
+        if reload:
+            if not isinstance(fn, str) or workers is not None:
+                raise TypeError(
+                    f"cannot reload {fn!r}: pass the import path 'pkg.mod:fn' it was registered "
+                    "with (and no workers=; a reload reaches this Worker's own SUB workers)"
+                )
+            spec = spec_for(fn, kind)
+            assert self.scheduler is not None  # READY
+            targets = self._targets_for(spec)
+            return await reload_on_all(self.registry, spec, targets, self.scheduler.holding)
         if isinstance(fn, RemoteCallable) or workers is not None:
             spec, kind2, remote, local = plan_install(self, fn, kind, workers)
             if local:
@@ -501,7 +491,9 @@ class Worker(Lifecycle, RemoteMethods):
     ) -> RunHandle:
         """Queue a run and return its handle at once (the orchestration runs when admitted).
 
-        Under ``admission="fair"``, ``priority`` (1 to 1000) weighs the run's share of the
+        The run progresses on its own: while nobody waits on this Worker, its background
+        driver thread runs the Scheduler (a bound Worker's loop does). Under
+        ``admission="fair"``, ``priority`` (1 to 1000) weighs the run's share of the
         workers and runs with the same ``client`` share one client's part."""
         driver = self._driver
         loop = driver.bound_elsewhere()
@@ -510,15 +502,22 @@ class Worker(Lifecycle, RemoteMethods):
                 self.submit_async(orch, args, config, priority=priority, client=client), loop
             ).result()
         with driver.lock:
-            if self.state is WorkerState.READY:
-                # Notice children that died while idle before dispatching to them.
-                driver.poll_now()
-            driver.run_tasks()
-            self._check_ready("submit a run")
-            run = self._runs.new_run(orch, args, config, priority, client)
-            if run.admitted:
-                self._runs.build(run)
-            return RunHandle(self, run)
+            return RunHandle(self, self._new_run(orch, args, config, priority, client))
+
+    def _new_run(
+        self, orch: Orch, args: Any, config: CallConfig | None, priority: int, client: object
+    ) -> Run:
+        """``submit``'s work, under ``driver.lock``: create the run, build it if admitted."""
+        driver = self._driver
+        if self.state is WorkerState.READY:
+            # Notice children that died while idle before dispatching to them.
+            driver.poll_now()
+        driver.run_tasks()
+        self._check_ready("submit a run")
+        run = self._runs.new_run(orch, args, config, priority, client)
+        if run.admitted:
+            self._runs.build(run)
+        return run
 
     def run(
         self,
@@ -530,7 +529,23 @@ class Worker(Lifecycle, RemoteMethods):
         client: object = None,
     ) -> None:
         """Run an orchestration to completion; raises ``TaskError`` when the run failed."""
-        self.submit(orch, args, config, priority=priority, client=client).wait()
+        driver = self._driver
+        if driver.loop is not None:
+            self.submit(orch, args, config, priority=priority, client=client).wait()
+            return
+        # One caller from the submit to the run's end: the background thread never
+        # starts for a run whose caller is about to drive it. Refused before the run is
+        # created when called from inside a round (a done callback): it could not end.
+        driver.check_may_wait()
+        with driver.lock:
+            handle = RunHandle(self, self._new_run(orch, args, config, priority, client))
+            run = handle.run
+            if run.terminal or driver.rounds(lambda: run.terminal, handover=True) is not None:
+                handle.wait()
+                return
+        # Another thread wants the lock (a submit, a cancel): it gets it, this thread
+        # waits as any other (``drive_until`` drives again once the lock is free).
+        handle.wait()
 
     async def submit_async(
         self,
@@ -561,20 +576,34 @@ class Worker(Lifecycle, RemoteMethods):
         handle = await self.submit_async(orch, args, config, priority=priority, client=client)
         await handle.wait_async()
 
-    def cancel(self, handle: RunHandle | Run) -> None:
-        """Cancel a run: unstarted tasks fail, running ones finish."""
+    def cancel(self, handle: RunHandle | Run, terminate: bool = False, reason: str = "") -> None:
+        """Cancel a run: unstarted tasks fail, running ones finish; with ``terminate``
+        the local workers running its tasks are killed (and replaced) and those tasks'
+        outcome is CANCELLED (remote tasks run to their end).
+
+        The run's error is a ``RunCancelled`` with outcome CANCELLED: ``run N cancelled:
+        <reason>``, and with ``terminate`` the first task stopped, where it ran (worker,
+        pid) and its message. The run is terminal once none of its tasks runs any more
+        (see ``RunHandle.cancel``)."""
         run = handle.run if isinstance(handle, RunHandle) else handle
         assert self.scheduler is not None
+        sched = self.scheduler
+
+        def cancel_now() -> None:
+            self._runs.cancel_now(run, reason)
+            if terminate:
+                sched.terminate(run, reason)
+
         driver = self._driver
         if driver.loop is not None and asyncio._get_running_loop() is driver.loop:
-            self._runs.cancel_now(run)  # on the bound loop: cancelling never blocks
+            cancel_now()  # on the bound loop: cancelling never blocks
             return
         loop = driver.bound_elsewhere()
         if loop is not None:
-            loop.call_soon_threadsafe(self._runs.cancel_now, run)
+            loop.call_soon_threadsafe(cancel_now)
             return
         with driver.lock:
-            self._runs.cancel_now(run)
+            cancel_now()
 
     def _wait_run(self, run: Run, timeout: float | None) -> None:
         if run.terminal:

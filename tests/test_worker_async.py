@@ -96,7 +96,7 @@ async def test_submit_async_wait_async_done_and_result() -> None:
         assert not handle.done()
         flags[0] = 1
         await handle.wait_async(timeout=60)
-        assert handle.done() and handle.state is RunState.COMPLETED and handle.result() is None
+        assert handle.done() and handle.state is RunState.COMPLETED and handle.result() == [None]
 
 
 @pytest.mark.asyncio

@@ -278,7 +278,7 @@ class NestedLoop(MailboxLoop):
                 elif limit is not None and time.monotonic() > limit:
                     cancelled = "deadline"
                     inner.cancel(handle)
-            handle.result()
+            handle.wait(0)  # raises the run's error; no result list is built
         except TaskError as exc:
             if cancelled == "shutdown":
                 return ERR_SHUTDOWN, f"{self.prefix}: shut down while running the task: {exc}"

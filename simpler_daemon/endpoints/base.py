@@ -18,6 +18,8 @@ class Outcome(IntEnum):
     TASK_FAILURE = 1
     ENDPOINT_FAILURE = 2
     SKIPPED = 3
+    #: Stopped on purpose: its run was cancelled with ``terminate`` and its child killed.
+    CANCELLED = 4
 
 
 class EventKind(IntEnum):

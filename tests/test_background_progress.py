@@ -1,0 +1,192 @@
+"""Issue 12, item 2: runs progress on their own in the blocking API.
+
+After ``h = w.submit(orch)`` the run finishes with no further call into the Worker: a
+background driver thread takes over while runs are unfinished and no caller drives,
+hands the lock back to a caller that waits, and exits once no run is left, so a later
+Worker's init (a fork) in the same process still works. Real SUB children, under
+``fifo`` and ``fair`` admission. Progress is observed by polling ``done()`` and heap
+words with a deadline, never by timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from simpler_daemon import (
+    CallableHandle,
+    RunState,
+    StartupError,
+    Tag,
+    Worker,
+    WorkerState,
+)
+from simpler_daemon.testing import poll_for
+from tests import tasks
+from tests.tasks import targs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+DRIVER = "simpler-driver"
+
+
+def driver_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == DRIVER]
+
+
+def only_main_thread() -> bool:
+    return threading.active_count() == 1
+
+
+class Pool:
+    def __init__(self, admission: str) -> None:
+        self.w = Worker(num_sub_workers=2, admission=admission)
+        self.h: dict[str, CallableHandle] = {
+            name: self.w.register(getattr(tasks, name))
+            for name in ("wait_flag", "chain_step", "noop", "set_flag")
+        }
+        self.w.init()
+
+    def gated(self, flags: Any, index: int = 0) -> Any:
+        """An orchestration of one task that waits until ``flags[index]`` is set."""
+        h = self.h["wait_flag"]
+
+        def orch(o: Any, args: Any, config: Any) -> None:
+            o.submit_sub(h, targs((flags, Tag.NO_DEP), scalars=(index, 0, 30_000)))
+
+        return orch
+
+    def chain(self, counter: Any, n: int) -> Any:
+        """An orchestration of ``n`` INOUT-ordered steps on ``counter``."""
+        h = self.h["chain_step"]
+
+        def orch(o: Any, args: Any, config: Any) -> None:
+            for i in range(n):
+                o.submit_sub(h, targs((counter, Tag.INOUT), scalars=(i,)))
+
+        return orch
+
+
+@pytest.fixture(params=["fifo", "fair"])
+def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
+    p = Pool(request.param)
+    try:
+        yield p
+    finally:
+        p.w.close()
+    # close joins the background thread: a fork right now would be allowed.
+    assert only_main_thread(), f"threads outlived close: {threading.enumerate()}"
+
+
+def test_a_run_submitted_and_never_waited_on_completes(pool: Pool) -> None:
+    w = pool.w
+    counter = w.alloc((1,), "int64")
+    handle = w.submit(pool.chain(counter, 50))
+    # No call into the Worker from here on: only the handle's state and heap words.
+    poll_for(handle.done, timeout=60, message="the submitted run never finished on its own")
+    assert handle.state is RunState.COMPLETED
+    assert counter[0] == 50
+    # No run left: the background thread exits by itself (no close, no other call).
+    poll_for(only_main_thread, timeout=30, message=f"driver thread stayed: {driver_threads()}")
+    for _ in range(20):
+        # Worker.run drives its run to the end itself: it leaves nothing to a thread.
+        counter[0] = 0
+        w.run(pool.chain(counter, 2))
+        assert not driver_threads()
+
+
+def test_several_submitted_runs_all_complete_on_their_own(pool: Pool) -> None:
+    w = pool.w
+    counters = [w.alloc((1,), "int64") for _ in range(6)]
+    handles = [w.submit(pool.chain(c, 10)) for c in counters]
+    poll_for(lambda: all(h.done() for h in handles), timeout=60)
+    assert [int(c[0]) for c in counters] == [10] * 6
+    assert all(h.state is RunState.COMPLETED for h in handles)
+
+
+def test_a_caller_that_waits_takes_over_and_hands_back(pool: Pool) -> None:
+    w = pool.w
+    flags = w.alloc((2,), "int64")
+    slow = w.submit(pool.gated(flags, 0))
+    # The background thread drives the gated run...
+    poll_for(driver_threads, timeout=30, message="no background driver for an unfinished run")
+    # ...a caller that waits takes the rounds over, and hands them back when it leaves.
+    with pytest.raises(TimeoutError):
+        slow.wait(timeout=0.05)
+    assert not slow.done()
+    if w.admission == "fair":
+        # Other runs share the idle worker: a caller drives its own runs meanwhile.
+        counter = w.alloc((1,), "int64")
+        w.run(pool.chain(counter, 20))
+        assert counter[0] == 20
+        assert not slow.done()
+    # The caller left with the gated run unfinished: it completes without anyone waiting.
+    flags[0] = 1
+    poll_for(slow.done, timeout=60, message="the gated run never finished after the handover")
+    assert slow.state is RunState.COMPLETED
+    poll_for(only_main_thread, timeout=30)
+    # A caller waiting while the background thread drives finishes its run itself.
+    second = w.submit(pool.gated(flags, 1))
+    poll_for(driver_threads, timeout=30)
+    flags[1] = 1
+    second.wait(timeout=60)
+    assert second.state is RunState.COMPLETED
+
+
+def test_wait_with_a_timeout_leaves_the_run_to_the_background(pool: Pool) -> None:
+    w = pool.w
+    flags = w.alloc((1,), "int64")
+    handle = w.submit(pool.gated(flags))
+    with pytest.raises(TimeoutError, match=f"run {handle.run_id} not finished"):
+        handle.wait(timeout=0.05)
+    flags[0] = 1
+    poll_for(handle.done, timeout=60)
+    handle.wait()
+
+
+def test_close_with_a_run_in_flight_joins_the_background_thread(pool: Pool) -> None:
+    w = pool.w
+    flags = w.alloc((1,), "int64")
+    handle = w.submit(pool.gated(flags))
+    poll_for(driver_threads, timeout=30)
+    w.close(timeout=1.0)
+    assert handle.done()
+    assert only_main_thread(), f"close left threads: {threading.enumerate()}"
+
+
+@pytest.mark.parametrize("admission", ["fifo", "fair"])
+def test_a_later_worker_init_forks_after_the_background_thread_exited(admission: str) -> None:
+    first = Pool(admission)
+    second: Worker | None = None
+    third: Worker | None = None
+    try:
+        counter = first.w.alloc((1,), "int64")
+        handle = first.w.submit(first.chain(counter, 10))
+        poll_for(handle.done, timeout=60)
+        # The first Worker is still open; its idle thread must not block this fork.
+        second = Worker(num_sub_workers=1, admission=admission)
+        h2 = second.register(tasks.noop)
+        second.init()
+        second.run(lambda o, a, c: o.submit_sub(h2, targs()))
+
+        # While the first Worker's runs are in flight on its thread, a fork is refused
+        # with a clear reason and the new Worker stays NEW (it can init later).
+        flags = first.w.alloc((1,), "int64")
+        gated = first.w.submit(first.gated(flags))
+        poll_for(driver_threads, timeout=30)
+        third = Worker(num_sub_workers=1, admission=admission)
+        with pytest.raises(StartupError, match=r"cannot init: another Worker .* unfinished run"):
+            third.init()
+        assert third.state is WorkerState.NEW
+        flags[0] = 1
+        poll_for(gated.done, timeout=60)
+        third.init()
+        assert third.ping(0) > 0  # READY: its child answers
+    finally:
+        for w in (third, second, first.w):
+            if w is not None:
+                w.close()
+    assert only_main_thread()

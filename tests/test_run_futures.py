@@ -1,0 +1,421 @@
+"""Issue 12, item 3 (the RunHandle part): a run handle behaves like a future.
+
+``result(timeout)`` blocks and returns the task results (``Run.task_results()``),
+``exception``, ``done``/``running``/``cancelled``, ``cancel(terminate=False) -> bool``,
+``add_done_callback`` (fires on its own, at once when done, a raising callback is
+logged), ``await handle`` on the bound loop and from a foreign loop, and
+``Worker.cancel(handle, terminate=True, reason=...)``. Real SUB children, under
+``fifo`` and ``fair`` admission; waits poll with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from simpler_daemon import (
+    CallableHandle,
+    RunCancelled,
+    RunHandle,
+    RunState,
+    Tag,
+    TaskError,
+    Worker,
+)
+from simpler_daemon import worker as worker_module
+from simpler_daemon.testing import poll_for
+from tests import tasks
+from tests.tasks import targs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+# -- SUB callables (module level: the children inherit them) ------------------------------------
+
+
+def double(args: Any) -> int:
+    return int(args.scalars[0]) * 2
+
+
+def gated_double(args: Any) -> int:
+    """Wait until tensors[0][0] != 0 (30 s at most), then return 2 * scalars[0]."""
+    flags = args.tensors[0]
+    deadline = time.monotonic() + 30
+    while flags[0] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the gate never opened")
+        time.sleep(0.0005)
+    return int(args.scalars[0]) * 2
+
+
+class Pool:
+    def __init__(self, admission: str) -> None:
+        self.w = Worker(num_sub_workers=2, admission=admission)
+        self.double = self.w.register(double)
+        self.gated_double = self.w.register(gated_double)
+        self.fail = self.w.register(tasks.fail)
+        self.noop = self.w.register(tasks.noop)
+        self.wait_flag = self.w.register(tasks.wait_flag)
+        self.w.init()
+
+    def gated(self, flags: Any, value: int = 7) -> Any:
+        h = self.gated_double
+
+        def orch(o: Any, args: Any, config: Any) -> None:
+            o.submit_sub(h, targs((flags, Tag.NO_DEP), scalars=(value,)))
+
+        return orch
+
+    def stuck(self) -> tuple[RunHandle, Any]:
+        """A run whose one task records its pid, then waits 60 s for a flag nobody sets."""
+        flags = self.w.alloc((1,), "int64")
+        started = self.w.alloc((1,), "int64")
+        h = self.wait_flag
+
+        def orch(o: Any, args: Any, config: Any) -> None:
+            o.submit_sub(
+                h, targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 60_000))
+            )
+
+        return self.w.submit(orch), started
+
+    def one(self, handle: CallableHandle, *scalars: int) -> Any:
+        def orch(o: Any, args: Any, config: Any) -> None:
+            o.submit_sub(handle, targs(scalars=scalars))
+
+        return orch
+
+
+@pytest.fixture(params=["fifo", "fair"])
+def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
+    p = Pool(request.param)
+    try:
+        yield p
+    finally:
+        p.w.close()
+
+
+def test_run_handle_lives_in_its_own_module_and_is_re_exported() -> None:
+    from simpler_daemon.handle import RunHandle as FromHandle
+
+    assert RunHandle is FromHandle is worker_module.RunHandle
+
+
+def test_result_blocks_and_returns_the_task_results_in_order(pool: Pool) -> None:
+    p = pool
+
+    def orch(o: Any, args: Any, config: Any) -> None:
+        o.submit_sub(p.double, targs(scalars=(1,)))
+        o.submit_sub_group(p.double, [targs(scalars=(2,)), targs(scalars=(3,))])
+        o.submit_sub(p.noop, targs())
+
+    handle = p.w.submit(orch)
+    assert handle.result(timeout=60) == [2, [4, 6], None]
+    assert handle.done() and not handle.running() and not handle.cancelled()
+    assert handle.exception() is None
+    assert handle.result() == [2, [4, 6], None]  # again, at once
+
+
+def test_result_with_a_timeout_raises_timeout_error_on_a_slow_run(pool: Pool) -> None:
+    flags = pool.w.alloc((1,), "int64")
+    handle = pool.w.submit(pool.gated(flags, 7))
+    with pytest.raises(TimeoutError, match=f"run {handle.run_id} not finished"):
+        handle.result(timeout=0.05)
+    with pytest.raises(TimeoutError):
+        handle.exception(timeout=0.01)
+    assert not handle.done() and handle.running() and not handle.cancelled()
+    with pytest.raises(ValueError, match="timeout"):
+        handle.result(timeout=-1)
+    flags[0] = 1
+    assert handle.result(timeout=60) == [14]
+    assert handle.state is RunState.COMPLETED
+
+
+def test_add_done_callback_fires_on_its_own_and_at_once_when_done(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    flags = pool.w.alloc((1,), "int64")
+    handle = pool.w.submit(pool.gated(flags))
+    seen: list[tuple[RunHandle, str]] = []
+    fired = threading.Event()
+
+    def record(h: RunHandle) -> None:
+        seen.append((h, threading.current_thread().name))
+        fired.set()
+
+    def explode(h: RunHandle) -> None:
+        raise RuntimeError("callback exploded on purpose")
+
+    handle.add_done_callback(explode)  # logged, and the next callback still runs
+    handle.add_done_callback(record)
+    assert not seen
+    flags[0] = 1
+    # Nobody calls into the Worker: the run ends on the background driver thread.
+    assert fired.wait(60), "the done callback never fired"
+    assert seen == [(handle, "simpler-driver")]
+    assert handle.done() and handle.result() == [14]
+    assert any(
+        "done callback" in r.getMessage()
+        and r.exc_info is not None
+        and "exploded on purpose" in str(r.exc_info[1])
+        for r in caplog.records
+    ), caplog.records
+    # Already done: called at once, on this thread.
+    handle.add_done_callback(record)
+    assert seen[-1] == (handle, threading.current_thread().name)
+    # The scheduler carried on: the worker serves the next run.
+    again = pool.w.submit(pool.one(pool.double, 5))
+    assert again.result(timeout=60) == [10]
+
+
+def test_cancel_returns_true_then_false_and_the_handle_reports_it(pool: Pool) -> None:
+    flags = pool.w.alloc((1,), "int64")
+    handle = pool.w.submit(pool.gated(flags))
+    assert handle.running()
+    assert handle.cancel() is True
+    flags[0] = 1  # the running task finishes; the run ends cancelled
+    poll_for(handle.done, timeout=60)
+    assert handle.cancelled() and not handle.running()
+    assert isinstance(handle.exception(), RunCancelled)
+    with pytest.raises(RunCancelled):
+        handle.result()
+    assert handle.cancel() is False
+
+
+def test_a_failed_run_raises_from_result_and_is_returned_by_exception(pool: Pool) -> None:
+    handle = pool.w.submit(pool.one(pool.fail, 3))
+    error = handle.exception(timeout=60)
+    assert isinstance(error, TaskError) and "exploded on purpose (3)" in str(error.remote_text)
+    with pytest.raises(TaskError):
+        handle.result(timeout=60)
+    assert not handle.cancelled()
+
+
+def test_an_orchestration_exception_is_the_result_error(pool: Pool) -> None:
+    def orch(o: Any, args: Any, config: Any) -> None:
+        raise KeyError("orchestration exploded")
+
+    handle = pool.w.submit(orch)
+    assert isinstance(handle.exception(timeout=60), KeyError)
+    with pytest.raises(KeyError, match="orchestration exploded"):
+        handle.result()
+
+
+def test_await_from_a_foreign_loop_while_the_background_thread_drives(pool: Pool) -> None:
+    flags = pool.w.alloc((1,), "int64")
+    handle = pool.w.submit(pool.gated(flags, 4))
+
+    async def main() -> list[Any]:
+        asyncio.get_running_loop().call_later(0.05, flags.__setitem__, 0, 1)
+        with pytest.raises(TimeoutError):
+            await handle.wait_async(timeout=0.001)
+        return await handle
+
+    assert asyncio.run(main()) == [8]
+
+
+def test_worker_cancel_with_terminate_stops_a_running_task(pool: Pool) -> None:
+    before = {row["pid"] for row in pool.w.list_workers()}
+    handle, started = pool.stuck()
+    poll_for(lambda: started[0] != 0, timeout=30, message="the stuck task never started")
+    pool.w.cancel(handle, terminate=True, reason="test: stop it")
+    poll_for(handle.done, timeout=30, message="terminate did not stop the sleeping task")
+    assert handle.cancelled()
+    with pytest.raises(RunCancelled):
+        handle.result()
+    # The killed worker was replaced and the pool serves on.
+    assert pool.w.submit(pool.one(pool.double, 21)).result(timeout=60) == [42]
+    after = {row["pid"] for row in pool.w.list_workers()}
+    assert len(after) == len(before) and after != before
+
+
+def test_handle_cancel_with_terminate(pool: Pool) -> None:
+    handle, started = pool.stuck()
+    poll_for(lambda: started[0] != 0, timeout=30, message="the stuck task never started")
+    assert handle.cancel(terminate=True) is True
+    poll_for(handle.done, timeout=30, message="terminate did not stop the sleeping task")
+    assert isinstance(handle.exception(), RunCancelled)
+
+
+@pytest.mark.asyncio
+async def test_await_on_the_bound_loop() -> None:
+    w = Worker(num_sub_workers=1, admission="fair")
+    h = w.register(double)
+    async with w:
+        handle = await w.submit_async(lambda o, a, c: o.submit_sub(h, targs(scalars=(11,))))
+        assert await handle == [22]
+        assert handle.result() == [22]  # done: no blocking call on the loop
+        fired: list[RunHandle] = []
+        second = await w.submit_async(lambda o, a, c: o.submit_sub(h, targs(scalars=(1,))))
+        second.add_done_callback(fired.append)
+        assert await second == [2]
+        assert fired == [second]
+
+
+def test_await_from_a_foreign_loop_of_a_bound_worker() -> None:
+    w = Worker(num_sub_workers=1, admission="fifo")
+    h = w.register(double)
+    w.init()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="bound-loop")
+    runner.start()
+    try:
+        asyncio.run_coroutine_threadsafe(w.start_async(), loop).result(30)
+        handle = w.submit(lambda o, a, c: o.submit_sub(h, targs(scalars=(5,))))
+
+        async def main() -> list[Any]:
+            return await handle  # the bound loop finishes it on its own thread
+
+        assert asyncio.run(main()) == [10]
+        assert handle.result(timeout=30) == [10]
+    finally:
+        w.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(30)
+        loop.close()
+
+
+# -- review fixes: waiting never blocks other threads; callbacks cannot wait --------------------
+
+
+def test_waiting_in_one_thread_never_blocks_submit_or_cancel_in_another() -> None:
+    """Thread A blocks in ``result()`` of a 20 s task; the main thread submits a small run
+    (its result comes while A still waits: the big run is not done) and then terminates
+    A's run (A's ``result()`` raises ``RunCancelled``: the task did not end on its own).
+    Before the fix both calls waited for the big run to complete."""
+    w = Worker(num_sub_workers=2, admission="fair")
+    sleep = w.register(tasks.sleep_ms)
+    dbl = w.register(double)
+    w.init()
+    try:
+        big = w.submit(lambda o, a, c: o.submit_sub(sleep, targs(scalars=(20_000,))))
+        outcome: list[BaseException | list[Any]] = []
+        entered = threading.Event()
+
+        def wait_big() -> None:
+            entered.set()
+            try:
+                outcome.append(big.result(timeout=60))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait_big, name="waiter-a")
+        waiter.start()
+        try:
+            assert entered.wait(30)
+            poll_for(lambda: w._driver.lock._owner == waiter.ident, timeout=30)
+            small = w.submit(lambda o, a, c: o.submit_sub(dbl, targs(scalars=(21,))))
+            assert small.result(timeout=30) == [42]
+            assert not big.done(), "the small run had to wait for the big one"
+            assert big.cancel(terminate=True) is True
+            waiter.join(30)
+            assert not waiter.is_alive()
+            assert len(outcome) == 1 and isinstance(outcome[0], RunCancelled), outcome
+        finally:
+            waiter.join(60)
+    finally:
+        w.close()
+
+
+def test_a_done_callback_that_waits_on_its_worker_gets_a_clear_error(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = pool
+    errors: list[BaseException] = []
+    submitted: list[RunHandle] = []
+    fired = threading.Event()
+
+    def waits(h: RunHandle) -> None:
+        try:
+            try:
+                p.w.run(p.one(p.double, 1))
+            except RuntimeError as exc:
+                errors.append(exc)
+            try:
+                p.w.submit(p.one(p.double, 2)).result()
+            except RuntimeError as exc:
+                errors.append(exc)
+            # Submitting (without waiting) keeps working.
+            submitted.append(p.w.submit(p.one(p.double, 3)))
+        finally:
+            fired.set()
+
+    def raises(h: RunHandle) -> None:
+        p.w.run(p.one(p.double, 4))
+
+    handle = p.w.submit(p.one(p.double, 5))
+    handle.add_done_callback(waits)
+    handle.add_done_callback(raises)
+    assert fired.wait(60), "the done callback never ran (or hangs)"
+    assert handle.result(timeout=60) == [10]
+    assert len(errors) == 2, errors
+    for exc in errors:
+        assert "cannot wait for a run inside a done callback" in str(exc)
+        assert "add_done_callback" in str(exc)
+    poll_for(lambda: any("done callback" in r.getMessage() for r in caplog.records), timeout=30)
+    assert submitted and submitted[0].result(timeout=60) == [6]
+    # The worker keeps working.
+    assert p.w.submit(p.one(p.double, 8)).result(timeout=60) == [16]
+
+
+def test_cancel_has_one_meaning_under_both_policies(pool: Pool) -> None:
+    """Once ``cancel()`` returned, a run with no task running is done and cancelled at
+    once; a run with a task running is done (and cancelled) when that task ends, under
+    ``fifo`` as under ``fair`` (what differs is only whether admission let a run start)."""
+    p = pool
+    busy = p.w.alloc((1,), "int64")
+    gate = p.w.alloc((1,), "int64")
+    h = p.gated_double
+
+    def two(o: Any, args: Any, config: Any) -> None:
+        for v in (1, 2):
+            o.submit_sub(h, targs((busy, Tag.NO_DEP), scalars=(v,)))
+
+    running = p.w.submit(two)  # holds both workers until busy[0] is set
+    poll_for(lambda: running.run.counts["running"] == 2, timeout=30)
+    waiting = p.w.submit(p.gated(gate))  # no worker is free: none of its tasks runs
+    assert waiting.cancel() is True
+    assert waiting.done() and waiting.cancelled()
+    with pytest.raises(RunCancelled, match=f"run {waiting.run_id} cancelled"):
+        waiting.result()
+    assert running.cancel() is True
+    assert running.run.cancelled and not running.done() and not running.cancelled()
+    busy[0] = 1
+    poll_for(running.done, timeout=60)
+    assert running.cancelled() and isinstance(running.exception(), RunCancelled)
+
+
+def test_a_thread_in_worker_run_lets_another_thread_submit_and_wait() -> None:
+    """``w.run`` drives from its submit to its end: it hands the Scheduler over too."""
+    w = Worker(num_sub_workers=2, admission="fair")
+    gate = w.register(gated_double)
+    dbl = w.register(double)
+    w.init()
+    try:
+        flags = w.alloc((1,), "int64")
+        done = threading.Event()
+
+        def run_big() -> None:
+            try:
+                w.run(lambda o, a, c: o.submit_sub(gate, targs((flags, Tag.NO_DEP), scalars=(1,))))
+            finally:
+                done.set()
+
+        runner = threading.Thread(target=run_big, name="runner-a")
+        runner.start()
+        try:
+            poll_for(lambda: w._driver.lock._owner == runner.ident, timeout=30)
+            small = w.submit(lambda o, a, c: o.submit_sub(dbl, targs(scalars=(4,))))
+            assert small.result(timeout=30) == [8]
+            assert not done.is_set(), "the small run waited for the big one"
+        finally:
+            flags[0] = 1
+            runner.join(60)
+        assert done.is_set()
+    finally:
+        w.close()
