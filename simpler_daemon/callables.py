@@ -16,10 +16,14 @@ references and keeps a tombstone while an unregister is being confirmed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib
+import importlib.machinery
+import os
 import re
 import struct
+import sys
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -244,6 +248,80 @@ def _resolve_allowed(module: str, qualname: str, allowed: tuple[str, ...]) -> Ca
                 f"modules ({_allowed_text(allowed)})"
             )
     return obj  # type: ignore[no-any-return]
+
+
+def reload_import(
+    module: str, qualname: str, allowed: Sequence[str] | None = None
+) -> Callable[..., Any]:
+    """Re-execute ``module`` from its current source and resolve ``qualname`` in it.
+
+    ``importlib.reload`` keeps the module object (every reference to it sees the new
+    code); a module not imported yet is imported. The allow-list (``allowed``, else the
+    one of :func:`restrict_imports`) is checked before anything runs. When the new
+    source fails (a ``SyntaxError``, an exception at import) that error is raised and
+    ``sys.modules`` keeps the module it had.
+    """
+    policy = _import_policy if allowed is None else tuple(allowed)
+    if policy is not None and not module_allowed(module, policy):
+        raise PermissionError(
+            f"cannot reload {module}:{qualname}: module {module!r} is not under the allowed "
+            f"modules ({_allowed_text(policy)})"
+        )
+    # A file written since the last import may be one the finders' directory caches do
+    # not list yet.
+    importlib.invalidate_caches()
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        _drop_bytecode(loaded)
+        importlib.reload(loaded)
+    return resolve_import(module, qualname, policy)
+
+
+def _drop_bytecode(module: types.ModuleType) -> None:
+    """Remove the cached bytecode of ``module``'s source file, so a reload compiles the
+    source: a timestamp ``.pyc`` is trusted when the source's mtime (whole seconds) and
+    size match, and an edit within the same second keeping the size would otherwise
+    reload the old code. Several children may race here; each recompiles the same
+    source, and the ``.pyc`` is written atomically."""
+    spec = module.__spec__
+    if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+        return
+    if spec.cached:
+        with contextlib.suppress(OSError):
+            os.unlink(spec.cached)
+
+
+def encode_import_control(import_path: str, policy: Sequence[str] | None) -> bytes:
+    """The body of a REGISTER_IMPORT / RELOAD_IMPORT control: the import path, then (on
+    a second line) the parent's allow-list, comma-separated, when it has one.
+
+    The child resolves the path under that list rather than the one it inherited at
+    fork, so an allow-list the daemon reloaded (SIGHUP) applies to later registrations
+    in children forked before it.
+    """
+    if policy is None:
+        return import_path.encode()
+    return f"{import_path}\n{','.join(policy)}".encode()
+
+
+def decode_import_control(body: bytes) -> tuple[str, tuple[str, ...] | None]:
+    """``(import path, allow-list or None)`` of :func:`encode_import_control`'s body;
+    ``None``: resolve under the child's own (inherited) allow-list."""
+    path, sep, policy = body.decode().partition("\n")
+    if not sep:
+        return path, None
+    return path, tuple(e for e in policy.split(",") if e)
+
+
+def extend_import_path(directories: Sequence[str]) -> None:
+    """Put ``directories`` first on ``sys.path``, in their order (an entry already there
+    moves to the front). The daemon calls it before it forks its children, which
+    inherit it (``callables.python_path``)."""
+    for directory in reversed(directories):
+        while directory in sys.path:
+            sys.path.remove(directory)
+        sys.path.insert(0, directory)
+    importlib.invalidate_caches()
 
 
 def importable_path(fn: Callable[..., Any]) -> str | None:

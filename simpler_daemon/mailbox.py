@@ -13,11 +13,14 @@ same bytes at the same address::
     every frame (offsets relative to the frame start)
          0  state        i32   MailboxState, stored last (release), loaded first (acquire)
          4  error        i32   0 ok, else a failure code
-         8  reserved     u64   task: 0; base: control sub-command
+         8  reserved     u64   task: 0 at publish; at completion the length of the full
+                               error text, or of the encoded return value (error 0)
+                               base: control sub-command
         16  config       1056  CallConfig (task) / control arguments (base)
       1072  lease        16    {u32 slot_id, u32 0, u64 generation}; base: chip pipeline depth
       1088  digest       32    raw sha256 of the callable descriptor
-      1120  args blob    <=64080  [i32 T][i32 S][Tensor x T][u64 x S]
+      1120  args blob    <=64080  [i32 T][i32 S][Tensor x T][u64 x S]; at completion the
+                               full error text or the msgpack-encoded return value
      65200  wake seq     i32   base only: futex word the parked child sleeps on
      65208  child parked i32   base only: 1 while the child sleeps (Dekker flag)
      65216  shutdown     i32   base only: sticky 0 -> 1, written by a terminating parent
@@ -124,6 +127,9 @@ class ControlOp(IntEnum):
     REGISTER_CHIP = 5
     UNREGISTER_CHIP = 6
     STATS = 7
+    #: Re-execute the module of an import path already in the child's table and point
+    #: the digest at the new function (``register(..., reload=True)``).
+    RELOAD_IMPORT = 8
 
 
 #: Controls that mutate a child's callable table: deferred while native state is owned.
@@ -134,6 +140,7 @@ CONTROL_REQUEST_OPS_MUTATING: Final = frozenset(
         ControlOp.UNREGISTER,
         ControlOp.REGISTER_CHIP,
         ControlOp.UNREGISTER_CHIP,
+        ControlOp.RELOAD_IMPORT,
     }
 )
 
@@ -156,6 +163,13 @@ ERR_SHUTDOWN: Final = 5  # frame abandoned because the child shut down
 ERR_STALE: Final = 6  # identity changed under the child
 ERR_DEADLINE: Final = 7  # the task ran past its deadline
 ERR_INIT: Final = 8
+ERR_RESULT: Final = 9  # the callable's return value could not be sent back
+ERR_CANCELLED: Final = 10  # parent side: the child was killed to stop the task (terminate)
+
+#: The most a SUB callable's return value may take, msgpack-encoded (it travels back in
+#: the task frame's args area, ``MAILBOX_ARGS_CAPACITY`` bytes); larger is a TASK_FAILURE.
+MAX_RESULT_BYTES: Final = 32768
+assert MAX_RESULT_BYTES <= MAILBOX_ARGS_CAPACITY
 
 _LEASE = struct.Struct("<IIQ")
 

@@ -8,8 +8,17 @@
       registry.begin_register --> target.install(spec) on every target at once
         all installed -> registry.commit_register
         any failed    -> target.uninstall(spec) where it was installed, abort_register,
-                         RegistrationError(REGISTER_PARTIAL_FAILURE)
+                         RegistrationError(REGISTER_PARTIAL_FAILURE), REGISTER_FAILED
+                         ("failed on every worker") when it succeeded nowhere
                          (REGISTER_CLEANUP_UNCERTAIN when that rollback failed too)
+
+    reload_on_all(registry, spec, targets, hold)
+      only an active registration of an import path; hashid and refcount stay
+      hold(digest): the Scheduler dispatches no task of the callable  --> RELOAD_IMPORT
+        on every target at once (each child first ends the task it runs: old code)
+        --> release: every later dispatch runs the new code
+        failed everywhere -> REGISTER_FAILED, the old code keeps running
+        failed somewhere  -> REGISTER_PARTIAL_FAILURE naming where the old code still runs
 
     unregister_on_all(registry, handle, targets_for)
       registry.begin_unregister --> target.uninstall(spec) on every target at once
@@ -21,7 +30,8 @@
 
 Every control has a deadline (``CONTROL_TIMEOUT_S``, a global of this module read at
 call time, so a test may shorten it here); a child that misses it is poisoned and
-replaced by the endpoint.
+replaced by the endpoint. The deadline counts only while the child has no task in
+flight (it answers between tasks): a register or reload waits for busy workers.
 
 ``spec_for(fn, kind)`` turns what ``Worker.register`` was given into the spec
 (hashid, descriptor) that is broadcast.
@@ -44,13 +54,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 from simpler_daemon.callables import (
     CallableHandle,
+    CallableKind,
     CallableRegistry,
     CallableSpec,
     Role,
+    encode_import_control,
+    import_policy,
+    parse_import_path,
+    reload_import,
     spec_for_chip,
     spec_for_import,
     spec_for_object,
@@ -135,7 +151,8 @@ class LocalTarget:
             assert spec.import_path is not None
             op, body = ControlOp.REGISTER_CHIP, spec.import_path.encode()
         elif spec.import_path is not None:
-            op, body = ControlOp.REGISTER_IMPORT, spec.import_path.encode()
+            op = ControlOp.REGISTER_IMPORT
+            body = encode_import_control(spec.import_path, import_policy())
         else:
             assert spec.payload is not None
             op, body = ControlOp.REGISTER_SERIALIZED, spec.payload
@@ -144,6 +161,15 @@ class LocalTarget:
     async def uninstall(self, spec: CallableSpec) -> None:
         op = ControlOp.UNREGISTER_CHIP if spec.handle.role == "chip" else ControlOp.UNREGISTER
         await self.endpoint.control(op, spec.handle.digest, timeout=CONTROL_TIMEOUT_S)
+
+    async def reload(self, spec: CallableSpec) -> None:
+        """Re-execute the module of ``spec``'s import path in the child and point its
+        digest at the new function."""
+        assert spec.import_path is not None
+        body = encode_import_control(spec.import_path, import_policy())
+        await self.endpoint.control(
+            ControlOp.RELOAD_IMPORT, spec.handle.digest, body, timeout=CONTROL_TIMEOUT_S
+        )
 
 
 #: What a failed install / uninstall control raises; anything else is a bug and propagates.
@@ -189,12 +215,17 @@ def name_workers(failures: Mapping[int, str]) -> str:
 
 
 def register_failed(
-    what: str, failures: Mapping[int, str], cleanup: Mapping[int, str]
+    what: str, failures: Mapping[int, str], cleanup: Mapping[int, str], *, everywhere: bool = False
 ) -> RegistrationError:
     """``what`` failed on ``failures`` and was undone where it had succeeded:
     ``REGISTER_PARTIAL_FAILURE``, or ``REGISTER_CLEANUP_UNCERTAIN`` when the undo
-    failed too (on ``cleanup``)."""
+    failed too (on ``cleanup``). ``everywhere``: it succeeded nowhere, which is no
+    partial failure but ``REGISTER_FAILED`` ("failed on every worker")."""
     detail = name_workers(failures)
+    if everywhere:
+        return RegistrationError(
+            "REGISTER_FAILED", f"{what}: failed on every worker: {detail}", dict(failures)
+        )
     if cleanup:
         return RegistrationError(
             "REGISTER_CLEANUP_UNCERTAIN",
@@ -221,7 +252,7 @@ async def install_all(spec: CallableSpec, targets: Iterable[RegistrationTarget],
     done, failures = await fan_out(targets, lambda t: t.install(spec), _target_id)
     if failures:
         _, cleanup = await fan_out(done, lambda t: _uninstall(t, spec), _target_id)
-        raise register_failed(what, failures, cleanup)
+        raise register_failed(what, failures, cleanup, everywhere=not done)
 
 
 async def uninstall_all(
@@ -296,6 +327,104 @@ async def register_on_all(
         task.add_done_callback(lambda t: _drop_abandoned(t, registry, spec, targets))
         raise
     return spec.handle
+
+
+async def reload_on_all(
+    registry: CallableRegistry,
+    spec: CallableSpec,
+    targets: Sequence[RegistrationTarget],
+    hold: Callable[[bytes], AbstractContextManager[object]],
+) -> CallableHandle:
+    """Re-import a registered callable's module in every target child, atomically with
+    respect to dispatch: inside ``hold(digest)`` (``Scheduler.holding``) no task of it
+    is dispatched, so every task dispatched before ran the old code and every one after
+    runs the new. Its hashid and reference count stay.
+
+    Raises ``NOT_REGISTERED`` when ``spec`` is not registered (an active registration),
+    ``ValueError`` for what a reload cannot reach (chip kernels, local L3 workers),
+    ``REGISTER_FAILED`` when no child loaded the new code (they all keep the old), and
+    ``REGISTER_PARTIAL_FAILURE`` naming the children that still run the old code.
+    """
+    handle = spec.handle
+    what = f"cannot reload {handle.name}"
+    entry = registry.lookup(handle.hashid)
+    if entry is None or entry.state != "active":
+        raise RegistrationError(
+            "NOT_REGISTERED",
+            f"{what}: it is not registered ({handle.hashid}); reload re-imports a registered "
+            "callable, register it first",
+        )
+    if handle.role == "chip":
+        raise ValueError(
+            f"{what}: a chip kernel is not reloadable; unregister it and register it again"
+        )
+    current = entry.spec
+    if current.handle.kind is not CallableKind.PYTHON_IMPORT or current.import_path is None:
+        raise ValueError(f"{what}: only a callable registered by import path can be reloaded")
+    module, qualname = parse_import_path(current.import_path)
+    local = [t for t in targets if isinstance(t, LocalTarget)]
+    if len(local) != len(targets):
+        raise ValueError(
+            f"{what}: it is installed in local L3 workers, which a reload does not reach; "
+            "unregister it and register it again"
+        )
+
+    async def broadcast() -> None:
+        with hold(handle.digest):
+            done, failures = await fan_out(local, lambda t: _reload(t, current), _target_id)
+        if failures and not done:
+            raise RegistrationError(
+                "REGISTER_FAILED",
+                f"{what}: failed on every worker: {name_workers(failures)}; the old code "
+                "keeps running",
+                dict(failures),
+            )
+        if failures:
+            old = ", ".join(str(w) for w in failures)
+            raise RegistrationError(
+                "REGISTER_PARTIAL_FAILURE",
+                f"{what}: {name_workers(failures)}; worker(s) {old} still run the old code, "
+                "the others the new: retry the reload",
+                dict(failures),
+            )
+
+        if handle.role == "orchestration":
+            # An orchestration function runs in this process: its module is reloaded here
+            # (off the loop: an import may take long).
+            await asyncio.to_thread(reload_import, module, qualname)
+
+    # As for a registration: the broadcast (and the hold) runs to its end even when the
+    # caller is cancelled, or the hold would end while children still reload.
+    task = asyncio.get_running_loop().create_task(broadcast())
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _BACKGROUND_RELOADS.add(task)
+        task.add_done_callback(_reload_abandoned)
+        raise
+    log.info("reloaded %s on %d workers", handle.name, len(local))
+    return handle
+
+
+async def _reload(target: LocalTarget, spec: CallableSpec) -> None:
+    """``target.reload(spec)``, where a child gone for good counts as done: its
+    replacement installs the callable from the registry, importing the current source."""
+    try:
+        await target.reload(spec)
+    except CONTROL_ERRORS:
+        if target.gone:
+            return
+        raise
+
+
+#: Reloads whose caller went away, kept referenced until they end.
+_BACKGROUND_RELOADS: set[asyncio.Task[None]] = set()
+
+
+def _reload_abandoned(task: asyncio.Task[None]) -> None:
+    _BACKGROUND_RELOADS.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a reload its caller abandoned failed: %s", task.exception())
 
 
 #: Broadcasts whose caller went away, kept referenced until they and their undo end.

@@ -21,10 +21,12 @@ enqueue for a terminal run is dropped.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from simpler_daemon.callables import CallableHandle, CallableRegistry
@@ -77,6 +79,24 @@ class Scheduler(ProgressLoop):
         self._lanes = manager.lanes
         #: Lanes whose completions do not bump the doorbell word (remote sessions).
         self._quiet_lanes = [ln for ln in self._lanes if not ln.endpoint.caps.signals_doorbell]
+        #: Digests of SUB callables being reloaded (count of reloads in progress): their
+        #: tasks stay queued until every child runs the new code (``holding``).
+        self._held: Counter[bytes] = Counter()
+
+    @contextlib.contextmanager
+    def holding(self, digest: bytes) -> Iterator[None]:
+        """Inside this block no SUB task of the callable with ``digest`` is dispatched: a
+        reload runs on every child, and a task dispatched meanwhile could run the old code
+        on one child and the new on another. Queued tasks keep their place (a run's SUB
+        queue waits behind its held head) and dispatch once the block ends."""
+        self._held[digest] += 1
+        try:
+            yield
+        finally:
+            self._held[digest] -= 1
+            if self._held[digest] <= 0:
+                del self._held[digest]
+            self.wake()
 
     # -- SubmitSink ------------------------------------------------------------------------------
 
@@ -256,6 +276,8 @@ class Scheduler(ProgressLoop):
                 if slot.state != SlotState.READY:
                     sq.popleft()
                     continue
+                if self._held and slot.digest in self._held:
+                    break  # being reloaded (``holding``)
                 n = slot.group_size
                 if n == 1:
                     lane2 = None
@@ -478,6 +500,8 @@ class Scheduler(ProgressLoop):
                 continue
             if slot.state != SlotState.READY:
                 q.popleft()
+            elif self._held and slot.digest in self._held:
+                continue  # being reloaded (``holding``): this run waits this pass
             else:
                 n = slot.group_size
                 if n > 1:

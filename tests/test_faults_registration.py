@@ -7,6 +7,7 @@ the registered module), never by timing; a dead child is a real SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -24,8 +25,8 @@ from simpler_daemon import (
     Worker,
 )
 from simpler_daemon import registration as registration_mod
-from simpler_daemon.errors import EndpointError
-from simpler_daemon.testing import poll_for
+from simpler_daemon.errors import EndpointError, RunCancelled
+from simpler_daemon.testing import alive, poll_for
 from tests import tasks
 from tests.engine_helpers import proc_state
 from tests.tasks import targs
@@ -101,7 +102,7 @@ def test_a_register_control_that_misses_its_deadline_fails_the_register(
     try:
         with pytest.raises(RegistrationError, match=r"worker 0: .*timed out") as ei:
             w.register(SLOW)
-        assert ei.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert ei.value.code == "REGISTER_FAILED"  # its only worker: "failed on every worker"
         assert (tmp_path / "importing").exists()  # the child was inside the control
         assert not w.registry.active()
     finally:
@@ -191,7 +192,7 @@ async def test_eight_tasks_registering_the_same_callable_join_one() -> None:
             return_exceptions=True,
         )
         codes = {getattr(r, "code", type(r).__name__) for r in results}
-        assert codes == {"REGISTER_PARTIAL_FAILURE"}, results
+        assert codes == {"REGISTER_FAILED"}, results
         assert not w.registry.active()
 
 
@@ -324,3 +325,125 @@ async def test_a_cancelled_register_ends_its_broadcast_and_drops_its_reference(
         assert w.registry.get(h2.hashid).refcount == 1
         await w.unregister_async(h2)
         assert w.registry.lookup(h2.hashid) is None
+
+
+# -- a control waits for a busy child; an idle child that does not answer is replaced -------------
+
+#: The control deadline these tests use (the engine's is 30 s): every task below runs until
+#: the test releases it, well past this.
+SHORT_CONTROL_S = 2.0
+
+
+async def _until(pred: Any, timeout: float, message: str) -> None:
+    """Poll ``pred`` on the running loop until it holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, message
+        await asyncio.sleep(0.02)
+
+
+async def _past_the_control_deadline(pending: asyncio.Future[Any], w: Worker) -> None:
+    """Wait three control deadlines (or until ``pending`` ended or one more child was
+    replaced: what the deadline must not do to a busy child)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 3 * SHORT_CONTROL_S
+    restarts = w.restarts["sub"]
+    await _until(
+        lambda: pending.done() or w.restarts["sub"] > restarts or loop.time() >= end,
+        60.0,
+        "the loop stalled",
+    )
+
+
+def _hold_until_flag(h: CallableHandle, flag: Any, pids: Any, i: int) -> Any:
+    """One task of ``tasks.wait_flag``: records its pid in pids[i], runs until flag[0]."""
+    return lambda o, a, c: o.submit_sub(
+        h, targs((flag, Tag.NO_DEP), (pids, Tag.NO_DEP), scalars=(0, i, 120_000))
+    )
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_register_control_waits_for_busy_children_instead_of_killing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every SUB child runs a task longer than the control deadline (one of them for a run
+    cancelled without terminate): the register of a new callable waits for the tasks,
+    then completes; the tasks end as they would have, and no child is replaced."""
+    monkeypatch.setattr(registration_mod, "CONTROL_TIMEOUT_S", SHORT_CONTROL_S)
+    # Fair admission: every admitted run dispatches (fifo dispatches the head run only).
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20, admission="fair")
+    async with w:
+        h = await w.register_async(tasks.wait_flag)
+        before = sorted(r["pid"] for r in w.list_workers())
+        flag = w.alloc((1,), "int64")
+        pids = w.alloc((2,), "int64")
+        try:
+            runs = [await w.submit_async(_hold_until_flag(h, flag, pids, i)) for i in range(2)]
+            await _until(lambda: all(pids), 60.0, "the tasks never started")
+            assert sorted(int(p) for p in pids) == before  # one task on each child
+            w.cancel(runs[0])  # without terminate: its running task runs to its end
+            register = asyncio.ensure_future(w.register_async("tests.tasks:noop"))
+            await _past_the_control_deadline(register, w)
+            assert w.restarts["sub"] == 0, "a busy child was killed for a control"
+            assert not register.done(), register  # busy children: nobody could answer yet
+        finally:
+            flag[0] = 1
+        noop = await asyncio.wait_for(register, 60)
+        await asyncio.wait_for(runs[1].wait_async(), 60)  # the unrelated run succeeded
+        with pytest.raises(RunCancelled):
+            await asyncio.wait_for(runs[0].wait_async(), 60)
+        assert w.restarts["sub"] == 0
+        assert sorted(r["pid"] for r in w.list_workers()) == before
+        assert noop.hashid in w.registry
+        await w.run_async(lambda o, a, c: [o.submit_sub(noop, targs()) for _ in range(4)])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_an_idle_child_missing_a_control_deadline_is_replaced_a_busy_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Child 0 runs a task longer than the control deadline; child 1 is idle and stopped
+    (SIGSTOP). A register kills and replaces the stopped child at the deadline, waits for
+    the busy child's task (which succeeds, on the same child) and fails naming only the
+    stopped child's worker."""
+    monkeypatch.setattr(registration_mod, "CONTROL_TIMEOUT_S", SHORT_CONTROL_S)
+    # Fair admission: every admitted run dispatches (fifo dispatches the head run only).
+    w = Worker(num_sub_workers=2, heap_bytes=4 << 20, admission="fair")
+    async with w:
+        h = await w.register_async(tasks.wait_flag)
+        rows = w.list_workers()
+        flag = w.alloc((1,), "int64")
+        pids = w.alloc((2,), "int64")
+        try:
+            run = await w.submit_async(_hold_until_flag(h, flag, pids, 0))
+            await _until(lambda: bool(pids[0]), 60.0, "the task never started")
+            busy = int(pids[0])
+            (idle,) = [r["pid"] for r in rows if r["pid"] != busy]
+            (idle_id,) = [r["worker_id"] for r in rows if r["pid"] == idle]
+            os.kill(idle, signal.SIGSTOP)
+            try:
+                register = asyncio.ensure_future(w.register_async("tests.tasks:noop"))
+                await _until(
+                    lambda: w.restarts["sub"] >= 1 or register.done(),
+                    60.0,
+                    "the stopped idle child was never replaced",
+                )
+            finally:
+                with contextlib.suppress(ProcessLookupError):  # killed and reaped: gone
+                    os.kill(idle, signal.SIGCONT)
+            await _until(lambda: not alive(idle), 30.0, "the stopped child lives")
+            await _past_the_control_deadline(register, w)
+            assert not register.done(), register  # still waiting for the busy child
+            assert w.restarts["sub"] == 1, "the busy child was killed for a control"
+        finally:
+            flag[0] = 1
+        with pytest.raises(RegistrationError, match="timed out") as ei:
+            await asyncio.wait_for(register, 60)
+        assert set(ei.value.failures) == {idle_id}, ei.value
+        await asyncio.wait_for(run.wait_async(), 60)
+        assert w.restarts["sub"] == 1
+        now = {r["pid"] for r in w.list_workers()}
+        assert busy in now and idle not in now

@@ -4,8 +4,9 @@ Each iteration, in this order::
 
     1. shutdown?      base state == SHUTDOWN or the sticky shutdown word set -> leave
     2. task frame 0   TASK_READY -> decode args, resolve digest, fn(args),
-                      write error + text, store TASK_DONE, ring the parent if parked
-    3. base frame     CONTROL_REQUEST -> register / unregister / ping / stats,
+                      write error + text (or a non-None return value, msgpack-encoded,
+                      into the args area), store TASK_DONE, ring the parent if parked
+    3. base frame     CONTROL_REQUEST -> register / reload / unregister / ping / stats,
                       CONTROL_DONE by compare-exchange (never over SHUTDOWN)
     4. idle           spin on the state words (GIL released), then park on the
                       futex; after a timed-out park check that the parent lives
@@ -23,9 +24,20 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+import msgspec
+
 from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import decode_args
-from simpler_daemon.callables import CallableSpec, SlotTable, load_spec, not_registered_message
+from simpler_daemon.callables import (
+    CallableSpec,
+    SlotTable,
+    decode_import_control,
+    load_spec,
+    not_registered_message,
+    parse_import_path,
+    reload_import,
+    resolve_import,
+)
 from simpler_daemon.doorbell import Doorbell
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox import (
@@ -39,10 +51,12 @@ from simpler_daemon.mailbox import (
     ERR_DEADLINE,
     ERR_INIT,
     ERR_NOT_REGISTERED,
+    ERR_RESULT,
     ERR_SHUTDOWN,
     ERR_TASK,
     ERRMSG_SIZE,
     MAILBOX_ARGS_CAPACITY,
+    MAX_RESULT_BYTES,
     OFF_ARGS,
     OFF_DIGEST,
     OFF_ERRMSG,
@@ -92,6 +106,44 @@ def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> No
     _mb.write_bytes(buf, frame + OFF_ARGS, data)
     _mb.store64(buf, frame + OFF_RESERVED, len(data))
     _mb.write_result(buf, frame, state, error, text)
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def write_value(buf: Any, frame: int, value: Any) -> None:
+    """A task's non-None return value, msgpack-encoded, into the (now free) args area,
+    its length into ``reserved``; TASK_DONE. A value msgspec cannot encode, or one over
+    ``MAX_RESULT_BYTES`` encoded, fails the task instead (the parent names the task)."""
+    try:
+        data = _encode(value)
+    except Exception as exc:
+        kind = type(value)
+        name = kind.__qualname__
+        if kind.__module__ != "builtins":
+            name = f"{kind.__module__}.{name}"
+        write_failure(
+            buf,
+            frame,
+            TASK_DONE,
+            ERR_RESULT,
+            f"msgspec cannot encode a {name} ({type(exc).__name__}: {exc}); return None or "
+            "plain data (bool, int, float, str, bytes, list, tuple, dict, ...)",
+        )
+        return
+    n = len(data)
+    if n > MAX_RESULT_BYTES:
+        write_failure(
+            buf,
+            frame,
+            TASK_DONE,
+            ERR_RESULT,
+            f"{n} bytes encoded, the limit is {MAX_RESULT_BYTES} (MAX_RESULT_BYTES)",
+        )
+        return
+    _mb.write_bytes(buf, frame + OFF_ARGS, data)
+    _mb.store64(buf, frame + OFF_RESERVED, n)
+    _mb.write_result(buf, frame, TASK_DONE, 0, "")
 
 
 def format_exception(prefix: str, exc: BaseException) -> str:
@@ -201,7 +253,7 @@ class MailboxLoop:
                     if deadline_ms:
                         signal.setitimer(signal.ITIMER_REAL, deadline_ms / 1000.0)
                     try:
-                        fn(args)
+                        value = fn(args)
                     finally:
                         if deadline_ms:
                             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -223,7 +275,10 @@ class MailboxLoop:
                         format_exception(self.ctx.error_prefix, exc),
                     )
                 else:
-                    _mb.write_result(buf, frame, TASK_DONE, 0, "")
+                    if value is None:  # the common case writes nothing more
+                        _mb.write_result(buf, frame, TASK_DONE, 0, "")
+                    else:
+                        write_value(buf, frame, value)
         self.tasks_done += 1
         self.ctx.doorbell.ring_if_parked()
 
@@ -261,9 +316,18 @@ class MailboxLoop:
             return os.getpid(), self.tasks_done
         if op == ControlOp.STATS:
             return self.tasks_done, len(self.table)
-        if op in (ControlOp.REGISTER_IMPORT, ControlOp.REGISTER_CHIP):
-            fn = load_spec(payload.decode(), None)
-            return self.table.add(digest, fn), 0
+        if op == ControlOp.REGISTER_IMPORT:
+            path, policy = decode_import_control(payload)
+            return self.table.add(digest, resolve_import(*parse_import_path(path), policy)), 0
+        if op == ControlOp.REGISTER_CHIP:
+            return self.table.add(digest, load_spec(payload.decode(), None)), 0
+        if op == ControlOp.RELOAD_IMPORT:
+            # Only what this child holds is reloaded: a digest it does not know would
+            # otherwise be registered here behind the parent registry's back.
+            if self.table.resolve(digest) is None:
+                raise KeyError(not_registered_message(digest))
+            path, policy = decode_import_control(payload)
+            return self.table.add(digest, reload_import(*parse_import_path(path), policy)), 0
         if op == ControlOp.REGISTER_SERIALIZED:
             return self.table.add(digest, load_spec(None, payload)), 0
         if op in (ControlOp.UNREGISTER, ControlOp.UNREGISTER_CHIP):

@@ -29,7 +29,14 @@ flight, each progress round checks (one time comparison; more only when due):
   ``STOPPED_GRACE_S`` means it is killed and the task fails naming it ``stopped``.
 
 A control that misses its timeout kills the child too (it cannot be trusted to
-answer later). Either way the dead child is replaced by the normal path.
+answer later); its clock runs only while the lane has no task in flight (a child
+serves controls between tasks, so a busy child is not a hung one), and so does ``terminate`` (a run cancelled with ``terminate=True``):
+its task completes CANCELLED. Either way the dead child is replaced by the normal
+path, which logs one WARNING line (``replaced``): ``sub worker 0 (pid N) replaced: <why>``.
+
+A successful SUB task may send a value back: its msgpack bytes in the args area,
+their length in ``reserved`` (``publish_task`` zeroes it, so a None return, a chip
+kernel or a nested L3 task reads as nothing); the bytes are kept on the task slot.
 """
 
 from __future__ import annotations
@@ -58,8 +65,11 @@ from simpler_daemon.mailbox import (
     CTRL_OFF_RESULT0,
     CTRL_OFF_RESULT1,
     CTRL_PAYLOAD_CAPACITY,
+    ERR_CANCELLED,
     ERR_DEADLINE,
+    ERR_RESULT,
     ERR_SHUTDOWN,
+    MAX_RESULT_BYTES,
     OFF_ACCEPTED,
     OFF_ARGS,
     OFF_DIGEST,
@@ -195,14 +205,22 @@ class LocalMailboxEndpoint:
         self._poisoned_at = 0.0
         self.stopping = False
         self._control_op: ControlOp | None = None
+        #: The control's timeout (None: none). Its clock runs only while no task is in
+        #: flight on this lane (see ``_control_expired``).
+        self._control_timeout: float | None = None
+        #: ``time.monotonic()`` past which the control has timed out; None while the clock
+        #: is paused (a task in flight) or there is no timeout.
         self._control_deadline: float | None = None
+        #: ``tasks_completed`` when the control's clock last (re)started.
+        self._control_tasks_seen = 0
         self.tasks_completed = 0
         #: Next ``time.monotonic()`` at which a round looks at deadlines and the child's
         #: state (only while a task is in flight).
         self._watch_at = 0.0
         self._stopped_since: float | None = None
-        #: (error, message) of a task the endpoint failed itself (its deadline passed).
-        self._failure: dict[int, tuple[int, str]] = {}
+        #: (outcome, error, message) of a task the endpoint ended itself (its deadline
+        #: passed, or ``terminate`` stopped it), by frame index.
+        self._failure: dict[int, tuple[Outcome, int, str]] = {}
         self._config = b""
         self._config_deadline_ms = 0
 
@@ -224,7 +242,9 @@ class LocalMailboxEndpoint:
         if self.poison_reason is None:
             self.poison_reason = reason
             self._poisoned_at = time.monotonic()
-            log.warning("endpoint %s poisoned: %s", self.who(), reason)
+            # INFO: what follows says how it ends, at WARNING (``replaced``) or ERROR (the
+            # pool gives the lane up).
+            log.info("endpoint %s poisoned: %s", self.who(), reason)
         self.mailbox.request_shutdown()
 
     # -- task path --------------------------------------------------------------------------
@@ -374,7 +394,7 @@ class LocalMailboxEndpoint:
                     f"{self.who()}: deadline exceeded ({fr.deadline_ms} ms); "
                     "the child was killed and replaced"
                 )
-                self._failure[fr.index] = (ERR_DEADLINE, text)
+                self._failure[fr.index] = (Outcome.ENDPOINT_FAILURE, ERR_DEADLINE, text)
                 self._kill(child, f"deadline exceeded ({fr.deadline_ms} ms)")
                 return
         if proc_state(child.pid) == "T":
@@ -393,6 +413,31 @@ class LocalMailboxEndpoint:
         for fr in self._frames:
             if fr.dispatch is not None and fr.deadline_at:
                 self._watch_at = min(self._watch_at, fr.deadline_at)
+
+    def terminate(self, d: WorkerDispatch, text: str, why: str) -> bool:
+        """Stop dispatch ``d`` now: SIGKILL the child's process group (the Scheduler
+        replaces the child once it is reaped); ``d`` completes CANCELLED with ``text``, and
+        the endpoint is poisoned with ``why``. False (nothing done) when ``d`` is not in
+        flight here or already finished: its completion is a result, not a casualty."""
+        child = self.child
+        fr = next((f for f in self._frames if f.dispatch is d), None)
+        if fr is None or child is None:
+            return False
+        if self.poison_reason is None and _mb.load32(self.buf, fr.off) in (
+            _TASK_DONE,
+            _TASK_FAILED,
+        ):
+            return False
+        self._failure[fr.index] = (Outcome.CANCELLED, ERR_CANCELLED, text)
+        self._kill(child, why)
+        return True
+
+    def replaced(self, new_pid: int) -> None:
+        """The one WARNING line of a replacement (deadline kill, crash, terminate, ...):
+        ``sub worker 0 (pid N) replaced: <why>``, N the pid of the child that is gone."""
+        log.warning(
+            "%s replaced: %s; new pid %d", self.who(), self.poison_reason or "exited", new_pid
+        )
 
     def _kill(self, child: ChildProcess, reason: str) -> None:
         """SIGKILL the child's process group now (the Scheduler replaces it once it is
@@ -424,6 +469,24 @@ class LocalMailboxEndpoint:
                 message = _mb.read_bytes(self.buf, fr.off + OFF_ARGS, full_len).decode(
                     errors="replace"
                 )
+            if error == ERR_RESULT:
+                member = f" member {d.group_index}" if slot.group_size > 1 else ""
+                message = (
+                    f"cannot return the result of task {slot.index}{member} "
+                    f"({slot.handle.name}): {message}"
+                )
+        elif state == _TASK_DONE:
+            # A SUB callable's return value (publish_task zeroed the word: a None return,
+            # a chip kernel and a nested L3 task leave it 0).
+            n = _mb.load64(self.buf, fr.off + OFF_RESERVED)
+            if n:
+                if n > MAX_RESULT_BYTES:
+                    self.poison(
+                        f"result length {n} in task frame {fr.index} exceeds "
+                        f"MAX_RESULT_BYTES ({MAX_RESULT_BYTES})"
+                    )
+                    return
+                slot.set_result(d.group_index, _mb.read_bytes(self.buf, fr.off + OFF_ARGS, n))
         if not fr.accepted:
             fr.accepted = True
             out.append(EndpointEvent(EventKind.ACCEPTED, d))
@@ -452,11 +515,13 @@ class LocalMailboxEndpoint:
                 continue
             fr.dispatch = None
             self._owned -= 1
-            error, text = self._failure.pop(
-                fr.index, (-1, f"endpoint failure on {self.who()}: {reason}")
+            # ENDPOINT_FAILURE even for a deadline: the lane lost its child either way; a
+            # task stopped by ``terminate`` is CANCELLED.
+            outcome, error, text = self._failure.pop(
+                fr.index,
+                (Outcome.ENDPOINT_FAILURE, -1, f"endpoint failure on {self.who()}: {reason}"),
             )
-            # ENDPOINT_FAILURE even for a deadline: the lane lost its child either way.
-            out.append(EndpointEvent(EventKind.COMPLETED, d, Outcome.ENDPOINT_FAILURE, error, text))
+            out.append(EndpointEvent(EventKind.COMPLETED, d, outcome, error, text))
 
     # -- controls ------------------------------------------------------------------------------
 
@@ -505,7 +570,10 @@ class LocalMailboxEndpoint:
                 raise EndpointError(f"cannot send {op.name} to {self.who()}: base frame changed")
         _mb.wake_child(buf)
         self._control_op = op
-        self._control_deadline = None if timeout is None else time.monotonic() + timeout
+        self._control_timeout = timeout
+        self._control_deadline = None
+        self._control_tasks_seen = self.tasks_completed
+        self._control_expired()  # starts the clock unless a task is in flight
 
     def poll_control(self) -> ControlResult | None:
         """None while pending; the result once done.
@@ -542,7 +610,7 @@ class LocalMailboxEndpoint:
             self._control_op = None
             self.poison(f"child {self.child.describe()} during {op.name}")
             raise EndpointError(f"cannot complete {op.name}: child {self.child.describe()}")
-        if self._control_deadline is not None and time.monotonic() > self._control_deadline:
+        if self._control_expired():
             self._control_op = None
             # A child that does not answer cannot be trusted to answer later: kill it, so
             # its lane is replaced (a replacement replays the registrations).
@@ -552,6 +620,28 @@ class LocalMailboxEndpoint:
                 self.poison(f"{op.name} timed out; completion uncertain")
             raise EndpointError(f"cannot complete {op.name} on {self.who()}: timed out")
         return None
+
+    def _control_expired(self) -> bool:
+        """Whether the control in flight has missed its timeout. The clock runs only while
+        no task is in flight on this lane: a child serves controls only between tasks (a
+        chip child defers registry-changing ones while a frame is live), so a child busy
+        with a legitimate task is not hung, and killing it would fail that task and every
+        other on the lane. A task in flight is watched by its own deadline and the
+        SIGSTOP check; once it completes, the control gets the whole timeout again."""
+        timeout = self._control_timeout
+        if timeout is None:
+            return False
+        # A task that started and ended between two polls restarts the clock as well.
+        if self._owned or self._control_tasks_seen != self.tasks_completed:
+            self._control_tasks_seen = self.tasks_completed
+            self._control_deadline = None  # paused; restarts when the lane is idle
+            if self._owned:
+                return False
+        now = time.monotonic()
+        if self._control_deadline is None:
+            self._control_deadline = now + timeout
+            return False
+        return now > self._control_deadline
 
     def control_sync(
         self, op: ControlOp, digest: bytes = b"", payload: bytes = b"", timeout: float | None = None
