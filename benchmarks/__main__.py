@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.workloads import LABELS, PEER_KEYS, SMOKE_PEERS, WORKLOADS, process_table
+from benchmarks.workloads import (
+    ADMISSION_ENV,
+    LABELS,
+    PEER_KEYS,
+    SMOKE_PEERS,
+    WORKLOADS,
+    process_table,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -80,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run W2 on the engine under cProfile (and py-spy when on PATH)",
     )
     ap.add_argument("--cell-timeout", type=float, help="seconds per cell (300; --smoke 30)")
+    ap.add_argument(
+        "--admission",
+        choices=("fifo", "fair"),
+        help="the engine's admission policy for the in-process workloads (default: the "
+        "Worker's own, fifo); compare W1/W2/W4 with and without fair",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="pass the cells' stderr through")
     # Internal: run one cell in this process (used by the parent's subprocesses).
     ap.add_argument("--cell", help=argparse.SUPPRESS)
@@ -87,6 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cell-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cprofile", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.admission is not None:
+        # The cells are subprocesses: they inherit it (benchmarks.ours.worker reads it).
+        os.environ[ADMISSION_ENV] = args.admission
     if args.repeat is None:
         args.repeat = 1 if args.smoke else 3
     if args.repeat < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 
 from benchmarks import tasks
 from benchmarks.workloads import (
+    ADMISSION_ENV,
     NUM_WORKERS,
     W5_ELEMENTS,
     WORKLOADS,
@@ -90,7 +92,11 @@ def worker(
     eng: Any, fns: list[Callable[..., Any]], close: Closer = close_blocking
 ) -> Iterator[tuple[Any, list[Any]]]:
     """A started ``Worker(level=3, num_sub_workers=2)`` with ``fns`` registered; closed after."""
-    w = eng.Worker(level=3, num_sub_workers=NUM_WORKERS)
+    admission = os.environ.get(ADMISSION_ENV)
+    if admission:  # python -m benchmarks --admission fair
+        w = eng.Worker(level=3, num_sub_workers=NUM_WORKERS, admission=admission)
+    else:
+        w = eng.Worker(level=3, num_sub_workers=NUM_WORKERS)
     try:
         handles = [w.register(fn) for fn in fns]
         w.init()
@@ -337,6 +343,10 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             from benchmarks import w7
 
             return w7.measure(p, repeat)
+        if workload == "W9":
+            from benchmarks import w9
+
+            return w9.measure(p, repeat)
         if workload == "W11":
             from benchmarks import w11
 

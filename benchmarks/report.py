@@ -222,6 +222,7 @@ def _verdict(doc: Doc, target: Target, variant: str) -> dict[str, Any]:
         "kind": target.kind,
         "op": target.op,
         "bound": target.bound,
+        "offset": target.offset,
         "peer": target.peer,
     }
     ours_res = doc["workloads"][wid]["systems"].get(variant, {})
@@ -247,7 +248,7 @@ def _verdict(doc: Doc, target: Target, variant: str) -> dict[str, Any]:
             else f"peer missing: {label} not run"
         )
         return {**out, "verdict": "N/A", "why": why}
-    ratio = ours / theirs
+    ratio = (ours - target.offset) / theirs
     return {**out, "ratio": ratio, "verdict": "MET" if target.holds(ratio) else "MISSED", "why": ""}
 
 
@@ -351,6 +352,8 @@ def markdown(doc: Doc) -> str:
                     ratio = (
                         f"{num(v['ratio'])} {TIMES} {LABELS[v['peer']]}" if "ratio" in v else "—"
                     )
+                    if "ratio" in v and v.get("offset"):  # W9: (ours - one task) / W1
+                        ratio = f"(ours - {num(v['offset'])}) ÷ W1 = {num(v['ratio'])}"
                     verdict = v["verdict"]
                     if v.get("why"):
                         verdict += f" {notes.ref(v['why'])}"

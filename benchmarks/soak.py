@@ -398,12 +398,13 @@ class Load:
         if state not in ("COMPLETED", "FAILED", "CANCELLED"):
             self.tally.add("lost", f"{who}: still {state} after {RUN_WAIT_S:.0f} s")
             return
-        err = status.error
-        text = f"{err.outcome}: {err.message} {err.remote_text}".strip()
+        err = status.error  # None for a completed run
+        outcome = err.outcome if err is not None else ""
+        text = f"{outcome}: {err.message} {err.remote_text}".strip() if err is not None else ""
         by_kill = (
             state != "COMPLETED"
             and self.tally.killed_during(p.start, end)
-            and (err.outcome == "ENDPOINT_FAILURE" or any(c in text for c in KILL_CAUSES))
+            and (outcome == "ENDPOINT_FAILURE" or any(c in text for c in KILL_CAUSES))
         )
         if p.expect == "complete":
             if state == "COMPLETED":

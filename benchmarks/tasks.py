@@ -36,6 +36,12 @@ def spin_task(args: Any) -> None:
     spin(int(args.scalars[0]))
 
 
+def sleep_task(args: Any) -> None:
+    """Engine only: sleep ``args.scalars[0]`` microseconds (W9's busy worker: it holds
+    the worker without taking a core from the client and the daemon)."""
+    time.sleep(int(args.scalars[0]) / 1e6)
+
+
 def incr(prev: int) -> int:
     """One link of the W4 chain for peers that pass results along (Ray, Dask)."""
     return int(prev) + 1

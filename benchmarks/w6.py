@@ -46,7 +46,7 @@ EMPTY = "simpler_daemon.examples.tasks:empty"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(directory: Path, n2: int) -> str:
+def _config(directory: Path, n2: int, extra: str = "") -> str:
     return f"""\
 [daemon]
 runtime_dir = "{directory / "run"}"
@@ -61,16 +61,17 @@ heap_bytes = 16777216
 
 [limits]
 max_tasks_per_run = {max(n2, 100_000)}
-"""
+{extra}"""
 
 
 @contextlib.contextmanager
-def daemon(n2: int) -> Iterator[tuple[str, int]]:
-    """A ``simpler-daemon serve`` subprocess; yields ``(socket path, pid)``, stops it after."""
+def daemon(n2: int, extra: str = "") -> Iterator[tuple[str, int]]:
+    """A ``simpler-daemon serve`` subprocess; yields ``(socket path, pid)``, stops it after.
+    ``extra``: more TOML sections for its configuration (W9's ``[scheduler]``)."""
     with tempfile.TemporaryDirectory(prefix="bench-w6-") as tmp:
         directory = Path(tmp)
         config = directory / "daemon.toml"
-        config.write_text(_config(directory, n2))
+        config.write_text(_config(directory, n2, extra))
         notify_path = str(directory / "notify.sock")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(notify_path)

@@ -20,13 +20,16 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from benchmarks import tasks
 
 if TYPE_CHECKING:
     from benchmarks.peers import Peer
 
+#: Environment variable naming the engine's admission policy for the in-process cells
+#: (``python -m benchmarks --admission fair``); unset = the Worker's default.
+ADMISSION_ENV: Final = "SIMPLER_BENCH_ADMISSION"
 NUM_WORKERS = 2
 TIMES = "\N{MULTIPLICATION SIGN}"
 W5_ELEMENTS = 8 * 1024 * 1024 // 8  # 8 MiB of float64
@@ -72,7 +75,8 @@ class Target:
     ``kind="ratio"``: ours / ``peer`` (same invocation) ``op`` ``bound``.
     ``kind="absolute"``: ours ``op`` ``bound`` in the metric's unit.
     ``ref_workload``: take the peer's figure from that workload instead (W6 compares
-    with Ray's W1 and with our own in-process W2, ``peer="ours"``).
+    with Ray's W1 and with our own in-process W2, ``peer="ours"``). ``offset``: the
+    ratio is (ours - offset) / peer (W9: at most 3 x W1 plus one task duration).
     """
 
     workload: str
@@ -83,6 +87,8 @@ class Target:
     peer: str | None = None
     text: str = ""
     ref_workload: str | None = None
+    # Subtracted from ours before the ratio (W9: one task duration, in the metric's unit).
+    offset: float = 0.0
     # The ours variants judged against this target (None: every variant of the workload).
     variants: tuple[str, ...] | None = None
 
@@ -195,6 +201,21 @@ WORKLOADS: dict[str, Workload] = {
             na_reason="not measured: idle like mp.Pool (workers block on a pipe read)",
         ),
         Workload(
+            "W9",
+            "one-task run's round trip through the daemon while another client's 2 s run "
+            "executes: fair admission (run) vs fifo",
+            (
+                *LATENCY,
+                Metric("p90_us", "p90 µs", "µs", higher_is_better=False),
+                Metric("idle_median_us", "idle median µs", "µs", higher_is_better=False),
+            ),
+            full={"probes": 50, "fifo_probes": 5, "big_ms": 2000},
+            smoke={"probes": 10, "fifo_probes": 2, "big_ms": 500},
+            peers=(),
+            na_reason="daemon API: admission between two clients' runs",
+            ours_variants=("ours", "ours_fifo"),
+        ),
+        Workload(
             "W11",
             "another client's W1 through the daemon during a 100,000-task SubmitRun",
             (
@@ -262,6 +283,18 @@ TARGETS: tuple[Target, ...] = (
         variants=("ours", "ours_async"),
     ),
     Target(
+        "W9",
+        "median_us",
+        "ratio",
+        "<=",
+        3.0,
+        "ours",
+        f"median ≤ 3 {TIMES} our W1 + one task (20 ms), fair admission",
+        ref_workload="W1",
+        offset=20_000.0,
+        variants=("ours",),
+    ),
+    Target(
         "W6",
         "median_us",
         "ratio",
@@ -293,6 +326,7 @@ VARIANT_TAGS: dict[str, str] = {
     "ours_bare": "bare session, run",
     "ours_x4": "4 workers, run",
     "ours_nested": "W1 nested: L4 → local L3 → SUB, run",
+    "ours_fifo": "fifo admission",
 }
 
 PEER_KEYS: tuple[str, ...] = ("mp", "ppe", "loky", "ray", "dask")
@@ -304,6 +338,7 @@ LABELS: dict[str, str] = {
     "ours_bare": "ours (bare session)",
     "ours_x4": "ours (4 remote workers)",
     "ours_nested": "ours (W1 nested)",
+    "ours_fifo": "ours (fifo admission)",
     "mp": "mp.Pool",
     "ppe": "ProcessPoolExecutor",
     "loky": "loky",

@@ -8,35 +8,43 @@
         add = c.register("simpler_daemon.examples.tasks:add")
         a, b = c.alloc_array(np.ones(8, "float32")), c.alloc_array(np.arange(8, dtype="float32"))
         out = c.alloc_buffer((8,), "float32").buffer_id
-        run_id = c.submit([sub_task(add, [tensor(a, "input", (8,), "float32"),
-                                          tensor(b, "input", (8,), "float32"),
-                                          tensor(out, "output", (8,), "float32")])])
-        c.wait(run_id, timeout=10)                        # TaskError if the run failed
+        fut = c.submit([sub_task(add, [tensor(a, "input", (8,), "float32"),
+                                       tensor(b, "input", (8,), "float32"),
+                                       tensor(out, "output", (8,), "float32")])])
+        fut.result(timeout=10)                            # TaskError if the run failed
         print(c.read_array(out, (8,), "float32"))
 
 Targets: a Unix socket path (``/run/simpler-daemon/daemon.sock`` or
-``unix:/path``), or ``host:port`` over TLS with a bearer token. ``wait`` raises
-``TaskError`` (``RunCancelled`` for a cancelled run) and ``TimeoutError``;
-every other failure is the ``grpc.RpcError`` with the daemon's status and a
-message naming the offending field.
+``unix:/path``), or ``host:port`` over TLS with a bearer token.
 
-This module holds the channels (target, TLS, token, per-call deadlines) and
-the same-host zero-copy view of the daemon's heap; every request is built by
-:mod:`simpler_daemon.client_requests`.
+What comes back is plain Python (:mod:`simpler_daemon.client_types`): ``submit``
+returns a :class:`RunFuture` (also the run id, an ``int``), ``run`` / ``wait`` /
+``RunFuture.result`` a :class:`RunResult` with the tasks' return values, and raise
+``TaskError`` (``RunCancelled`` for a cancelled run) or ``TimeoutError``. Every
+other failure is a :class:`~simpler_daemon.errors.DaemonError` subclass chosen by
+the status code (``InvalidArgument``, ``NotFound``, ``PermissionDenied``...), with
+``.field`` naming the offending request field; it is also a ``grpc.RpcError``
+(``.code()``, ``.details()``). Buffer and callable calls still return the
+protobuf messages of the API.
+
+This module holds the channels (target, TLS, token, per-call deadlines); the
+same-host zero-copy view of the heap is :mod:`simpler_daemon.client_heap`, every
+request is built by :mod:`simpler_daemon.client_requests`.
 """
 
 from __future__ import annotations
 
-import math
-import mmap
+import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from types import EllipsisType
 from typing import Any, Final
 
 import grpc
 import numpy as np
 
+from simpler_daemon.client_heap import map_buffer_view
 from simpler_daemon.client_requests import (
     TERMINAL_STATES,
     add_remote_request,
@@ -44,8 +52,10 @@ from simpler_daemon.client_requests import (
     array_bytes,
     call_config,
     call_deadline,
+    cancel_request,
     check_wait,
     drain_request,
+    list_runs_request,
     make_args,
     orchestration_request,
     raise_for_status,
@@ -59,8 +69,21 @@ from simpler_daemon.client_requests import (
     write_chunk,
     write_requests,
 )
-from simpler_daemon.heap import SHM_DIR
-from simpler_daemon.localtrust import UntrustedPathError, check_socket_path, open_trusted_heap
+from simpler_daemon.client_types import (
+    AsyncRunFuture,
+    CancelResult,
+    DoneWatcher,
+    RunFuture,
+    RunPhase,
+    RunResult,
+    RunSummaryInfo,
+    cancel_result,
+    check_result,
+    run_result,
+    run_summary,
+)
+from simpler_daemon.errors import daemon_error
+from simpler_daemon.localtrust import check_socket_path
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -68,10 +91,17 @@ __all__ = [
     "CLIENT_ID_METADATA",
     "TERMINAL_STATES",
     "AsyncClient",
+    "AsyncRunFuture",
+    "CancelResult",
     "Client",
+    "RunFuture",
+    "RunPhase",
+    "RunResult",
+    "RunSummaryInfo",
     "call_config",
     "default_target",
     "make_args",
+    "mapped_errors",
     "raise_for_status",
     "sub_task",
     "task",
@@ -89,13 +119,21 @@ DEFAULT_TIMEOUT: Final = 30.0
 
 
 def default_target() -> str:
-    """``$SIMPLER_DAEMON_SOCKET``, else the socket of the default configuration."""
-    env = os.environ.get(ENV_TARGET)
-    if env:
-        return env
-    from simpler_daemon.server.config import DaemonConfig, resolve
+    """``$SIMPLER_DAEMON_SOCKET``, else the first socket found in the search order of
+    :func:`simpler_daemon.discovery.default_target` (the user's runtime directory, then
+    the systemd unit's ``/run/simpler-daemon/daemon.sock``, ...)."""
+    from simpler_daemon.discovery import default_target as discover
 
-    return resolve(DaemonConfig()).grpc.unix_socket
+    return discover()
+
+
+@contextlib.contextmanager
+def mapped_errors() -> Iterator[None]:
+    """Turn a ``grpc.RpcError`` raised inside into its :class:`DaemonError` subclass."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise daemon_error(exc) from exc
 
 
 def _address(target: str) -> tuple[str, bool]:
@@ -178,57 +216,7 @@ class _Base:
         self._open()
 
     def _view(self, info: Any) -> np.ndarray[Any, Any]:
-        """Zero-copy view of the buffer a ``BufferInfo`` describes (same host only).
-
-        Only the pages holding that buffer are mapped, never the whole heap (the other
-        buffers may be other clients'), and only from a heap file the client trusts: a
-        regular file (not a symlink) owned by the client's user, root or the daemon's
-        user, that nobody else can write."""
-        buffer_id = info.buffer_id
-        name = info.heap_name
-        if not name:
-            raise ValueError(
-                f"cannot map buffer {buffer_id}: the daemon's heap is not shared "
-                "(workers.heap_shared = false); use write_buffer / read_buffer"
-            )
-        if "/" in name or not name.startswith("simpler-heap-"):
-            raise ValueError(f"cannot map buffer {buffer_id}: unexpected heap name {name!r}")
-        dt = np.dtype(info.dtype)
-        shape = tuple(int(d) for d in info.shape)
-        need = math.prod(shape) * dt.itemsize
-        offset, nbytes = int(info.heap_offset), int(info.nbytes)
-        if need > nbytes:
-            raise ValueError(
-                f"cannot map buffer {buffer_id}: shape {shape} of {dt.name} needs {need} "
-                f"bytes, the buffer has {nbytes}"
-            )
-        path = os.path.join(SHM_DIR, name)
-        owners = {0, os.geteuid()}
-        if self._daemon_uid is not None:
-            owners.add(self._daemon_uid)
-        try:
-            fd, size = open_trusted_heap(path, owners)
-        except UntrustedPathError as exc:
-            raise ValueError(f"cannot map buffer {buffer_id}: {exc}") from exc
-        except OSError as exc:
-            raise ValueError(
-                f"cannot map buffer {buffer_id}: heap {path}: {exc.strerror} "
-                "(map_buffer works on the daemon's host, as its user)"
-            ) from exc
-        try:
-            if offset + nbytes > size:
-                raise ValueError(
-                    f"cannot map buffer {buffer_id}: its bytes [{offset}, {offset + nbytes}) "
-                    f"lie outside heap {path} of {size} bytes"
-                )
-            if need == 0:
-                return np.zeros(shape, dtype=dt)  # no bytes to share: nothing to map
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            region = mmap.mmap(fd, offset + need - start, flags=mmap.MAP_SHARED, offset=start)
-        finally:
-            os.close(fd)
-        # The array keeps ``region`` alive; it is unmapped when the array is collected.
-        return np.ndarray(shape, dtype=dt, buffer=region, offset=offset - start)
+        return map_buffer_view(info, self._daemon_uid)
 
     def _find_buffer(self, listing: Any, buffer_id: int) -> Any:
         for info in listing.buffers:
@@ -250,6 +238,9 @@ class Client(_Base):
     deadline of unary calls (None = no deadline). A Unix socket is checked first:
     ``UntrustedPathError`` (a ``PermissionError``) when a user other than this one or
     root could have put it, or its directory, there (see :mod:`simpler_daemon.localtrust`).
+
+    Every refusal or transport failure is a :class:`~simpler_daemon.errors.DaemonError`
+    subclass (also a ``grpc.RpcError``), never a raw gRPC error.
     """
 
     def _open(self) -> None:
@@ -258,6 +249,13 @@ class Client(_Base):
         else:
             self.channel = grpc.insecure_channel(self.address, self.options)
         self.stub = pb_grpc.DaemonStub(self.channel)
+        self._done_watcher = DoneWatcher()
+
+    @property
+    def done_watcher(self) -> DoneWatcher:
+        """The one thread that runs every ``RunFuture.add_done_callback`` of this client
+        (see :class:`~simpler_daemon.client_types.DoneWatcher`)."""
+        return self._done_watcher
 
     def close(self) -> None:
         self.channel.close()
@@ -268,8 +266,11 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
-        return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+    def _call(self, method: Any, request: Any, timeout: float | EllipsisType | None = ...) -> Any:
+        """One unary call; ``timeout`` ``...`` = the client's default, None = no deadline."""
+        deadline = self.timeout if timeout is ... else timeout
+        with mapped_errors():
+            return method(request, timeout=deadline, metadata=self.metadata)
 
     # -- info -----------------------------------------------------------------------
 
@@ -282,14 +283,20 @@ class Client(_Base):
     # -- callables ---------------------------------------------------------------------
 
     def register_callable(
-        self, import_path: str, kind: str = "sub", workers: Sequence[int] = ()
+        self,
+        import_path: str,
+        kind: str = "sub",
+        workers: Sequence[int] = (),
+        *,
+        reload: bool = False,
     ) -> pb.RegisterCallableResponse:
-        request = register_request(import_path, kind, workers)
+        request = register_request(import_path, kind, workers, reload)
         return self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
 
-    def register(self, import_path: str, kind: str = "sub") -> str:
-        """Register ``module:qualname``; returns its hashid."""
-        return self.register_callable(import_path, kind).hashid
+    def register(self, import_path: str, kind: str = "sub", *, reload: bool = False) -> str:
+        """Register ``module:qualname``; returns its hashid. ``reload``: re-import the
+        module in every worker (edited code) even when it is registered already."""
+        return self.register_callable(import_path, kind, reload=reload).hashid
 
     def unregister(self, hashid: str) -> int:
         """Drop one reference; returns the references left."""
@@ -324,12 +331,8 @@ class Client(_Base):
         """Write ``data`` at ``offset``; returns the bytes written."""
         payload = array_bytes(data) if isinstance(data, np.ndarray) else data
         chunk = self._max_chunk(chunk_bytes)
-        response = self.stub.WriteBuffer(
-            write_requests(buffer_id, payload, offset, generation, chunk),
-            timeout=self.timeout,
-            metadata=self.metadata,
-        )
-        return int(response.bytes_written)
+        requests = write_requests(buffer_id, payload, offset, generation, chunk)
+        return int(self._call(self.stub.WriteBuffer, requests).bytes_written)
 
     def read_buffer(
         self,
@@ -342,8 +345,9 @@ class Client(_Base):
     ) -> bytes:
         """The bytes ``[offset, offset + length)`` (length 0 = to the end)."""
         request = read_request(buffer_id, offset, length, generation, chunk_bytes)
-        stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
-        return b"".join(chunk.data for chunk in stream)
+        with mapped_errors():
+            stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
+            return b"".join(chunk.data for chunk in stream)
 
     def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         """Free a buffer; True when its memory is released later (still referenced)."""
@@ -385,25 +389,45 @@ class Client(_Base):
         idempotency_key: str = "",
         label: str = "",
         wait_seconds: float | None = None,
+        priority: int = 1,
+        include_results: bool = False,
     ) -> pb.SubmitRunResponse:
+        """The raw SubmitRun: the response message (``status`` set with ``wait_seconds``)."""
         wait = check_wait(wait_seconds, "wait_seconds")
-        request = submit_request(tasks, idempotency_key, label, wait)
+        request = submit_request(tasks, idempotency_key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
-        # Not through _call: a None deadline here means "no limit", not "the default".
-        return self.stub.SubmitRun(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+        return self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
 
     def run(
-        self, tasks: Sequence[pb.Task], timeout: float = 3600.0, *, label: str = ""
-    ) -> pb.RunStatus:
-        """Submit and wait in one round trip; raises like :meth:`wait`."""
-        response = self.submit_run(tasks, label=label, wait_seconds=timeout)
-        return raise_for_status(response.status)
+        self,
+        tasks: Sequence[pb.Task],
+        timeout: float = 3600.0,
+        *,
+        label: str = "",
+        priority: int = 1,
+    ) -> RunResult:
+        """Submit and wait in one round trip; the result with the tasks' return values.
+        Raises like :meth:`wait`."""
+        response = self.submit_run(
+            tasks, label=label, wait_seconds=timeout, priority=priority, include_results=True
+        )
+        return check_result(run_result(response.status))
 
     def submit(
-        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
-    ) -> int:
-        """Submit a run of ``tasks``; returns its run id."""
-        return int(self.submit_run(tasks, idempotency_key=idempotency_key, label=label).run_id)
+        self,
+        tasks: Sequence[pb.Task],
+        *,
+        idempotency_key: str = "",
+        label: str = "",
+        priority: int = 1,
+    ) -> RunFuture:
+        """Submit a run of ``tasks``; a :class:`RunFuture` (also the run id, an int).
+        ``priority`` (1 to 1000) weighs the run's share of the workers against this
+        client's other runs under the daemon's ``fair`` admission."""
+        response = self.submit_run(
+            tasks, idempotency_key=idempotency_key, label=label, priority=priority
+        )
+        return RunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
     def run_orchestration(
         self,
@@ -413,35 +437,62 @@ class Client(_Base):
         *,
         idempotency_key: str = "",
         label: str = "",
-    ) -> int:
-        """Run a registered orchestration function in the daemon; returns the run id."""
-        request = orchestration_request(hashid, args, config, idempotency_key, label)
-        return int(self._call(self.stub.RunOrchestration, request).run_id)
+        priority: int = 1,
+    ) -> RunFuture:
+        """Run a registered orchestration function in the daemon; its :class:`RunFuture`."""
+        request = orchestration_request(hashid, args, config, idempotency_key, label, priority)
+        response = self._call(self.stub.RunOrchestration, request)
+        return RunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
-    def watch(self, run_id: int, after_sequence: int = 0) -> Iterator[pb.RunEvent]:
-        """Events of a run: a SNAPSHOT, then every change until a terminal RUN_STATE."""
-        request = pb.WatchRunRequest(run_id=run_id, after_sequence=after_sequence)
-        call = self.stub.WatchRun(request, metadata=self.metadata)
+    def future(self, run: int) -> RunFuture:
+        """A :class:`RunFuture` for a run id (one submitted earlier, by any client of the
+        same identity)."""
+        return RunFuture(int(run), self)
+
+    def watch(
+        self, run: int, after_sequence: int = 0, *, timeout: float | None = None
+    ) -> Iterator[pb.RunEvent]:
+        """Events of a run: a SNAPSHOT, then every change until a terminal RUN_STATE.
+        ``timeout``: seconds for the whole stream (``DeadlineExceeded`` past it)."""
+        request = pb.WatchRunRequest(run_id=int(run), after_sequence=after_sequence)
+        deadline = call_deadline(check_wait(timeout, "timeout"), 0.0)
+        call = self.stub.WatchRun(request, timeout=deadline, metadata=self.metadata)
         try:
-            yield from call
+            with mapped_errors():
+                yield from call
         finally:
             call.cancel()
 
-    def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
-        """The run's status once terminal or after ``timeout`` seconds (no exception)."""
+    def wait_run(
+        self, run: int, timeout: float | None = None, *, include_results: bool = False
+    ) -> RunResult:
+        """The run's status once terminal or after ``timeout`` seconds (no exception for a
+        failed run); ``include_results``: with the tasks' return values once terminal."""
         wait = check_wait(timeout, "timeout")
-        request = wait_request(run_id, wait)
-        deadline = call_deadline(wait, DEFAULT_TIMEOUT)
-        return self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
+        request = wait_request(run, wait, include_results)
+        status = self._call(self.stub.WaitRun, request, call_deadline(wait, DEFAULT_TIMEOUT))
+        return run_result(status)
 
-    def wait(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
+    def wait(
+        self, run: int, timeout: float | None = None, *, include_results: bool = True
+    ) -> RunResult:
         """Wait for a run; raises ``TaskError``/``RunCancelled`` when it failed and
         ``TimeoutError`` when it is still running after ``timeout`` seconds."""
-        return raise_for_status(self.wait_run(run_id, timeout))
+        return check_result(self.wait_run(run, timeout, include_results=include_results))
 
-    def cancel(self, run_id: int, reason: str = "") -> pb.CancelRunResponse:
-        request = pb.CancelRunRequest(run_id=run_id, reason=reason)
-        return self._call(self.stub.CancelRun, request)  # type: ignore[no-any-return]
+    def cancel(self, run: int, reason: str = "", *, terminate: bool = False) -> CancelResult:
+        """Cancel a run: its tasks not started never start; ``terminate`` also stops the
+        running ones (their workers are killed and replaced)."""
+        request = cancel_request(run, reason, terminate)
+        return cancel_result(self._call(self.stub.CancelRun, request))
+
+    def list_runs(self, states: Iterable[int | str] = (), limit: int = 0) -> list[RunSummaryInfo]:
+        """Runs the daemon knows, newest first: this client's (an admin's: everyone's),
+        in ``states`` (names such as ``"failed"`` or ``RunPhase`` values; empty = all), at
+        most ``limit`` (0 = 100). Finished runs are kept up to the daemon's
+        limits.max_finished_runs_kept."""
+        response = self._call(self.stub.ListRuns, list_runs_request(states, limit))
+        return [run_summary(row) for row in response.runs]
 
     # -- operations ---------------------------------------------------------------------
 
@@ -459,11 +510,17 @@ class Client(_Base):
     def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
         request = drain_request(grace, shutdown)
         timeout = None if grace is None else call_deadline(request.grace_seconds, DEFAULT_TIMEOUT)
-        return self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+        return self._call(self.stub.Drain, request, timeout)  # type: ignore[no-any-return]
+
+    def resume(self) -> bool:
+        """Undo a drain (admin): the daemon admits runs again and its health is SERVING.
+        False when it was not draining; ``FailedPrecondition`` when it is shutting down."""
+        return bool(self._call(self.stub.Resume, pb.ResumeRequest()).was_draining)
 
 
 class AsyncClient(_Base):
-    """The same API for asyncio (``grpc.aio``); ``watch`` is an async iterator."""
+    """The same API for asyncio (``grpc.aio``); ``watch`` is an async iterator and
+    ``submit`` returns an :class:`AsyncRunFuture` (``await`` it for the result)."""
 
     def _open(self) -> None:
         if self.credentials is not None:
@@ -481,8 +538,12 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
-        return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+    async def _call(
+        self, method: Any, request: Any, timeout: float | EllipsisType | None = ...
+    ) -> Any:
+        deadline = self.timeout if timeout is ... else timeout
+        with mapped_errors():
+            return await method(request, timeout=deadline, metadata=self.metadata)
 
     async def get_info(self) -> pb.GetInfoResponse:
         return await self._call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
@@ -491,13 +552,18 @@ class AsyncClient(_Base):
         return list((await self._call(self.stub.ListWorkers, pb.ListWorkersRequest())).workers)
 
     async def register_callable(
-        self, import_path: str, kind: str = "sub", workers: Sequence[int] = ()
+        self,
+        import_path: str,
+        kind: str = "sub",
+        workers: Sequence[int] = (),
+        *,
+        reload: bool = False,
     ) -> pb.RegisterCallableResponse:
-        request = register_request(import_path, kind, workers)
+        request = register_request(import_path, kind, workers, reload)
         return await self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
 
-    async def register(self, import_path: str, kind: str = "sub") -> str:
-        return (await self.register_callable(import_path, kind)).hashid
+    async def register(self, import_path: str, kind: str = "sub", *, reload: bool = False) -> str:
+        return (await self.register_callable(import_path, kind, reload=reload)).hashid
 
     async def unregister(self, hashid: str) -> int:
         request = pb.UnregisterCallableRequest(hashid=hashid)
@@ -529,12 +595,8 @@ class AsyncClient(_Base):
     ) -> int:
         payload = array_bytes(data) if isinstance(data, np.ndarray) else data
         chunk = await self._max_chunk(chunk_bytes)
-        response = await self.stub.WriteBuffer(
-            write_requests(buffer_id, payload, offset, generation, chunk),
-            timeout=self.timeout,
-            metadata=self.metadata,
-        )
-        return int(response.bytes_written)
+        requests = write_requests(buffer_id, payload, offset, generation, chunk)
+        return int((await self._call(self.stub.WriteBuffer, requests)).bytes_written)
 
     async def read_buffer(
         self,
@@ -546,13 +608,9 @@ class AsyncClient(_Base):
         chunk_bytes: int = 0,
     ) -> bytes:
         request = read_request(buffer_id, offset, length, generation, chunk_bytes)
-        parts = [
-            chunk.data
-            async for chunk in self.stub.ReadBuffer(
-                request, timeout=self.timeout, metadata=self.metadata
-            )
-        ]
-        return b"".join(parts)
+        with mapped_errors():
+            stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
+            return b"".join([chunk.data async for chunk in stream])
 
     async def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
@@ -580,13 +638,6 @@ class AsyncClient(_Base):
         data = await self.read_buffer(buffer_id, length=count * dt.itemsize) if count else b""
         return np.frombuffer(data, dtype=dt, count=count).reshape(tuple(shape)).copy()
 
-    async def run(
-        self, tasks: Sequence[pb.Task], timeout: float = 3600.0, *, label: str = ""
-    ) -> pb.RunStatus:
-        """Submit and wait in one round trip; raises like :meth:`wait`."""
-        response = await self.submit_run(tasks, label=label, wait_seconds=timeout)
-        return raise_for_status(response.status)
-
     async def submit_run(
         self,
         tasks: Sequence[pb.Task],
@@ -594,17 +645,40 @@ class AsyncClient(_Base):
         idempotency_key: str = "",
         label: str = "",
         wait_seconds: float | None = None,
+        priority: int = 1,
+        include_results: bool = False,
     ) -> pb.SubmitRunResponse:
         wait = check_wait(wait_seconds, "wait_seconds")
-        request = submit_request(tasks, idempotency_key, label, wait)
+        request = submit_request(tasks, idempotency_key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
-        return await self.stub.SubmitRun(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+        return await self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
+
+    async def run(
+        self,
+        tasks: Sequence[pb.Task],
+        timeout: float = 3600.0,
+        *,
+        label: str = "",
+        priority: int = 1,
+    ) -> RunResult:
+        """Submit and wait in one round trip; raises like :meth:`wait`."""
+        response = await self.submit_run(
+            tasks, label=label, wait_seconds=timeout, priority=priority, include_results=True
+        )
+        return check_result(run_result(response.status))
 
     async def submit(
-        self, tasks: Sequence[pb.Task], *, idempotency_key: str = "", label: str = ""
-    ) -> int:
-        response = await self.submit_run(tasks, idempotency_key=idempotency_key, label=label)
-        return int(response.run_id)
+        self,
+        tasks: Sequence[pb.Task],
+        *,
+        idempotency_key: str = "",
+        label: str = "",
+        priority: int = 1,
+    ) -> AsyncRunFuture:
+        response = await self.submit_run(
+            tasks, idempotency_key=idempotency_key, label=label, priority=priority
+        )
+        return AsyncRunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
     async def run_orchestration(
         self,
@@ -614,31 +688,50 @@ class AsyncClient(_Base):
         *,
         idempotency_key: str = "",
         label: str = "",
-    ) -> int:
-        request = orchestration_request(hashid, args, config, idempotency_key, label)
-        return int((await self._call(self.stub.RunOrchestration, request)).run_id)
+        priority: int = 1,
+    ) -> AsyncRunFuture:
+        request = orchestration_request(hashid, args, config, idempotency_key, label, priority)
+        response = await self._call(self.stub.RunOrchestration, request)
+        return AsyncRunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
-    async def watch(self, run_id: int, after_sequence: int = 0) -> AsyncIterator[pb.RunEvent]:
-        request = pb.WatchRunRequest(run_id=run_id, after_sequence=after_sequence)
-        call = self.stub.WatchRun(request, metadata=self.metadata)
+    def future(self, run: int) -> AsyncRunFuture:
+        return AsyncRunFuture(int(run), self)
+
+    async def watch(
+        self, run: int, after_sequence: int = 0, *, timeout: float | None = None
+    ) -> AsyncIterator[pb.RunEvent]:
+        request = pb.WatchRunRequest(run_id=int(run), after_sequence=after_sequence)
+        deadline = call_deadline(check_wait(timeout, "timeout"), 0.0)
+        call = self.stub.WatchRun(request, timeout=deadline, metadata=self.metadata)
         try:
-            async for event in call:
-                yield event
+            with mapped_errors():
+                async for event in call:
+                    yield event
         finally:
             call.cancel()
 
-    async def wait_run(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
+    async def wait_run(
+        self, run: int, timeout: float | None = None, *, include_results: bool = False
+    ) -> RunResult:
         wait = check_wait(timeout, "timeout")
-        request = wait_request(run_id, wait)
+        request = wait_request(run, wait, include_results)
         deadline = call_deadline(wait, DEFAULT_TIMEOUT)
-        return await self.stub.WaitRun(request, timeout=deadline, metadata=self.metadata)  # type: ignore[no-any-return]
+        return run_result(await self._call(self.stub.WaitRun, request, deadline))
 
-    async def wait(self, run_id: int, timeout: float | None = None) -> pb.RunStatus:
-        return raise_for_status(await self.wait_run(run_id, timeout))
+    async def wait(
+        self, run: int, timeout: float | None = None, *, include_results: bool = True
+    ) -> RunResult:
+        return check_result(await self.wait_run(run, timeout, include_results=include_results))
 
-    async def cancel(self, run_id: int, reason: str = "") -> pb.CancelRunResponse:
-        request = pb.CancelRunRequest(run_id=run_id, reason=reason)
-        return await self._call(self.stub.CancelRun, request)  # type: ignore[no-any-return]
+    async def cancel(self, run: int, reason: str = "", *, terminate: bool = False) -> CancelResult:
+        request = cancel_request(run, reason, terminate)
+        return cancel_result(await self._call(self.stub.CancelRun, request))
+
+    async def list_runs(
+        self, states: Iterable[int | str] = (), limit: int = 0
+    ) -> list[RunSummaryInfo]:
+        response = await self._call(self.stub.ListRuns, list_runs_request(states, limit))
+        return [run_summary(row) for row in response.runs]
 
     async def add_remote_worker(
         self, endpoint: str, num_sub_workers: int = 0, num_chips: int = 0, **options: Any
@@ -650,4 +743,7 @@ class AsyncClient(_Base):
     async def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
         request = drain_request(grace, shutdown)
         timeout = None if grace is None else call_deadline(request.grace_seconds, DEFAULT_TIMEOUT)
-        return await self.stub.Drain(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+        return await self._call(self.stub.Drain, request, timeout)  # type: ignore[no-any-return]
+
+    async def resume(self) -> bool:
+        return bool((await self._call(self.stub.Resume, pb.ResumeRequest())).was_draining)

@@ -18,6 +18,7 @@ import numpy as np
 
 from simpler_daemon.args import Tag
 from simpler_daemon.errors import RunCancelled, TaskError
+from simpler_daemon.fair import check_priority
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = [
@@ -29,8 +30,10 @@ __all__ = [
     "array_bytes",
     "call_config",
     "call_deadline",
+    "cancel_request",
     "check_wait",
     "drain_request",
+    "list_runs_request",
     "make_args",
     "orchestration_request",
     "raise_for_status",
@@ -54,6 +57,8 @@ TERMINAL_STATES: Final = frozenset(
     {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
 )
 
+#: The run states a ListRuns filter may name.
+_STATE_NAMES: Final = tuple(n for n, _ in pb.RunState.items() if n != "RUN_STATE_UNSPECIFIED")
 _TAGS: Final[dict[str, int]] = {
     "input": pb.TAG_INPUT,
     "output": pb.TAG_OUTPUT,
@@ -118,9 +123,22 @@ def tensor(
     )
 
 
+#: Scalars travel as protobuf uint64.
+_U64_MAX: Final = (1 << 64) - 1
+
+
 def make_args(tensors: Iterable[pb.TensorRef] = (), scalars: Iterable[int] = ()) -> pb.Args:
-    """The arguments of one call: tensors and u64 scalars, in order."""
-    return pb.Args(tensors=list(tensors), scalars=[int(s) for s in scalars])
+    """The arguments of one call: tensors and u64 scalars, in order; ``ValueError``
+    naming ``scalars[k]`` for a scalar outside 0 to 2**64 - 1 (built before any call,
+    so the index of the task in its run is not known here: the traceback shows it)."""
+    values = [int(s) for s in scalars]
+    for k, value in enumerate(values):
+        if not 0 <= value <= _U64_MAX:
+            raise ValueError(
+                f"cannot build task arguments: scalars[{k}] = {value} is out of range "
+                "(scalars are unsigned 64-bit: 0 to 2**64 - 1)"
+            )
+    return pb.Args(tensors=list(tensors), scalars=values)
 
 
 def call_config(
@@ -192,18 +210,40 @@ def raise_for_status(status: pb.RunStatus) -> pb.RunStatus:
 
 
 def submit_request(
-    tasks: Sequence[pb.Task], key: str, label: str, wait_seconds: float | None
+    tasks: Sequence[pb.Task],
+    key: str,
+    label: str,
+    wait_seconds: float | None,
+    priority: int = 1,
+    include_results: bool = False,
 ) -> pb.SubmitRunRequest:
-    request = pb.SubmitRunRequest(tasks=list(tasks), idempotency_key=key, label=label)
+    """``priority``: 1 to 1000 (``ValueError`` / ``TypeError`` otherwise, before any call)."""
+    request = pb.SubmitRunRequest(
+        tasks=list(tasks),
+        idempotency_key=key,
+        label=label,
+        priority=check_priority(priority),
+        include_results=include_results,
+    )
     if wait_seconds is not None:
         request.wait_seconds = wait_seconds
     return request
 
 
 def orchestration_request(
-    hashid: str, args: pb.Args | None, config: pb.CallConfig | None, key: str, label: str
+    hashid: str,
+    args: pb.Args | None,
+    config: pb.CallConfig | None,
+    key: str,
+    label: str,
+    priority: int = 1,
 ) -> pb.RunOrchestrationRequest:
-    request = pb.RunOrchestrationRequest(hashid=hashid, idempotency_key=key, label=label)
+    request = pb.RunOrchestrationRequest(
+        hashid=hashid,
+        idempotency_key=key,
+        label=label,
+        priority=check_priority(priority, "run an orchestration"),
+    )
     if args is not None:
         request.args.CopyFrom(args)
     if config is not None:
@@ -212,14 +252,15 @@ def orchestration_request(
 
 
 def register_request(
-    import_path: str, kind: str, workers: Sequence[int]
+    import_path: str, kind: str, workers: Sequence[int], reload: bool = False
 ) -> pb.RegisterCallableRequest:
     """``kind``: ``"sub"``, ``"orchestration"`` or ``"chip"`` (else UNSPECIFIED, refused by
-    the daemon with a message naming the field)."""
+    the daemon with a message naming the field). ``reload``: re-import edited code."""
     return pb.RegisterCallableRequest(
         import_path=import_path,
         kind=_CALLABLE_KINDS.get(kind, pb.CALLABLE_KIND_UNSPECIFIED),
         workers=list(workers),
+        reload=reload,
     )
 
 
@@ -290,13 +331,38 @@ def call_deadline(wait: float | None, margin: float) -> float | None:
     return max(wait, 0.0) + margin
 
 
-def wait_request(run_id: int, timeout: float | None) -> pb.WaitRunRequest:
+def wait_request(
+    run_id: int, timeout: float | None, include_results: bool = False
+) -> pb.WaitRunRequest:
     """``timeout``: seconds (checked by :func:`check_wait`); None or MAX_WAIT_S waits
     until the run ends."""
-    request = pb.WaitRunRequest(run_id=run_id)
+    request = pb.WaitRunRequest(run_id=int(run_id), include_results=include_results)
     if timeout is not None and timeout < MAX_WAIT_S:
         request.timeout_seconds = timeout
     return request
+
+
+def cancel_request(run_id: int, reason: str, terminate: bool) -> pb.CancelRunRequest:
+    return pb.CancelRunRequest(run_id=int(run_id), reason=reason, terminate=terminate)
+
+
+def list_runs_request(states: Iterable[int | str], limit: int) -> pb.ListRunsRequest:
+    """``states``: ``RunPhase`` / ``pb.RunState`` values or names (``"failed"``,
+    ``"RUN_STATE_FAILED"``); ``limit`` 0 = the daemon's default (100)."""
+    values: list[int] = []
+    for state in states:
+        if isinstance(state, str):
+            name = state.strip().upper()
+            name = name if name.startswith("RUN_STATE_") else f"RUN_STATE_{name}"
+            if name not in _STATE_NAMES:
+                known = ", ".join(n.removeprefix("RUN_STATE_").lower() for n in _STATE_NAMES)
+                raise ValueError(f"cannot list runs: unknown state {state!r} (one of {known})")
+            values.append(pb.RunState.Value(name))
+        else:
+            values.append(int(state))
+    if limit < 0:
+        raise ValueError(f"cannot list runs: limit must be >= 0, got {limit}")
+    return pb.ListRunsRequest(states=values, limit=limit)  # type: ignore[arg-type]
 
 
 def drain_request(grace: float | None, shutdown: bool) -> pb.DrainRequest:

@@ -127,6 +127,8 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_concurrent_runs": 9,
         "max_streams_per_client": 10,
         "max_finished_runs_kept": 11,
+        "max_run_result_bytes": 700,
+        "max_finished_result_bytes": 701,
         "max_group_members": 12,
         "per_client_runs": 13,
         "per_client_heap_bytes": 14,
@@ -134,13 +136,18 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_import_path_chars": 16,
         "max_task_seconds": 2.5,
     },
-    "callables": {"allowed_modules": ["pkg", "other.mod"], "preload": ["pkg.sub:fn", "pkg:Cls.m"]},
+    "callables": {
+        "allowed_modules": ["pkg", "other.mod"],
+        "preload": ["pkg.sub:fn", "pkg:Cls.m"],
+        "python_path": ["/tmp"],
+    },
     "metrics": {"listen": "127.0.0.1:9464", "token_file": "/etc/simpler/metrics-token"},
     "security": {
         "admin_uids": [1001, 1002],
         "admin_groups": ["simpler-admins", "1003"],
         "admin_token_file": "/etc/simpler/admin-token",
     },
+    "scheduler": {"admission": "fifo"},
 }
 
 
@@ -251,6 +258,11 @@ def test_dump_escapes_strings(tmp_path: Path) -> None:
         ),
         ("[limits]\nmax_concurrent_runs = 0\n", "limits.max_concurrent_runs", "must be > 0"),
         ("[limits]\nmax_message_bytes = 4294967296\n", "limits.max_message_bytes", "at most"),
+        (
+            "[limits]\nmax_message_bytes = 1048576\nmax_run_result_bytes = 1048576\n",
+            "limits.max_run_result_bytes",
+            "must be at most 983040 (limits.max_message_bytes minus 65536 bytes of headroom",
+        ),
         ("[workers]\nnum_chips = -1\n", "workers.num_chips", "must be >= 0"),
         ("[workers]\nheap_bytes = 0\n", "workers.heap_bytes", "must be > 0"),
         ("[daemon]\nstartup_timeout = 0.0\n", "daemon.startup_timeout", "must be > 0"),

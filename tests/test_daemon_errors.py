@@ -359,7 +359,8 @@ CASES: list[tuple[str, Callable[[Ctx], Any], grpc.StatusCode, str]] = [
         "register missing function",
         lambda c: c.client.register_callable(f"{EXAMPLES}:nope"),
         Code.INVALID_ARGUMENT,
-        "import_path: REGISTER_PARTIAL_FAILURE",
+        "import_path: REGISTER_FAILED: cannot register simpler_daemon.examples.tasks:nope: "
+        "failed on every worker",
     ),
     (
         "register without kind",
@@ -546,8 +547,9 @@ def test_idempotent_resubmit(ctx: Ctx) -> None:
 def test_cancel_and_concurrent_run_limit(daemon: DaemonProcess, ctx: Ctx) -> None:
     c = ctx.client
     run_id, flag = _gated_run(c, ctx.wait)
+    # Gated too: under fair admission runs do not queue behind one another.
     queued = [
-        c.submit([sub_task(ctx.fill, [tensor(ctx.buf, "output", (8,), "float32")], [i])])
+        c.submit([sub_task(ctx.wait, [tensor(flag, "inout", (2,), "uint8")], [20_000])])
         for i in range(2)
     ]
     with pytest.raises(grpc.RpcError) as info:  # limits.max_concurrent_runs = 3

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
-from simpler_daemon.cli import remote_header, remote_row
+from simpler_daemon.cli_output import remote_header, remote_row
 from simpler_daemon.client import Client
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.metrics import Metrics

@@ -30,8 +30,10 @@ EXPECTED_METHODS = {
     "WatchRun": (False, True),
     "WaitRun": (False, False),
     "CancelRun": (False, False),
+    "ListRuns": (False, False),
     "AddRemoteWorker": (False, False),
     "Drain": (False, False),
+    "Resume": (False, False),
 }
 
 

@@ -67,6 +67,10 @@ class Owners:
         self._registrations: dict[str, Counter[str]] = {}
         self._registration_count: Counter[str] = Counter()
 
+    def reconfigure(self, limits: LimitsConfig) -> None:
+        """New quotas (SIGHUP) for requests from now on; what is held stays held."""
+        self._limits = limits
+
     # -- buffers ---------------------------------------------------------------------
 
     def heap_bytes(self, owner: str) -> int:

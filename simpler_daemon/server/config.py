@@ -40,9 +40,11 @@ from simpler_daemon.configfile import (
 
 __all__ = [
     "DEFAULT_CONFIG_TOML",
+    "DEFAULT_RUN_RESULT_BYTES",
     "ENV_PREFIX",
     "GIB",
     "MIB",
+    "RESULT_HEADROOM_BYTES",
     "CallablesConfig",
     "DaemonConfig",
     "GrpcConfig",
@@ -52,6 +54,7 @@ __all__ = [
     "MetricsConfig",
     "RemoteCallableConfig",
     "RemoteWorkerConfig",
+    "SchedulerConfig",
     "SecurityConfig",
     "ServiceConfig",
     "WorkersConfig",
@@ -60,6 +63,7 @@ __all__ = [
     "load",
     "parse_host_port",
     "resolve",
+    "run_result_limit",
     "validate",
 ]
 
@@ -72,6 +76,11 @@ ENV_PREFIX: Final = "SIMPLER_DAEMON__"
 
 # gRPC message size options are C ints.
 _GRPC_MAX_MESSAGE: Final = (1 << 31) - 1
+#: Default of limits.max_run_result_bytes.
+DEFAULT_RUN_RESULT_BYTES: Final = 16 * MIB
+#: Room one WaitRun reply keeps beside a run's results (its RunStatus, error text); a
+#: quarter of limits.max_message_bytes when that is below 256 KiB.
+RESULT_HEADROOM_BYTES: Final = 64 << 10
 # sun_path is 108 bytes including the terminating NUL.
 _UNIX_PATH_MAX: Final = 107
 
@@ -214,6 +223,19 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_concurrent_runs: int = 256
     max_streams_per_client: int = 16
     max_finished_runs_kept: int = 10_000
+    """Finished runs whose status WaitRun / ListRuns still report; past it the oldest
+    finished run of the client holding the most finished runs is forgotten (one client's
+    many runs never evict another client's recent one)."""
+    max_run_result_bytes: int = DEFAULT_RUN_RESULT_BYTES
+    """Bytes of SUB task results one run may keep (each result counts its size plus 16):
+    a task whose result would pass it fails (TASK_FAILURE naming this limit), so a
+    finished run's results always fit one WaitRun reply. At most limits.max_message_bytes
+    minus RESULT_HEADROOM_BYTES; the default is lowered to that when max_message_bytes is
+    smaller (see :func:`run_result_limit`)."""
+    max_finished_result_bytes: int = 256 * MIB
+    """Bytes of results all finished runs keep together; past it the results of the
+    oldest finished runs are dropped (their WaitRun / SubmitRun ``include_results`` is
+    FAILED_PRECONDITION naming this limit; their status stays)."""
     max_group_members: int = 65_536
     """Members of one SUB_GROUP / NEXT_LEVEL_GROUP task."""
     per_client_runs: int = 128
@@ -230,6 +252,16 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Ceiling on every task's time: its effective deadline is min(deadline_ms, this),
     enforced by the parent (the child is killed, the task fails with ``deadline
     exceeded``); 0 = none."""
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[scheduler]`` section: how runs share the workers."""
+
+    admission: Literal["fair", "fifo"] = "fair"
+    """"fair": every admitted run (up to limits.max_concurrent_runs) dispatches, runs of
+    different clients share idle workers round-robin weighted by their priority, so a
+    small run is never stuck behind a big one; "fifo": the run at the head of admission
+    takes the workers first (the in-process Worker's default)."""
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -252,6 +284,9 @@ class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """A module is allowed when it equals an entry or lies below one (``entry.``)."""
     preload: list[str] = []
     """``module:qualname`` paths registered at start; each must be allowed."""
+    python_path: list[str] = []
+    """Directories (absolute, existing) put first on the daemon's ``sys.path`` before it
+    forks its workers, which inherit it: where your own modules are imported from."""
 
     def allows(self, module: str) -> bool:
         """Whether ``module`` may be imported on a client's behalf."""
@@ -281,6 +316,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     callables: CallablesConfig = msgspec.field(default_factory=CallablesConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
 
 #: The configuration used when no file is given; equal to ``DaemonConfig()``.
@@ -327,6 +363,8 @@ max_buffer_bytes = 1073741824       # 1 GiB
 max_concurrent_runs = 256
 max_streams_per_client = 16
 max_finished_runs_kept = 10000
+max_run_result_bytes = 16777216     # 16 MiB of task results per run
+max_finished_result_bytes = 268435456  # 256 MiB of results kept by finished runs
 max_group_members = 65536
 per_client_runs = 128
 per_client_heap_bytes = 134217728   # 128 MiB
@@ -337,6 +375,7 @@ max_task_seconds = 0.0              # 0 = no ceiling on a task's time
 [callables]
 allowed_modules = ["simpler_daemon.examples"]
 preload = []
+python_path = []            # directories your own modules are imported from
 
 [metrics]
 listen = ""
@@ -346,6 +385,9 @@ token_file = ""             # set: scrapes send "Authorization: Bearer <token>"
 admin_uids = []
 admin_groups = []
 admin_token_file = ""
+
+[scheduler]
+admission = "fair"          # "fair": runs share the workers by priority; "fifo": head run first
 """
 
 _SCHEMA: Final = ConfigSchema(
@@ -512,8 +554,22 @@ def _check(config: DaemonConfig) -> None:
             f"got {config.limits.max_message_bytes}",
         )
 
+    limits = config.limits
+    room = _result_room(limits)
+    if limits.max_run_result_bytes != DEFAULT_RUN_RESULT_BYTES and (
+        limits.max_run_result_bytes > room
+    ):
+        raise Invalid(
+            "limits.max_run_result_bytes",
+            f": must be at most {room} (limits.max_message_bytes minus "
+            f"{limits.max_message_bytes - room} bytes of headroom: a finished run's results "
+            f"must fit one WaitRun reply), got {limits.max_run_result_bytes}",
+        )
+
     callables = config.callables
     check_module_names("callables.allowed_modules", callables.allowed_modules)
+    for i, directory in enumerate(callables.python_path):
+        _check_import_dir(f"callables.python_path[{i}]", directory)
     for i, target in enumerate(callables.preload):
         _check_callable_target(f"callables.preload[{i}]", target, callables)
 
@@ -529,6 +585,20 @@ def _check(config: DaemonConfig) -> None:
         if not group.strip():
             raise Invalid(f"security.admin_groups[{i}]", ": must name a group (or a gid)")
     check_path("security.admin_token_file", security.admin_token_file)
+
+
+def _check_import_dir(key: str, directory: str) -> None:
+    """``directory`` is an absolute path to a directory this user may list and enter
+    (a module under it is imported by the daemon and its workers)."""
+    if not directory:
+        raise Invalid(key, ": must name a directory")
+    check_path(key, directory)
+    if not os.path.exists(directory):
+        raise Invalid(key, f": {directory!r} does not exist")
+    if not os.path.isdir(directory):
+        raise Invalid(key, f": {directory!r} is not a directory")
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise Invalid(key, f": {directory!r} is not readable by uid {os.getuid()}")
 
 
 def _check_callable_target(key: str, target: str, callables: CallablesConfig) -> None:
@@ -687,3 +757,16 @@ def _toml_value(value: object) -> str:
         ]
         return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def run_result_limit(limits: LimitsConfig) -> int:
+    """The effective limits.max_run_result_bytes: as configured, except that the default
+    is lowered to fit one reply when limits.max_message_bytes is small (a value set
+    explicitly above that is refused by :func:`validate`)."""
+    return min(limits.max_run_result_bytes, _result_room(limits))
+
+
+def _result_room(limits: LimitsConfig) -> int:
+    """How many bytes of results one WaitRun reply can carry."""
+    size = limits.max_message_bytes
+    return size - min(RESULT_HEADROOM_BYTES, size // 4)

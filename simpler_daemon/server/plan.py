@@ -39,6 +39,7 @@ from simpler_daemon.args import (
 )
 from simpler_daemon.callables import CallableHandle, digest_of, parse_import_path
 from simpler_daemon.errors import RegistrationError, SimplerError
+from simpler_daemon.fair import MAX_PRIORITY
 from simpler_daemon.heap import Buffer
 from simpler_daemon.orchestrator import Run
 from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
@@ -63,6 +64,7 @@ __all__ = [
     "check_label",
     "check_reason",
     "declarative",
+    "run_priority",
     "timeout_field",
 ]
 
@@ -135,6 +137,13 @@ def check_reason(reason: str) -> None:
     check_label(reason, "reason")
 
 
+def run_priority(value: int, field: str = "priority") -> int:
+    """A request's run priority: 0 (unset) is 1; above MAX_PRIORITY is refused."""
+    if value > MAX_PRIORITY:
+        raise InvalidArgument(field, f"priority {value} is out of range (1 to {MAX_PRIORITY})")
+    return value or 1
+
+
 # --------------------------------------------------------------------------- planning
 
 
@@ -176,6 +185,12 @@ class Planner:
         self._credentials_dir = credentials_dir
         self._dtypes: dict[str, np.dtype[Any]] = {}
         self._default_config: CallConfig | None = None
+
+    def reconfigure(self, limits: LimitsConfig, callables: CallablesConfig) -> None:
+        """New limits and allow-list (SIGHUP) for requests planned from now on."""
+        self._limits = limits
+        self._callables = callables
+        self._default_config = None  # it may carry the old limits.max_task_seconds
 
     # -- single fields -------------------------------------------------------------------
 

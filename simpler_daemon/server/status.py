@@ -111,6 +111,8 @@ REGISTRATION_STATUS: Final[dict[str, grpc.StatusCode]] = {
     "LOCAL_SLOT_EXHAUSTED": Code.RESOURCE_EXHAUSTED,
     # Every target child failed to load it: the import path does not resolve there.
     "REGISTER_PARTIAL_FAILURE": Code.INVALID_ARGUMENT,
+    # It failed on every target worker: the import path does not resolve anywhere.
+    "REGISTER_FAILED": Code.INVALID_ARGUMENT,
     "REGISTER_CLEANUP_UNCERTAIN": Code.INTERNAL,
     "REGISTER_TOMBSTONE_ACTIVE": Code.FAILED_PRECONDITION,
     "UNREGISTER_TOMBSTONE_ACTIVE": Code.FAILED_PRECONDITION,
@@ -134,7 +136,7 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, RegistrationError):
         # A child whose callable slots are full reports it inside the broadcast's
         # failure: that is a resource running out, not a bad argument.
-        if exc.code == "REGISTER_PARTIAL_FAILURE" and any(
+        if exc.code in ("REGISTER_PARTIAL_FAILURE", "REGISTER_FAILED") and any(
             "LOCAL_SLOT_EXHAUSTED" in why for why in exc.failures.values()
         ):
             return Code.RESOURCE_EXHAUSTED

@@ -1,0 +1,272 @@
+"""The shared core of the ``simpler.daemon.v1.Daemon`` servicer: state and plumbing.
+
+The servicer is split by concept: this module holds what every handler uses
+(the status-mapping decorators, who the caller is, pins, admission checks,
+stream quotas); callables_rpc.py, buffers_rpc.py and runs_rpc.py hold the
+handlers of one concept each; service.py combines them with the info and
+operations RPCs into :class:`~simpler_daemon.server.service.DaemonService`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from simpler_daemon.errors import FIELD_METADATA, WorkerClosedError
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.access import Owners, read_admin_token
+from simpler_daemon.server.config import DaemonConfig
+from simpler_daemon.server.metrics import Metrics
+from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
+from simpler_daemon.server.plan import Planner
+from simpler_daemon.server.runs import RunTable
+from simpler_daemon.server.status import (
+    InvalidArgument,
+    LimitExceeded,
+    Precondition,
+    RequestError,
+    bound_text,
+    error_text,
+    status_of,
+)
+from simpler_daemon.server.wire import BadRequest
+from simpler_daemon.worker import Worker, WorkerState
+
+__all__ = ["ServiceBase", "server_stream", "unary"]
+
+log = logging.getLogger("simpler_daemon.service")
+
+Code = grpc.StatusCode
+
+# --------------------------------------------------------------------------- decorators
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def unary(fn: F) -> F:
+    """Map exceptions of a unary-response handler to a status via STATUS_TABLE."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: ServiceBase, request: Any, context: Any) -> Any:
+        try:
+            if isinstance(request, BadRequest):
+                raise InvalidArgument("", request.describe())
+            response = await fn(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await self._abort(context, name, exc)
+        self._count(name, Code.OK)
+        return response
+
+    return wrapper  # type: ignore[return-value]
+
+
+def server_stream(fn: F) -> F:
+    """The same for server-streaming handlers (async generators)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: ServiceBase, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            if isinstance(request, BadRequest):
+                raise InvalidArgument("", request.describe())
+            async for item in fn(self, request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await self._abort(context, name, exc)
+        self._count(name, Code.OK)
+
+    return wrapper  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- the core
+
+
+class ServiceBase:
+    """What every RPC handler of the servicer shares (see :class:`DaemonService`).
+
+    ``request_shutdown(reason)`` is called by ``Drain(shutdown=true)``; the
+    daemon owns what happens next. ``on_draining()`` is awaited when the daemon
+    stops admitting runs (the health service turns NOT_SERVING), ``on_resumed()``
+    when a Resume undoes that (SERVING again). Call
+    :meth:`start` once the Worker is bound to the running loop.
+    """
+
+    def __init__(
+        self,
+        worker: Worker,
+        config: DaemonConfig,
+        *,
+        metrics: Metrics | None = None,
+        request_shutdown: Callable[[str], None] | None = None,
+        on_draining: Callable[[], Awaitable[None]] | None = None,
+        on_resumed: Callable[[], Awaitable[None]] | None = None,
+        relay: UnixRelay | None = None,
+    ) -> None:
+        self._worker = worker
+        self._relay = relay
+        sec = config.security
+        self._admins = AdminPolicy(
+            admin_uids=sec.admin_uids,
+            admin_groups=sec.admin_groups,
+            admin_token=read_admin_token(sec.admin_token_file),
+        )
+        self._owners = Owners(config.limits)
+        self._on_draining = on_draining
+        self._on_resumed = on_resumed
+        self._shutdown_requested = False
+        self._config = config
+        self._limits = config.limits
+        self._metrics = metrics
+        self._request_shutdown = request_shutdown
+        self._plan = Planner(
+            worker,
+            config.limits,
+            config.callables,
+            credentials_dir=config.workers.remote_credentials_dir,
+        )
+        self._runs = RunTable(worker, config.limits, metrics)
+        self.serving_state: pb.ServingState = pb.SERVING_STATE_SERVING
+        self.start_ns = time.time_ns()
+        self._streams: Counter[str] = Counter()
+        self._labels: dict[int, str] = {}
+        self._orch_fns: dict[str, Callable[..., Any]] = {}
+        self._hostname = socket.gethostname()
+
+    def start(self) -> None:
+        """Hook the Scheduler's task events (call after ``Worker.start_async``)."""
+        sched = self._worker.scheduler
+        if sched is None:
+            raise WorkerClosedError("cannot start the gRPC service: the Worker is not initialised")
+        sched.on_task_event = self._runs.on_task_event
+        if self._metrics is not None:  # gauges read at scrape time: heap, runs by state...
+            self._metrics.watch_daemon(self._worker, self._runs.state_counts)
+        self.start_ns = time.time_ns()
+
+    def apply_config(self, config: DaemonConfig) -> None:
+        """A reloaded configuration (SIGHUP, server/reload.py): limits and
+        callables.allowed_modules apply to requests from now on; what was admitted,
+        allocated or registered stays."""
+        self._config = config
+        self._limits = config.limits
+        self._owners.reconfigure(config.limits)
+        self._runs.reconfigure(config.limits)
+        self._plan.reconfigure(config.limits, config.callables)
+
+    @property
+    def active_runs(self) -> int:
+        return self._runs.active_count
+
+    def begin_stopping(self) -> None:
+        """No new runs from now on (SIGTERM)."""
+        self.serving_state = pb.SERVING_STATE_STOPPING
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        if self._metrics is not None:
+            self._metrics.grpc_request(method, code.name)
+
+    async def _abort(self, context: Any, method: str, exc: Exception) -> NoReturn:
+        code = status_of(exc)
+        if code is Code.INTERNAL:
+            log.error("%s failed: %s: %s", method, type(exc).__name__, exc, exc_info=exc)
+            details = bound_text(
+                str(exc)
+                if isinstance(exc, RequestError)
+                # Its text may hold anything, another client's data included: the
+                # operator reads it in the log, the client gets where and what kind.
+                else f"internal error in {method} ({type(exc).__name__}); see the daemon log"
+            )
+        else:
+            details = error_text(exc)
+            log.debug("%s refused with %s: %s", method, code.name, details)
+        self._count(method, code)
+        field = exc.field if isinstance(exc, RequestError) else ""
+        # The field also travels on its own, so a client need not parse the details.
+        trailer = ((FIELD_METADATA, field),) if field.isascii() and field.isprintable() else ()
+        await context.abort(code, details, trailing_metadata=trailer if field else ())
+        raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+
+    def _who(self, context: Any) -> Identity:
+        """Who the call comes from, for ownership and quotas: what the kernel or the
+        transport says (peer credentials, TLS identity, admin token), never a header."""
+        return identify(context, self._relay, self._admins)
+
+    def _check_pins(self, who: Identity, pins: set[int], what: str) -> None:
+        """A run may use only its submitter's buffers (an admin's: anyone's)."""
+        heap = self._worker.heap
+        for buffer_id in sorted(pins):
+            try:
+                generation = heap.get(buffer_id).generation
+            except KeyError:
+                continue  # the planner checked it; a free meanwhile is deferred by the pin
+            self._owners.check_buffer(who, buffer_id, generation, what)
+
+    def _unpin(self, pins: set[int]) -> None:
+        """Give back the pins a run took at submit; a freed buffer is released now."""
+        heap = self._worker.heap
+        if heap.closed:
+            return
+        for buffer_id in pins:
+            heap.unpin(buffer_id)
+        pins.clear()
+
+    def _hold_until_done(self, rec: Any, pins: set[int]) -> None:
+        """Keep ``pins`` until the run is terminal (every task finished or failed).
+
+        They join the engine's own submit-time pins of the run (``Run.pins``): the
+        engine then still describes those buffers after a FreeBuffer, and unpins
+        them when the run ends."""
+        run = rec.run
+        if run is None or run.terminal:
+            self._unpin(pins)
+            return
+        held = getattr(run, "pins", None)
+        if isinstance(held, list):
+            held.extend(pins)
+            pins.clear()
+        else:  # an engine without submit-time pins: let go when the run is done
+            run.add_done_callback(lambda _run: self._unpin(pins))
+
+    def _check_usable(self, what: str) -> None:
+        if self._worker.state is not WorkerState.READY:
+            raise Precondition("", f"cannot {what}: the daemon is stopping")
+
+    def _admission_checks(self, client: str, what: str) -> None:
+        if self.serving_state == pb.SERVING_STATE_DRAINING:
+            raise Precondition("", f"cannot {what}: the daemon is draining and takes no new runs")
+        if self.serving_state == pb.SERVING_STATE_STOPPING:
+            raise Precondition("", f"cannot {what}: the daemon is shutting down")
+        self._check_usable(what)
+        self._runs.check_capacity(client, what)
+
+    @contextlib.contextmanager
+    def _stream_slot(self, client: str) -> Iterator[None]:
+        limit = self._limits.max_streams_per_client
+        if self._streams[client] >= limit:
+            raise LimitExceeded(
+                "",
+                f"cannot open another stream: quota reached: {client} has "
+                f"{self._streams[client]} open (limits.max_streams_per_client = {limit})",
+            )
+        self._streams[client] += 1
+        try:
+            yield
+        finally:
+            self._streams[client] -= 1
+            if self._streams[client] <= 0:
+                del self._streams[client]

@@ -1,0 +1,527 @@
+"""One run as the daemon knows it: identity, counts, state, events and watchers.
+
+A :class:`RunRecord` is bound to the engine's ``Run`` and driven by the Scheduler's
+callbacks, all on the daemon's event loop; it answers RunStatus, RunSummary and
+WatchRun streams. :mod:`simpler_daemon.server.runs` keeps the table of records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Final
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.orchestrator import FailureInfo, Run, RunState, SlotState, TaskSlot
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.metrics import Metrics
+from simpler_daemon.server.status import LimitExceeded, Precondition
+from simpler_daemon.worker import RunHandle
+
+__all__ = [
+    "RESULT_FRAMING",
+    "WATCH_QUEUE_LIMIT",
+    "RunRecord",
+    "Watcher",
+    "fingerprint",
+    "now_ts",
+]
+
+log = logging.getLogger("simpler_daemon.service")
+
+#: Events a watcher may fall behind by before it is sent a fresh snapshot instead.
+WATCH_QUEUE_LIMIT: Final = 65_536
+_TERMINAL: Final = frozenset({pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED})
+#: Requests larger than this are fingerprinted on a thread (hashing megabytes stalls the loop).
+_BIG_REQUEST: Final = 1 << 16
+#: Room in a response for what surrounds the results (the RunStatus itself).
+_STATUS_OVERHEAD: Final = 4096
+#: Bytes one TaskResult adds to a reply beside its value (indexes, tags, lengths).
+RESULT_FRAMING: Final = 16
+
+
+async def fingerprint(method: str, request: Any) -> bytes:
+    """What an idempotency key stands for: a digest of the method and the request
+    (the caller clears fields that only say how to answer, such as ``wait_seconds``)."""
+
+    def digest() -> bytes:
+        h = hashlib.sha256(method.encode())
+        h.update(request.SerializeToString(deterministic=True))
+        return h.digest()
+
+    if request.ByteSize() > _BIG_REQUEST:
+        return await asyncio.to_thread(digest)
+    return digest()
+
+
+def now_ts(ns: int | None = None) -> Timestamp:
+    out = Timestamp()
+    out.FromNanoseconds(time.time_ns() if ns is None else ns)
+    return out
+
+
+class Watcher:
+    """One WatchRun stream's queue; a watcher that falls too far behind gets a snapshot."""
+
+    __slots__ = ("lagged", "queue", "wake")
+
+    def __init__(self) -> None:
+        self.queue: deque[Any] = deque()
+        self.wake = asyncio.Event()
+        self.lagged = False
+
+    def push(self, event: Any, *, force: bool = False) -> None:
+        if not force and len(self.queue) >= WATCH_QUEUE_LIMIT:
+            self.queue.clear()
+            self.lagged = True
+        else:
+            self.queue.append(event)
+        self.wake.set()
+
+
+class RunRecord:
+    """What the daemon knows about one run: identity, counts, state, watchers.
+
+    Counts are per task *call* (a group counts one per member), driven by the
+    Scheduler's events: ``dispatched`` (+running), ``completed`` (-running,
+    +done or +failed), and a slot that fails without being dispatched
+    (+failed per member).
+    """
+
+    def __init__(
+        self,
+        *,
+        label: str,
+        client: str,
+        key: str,
+        total: int | None,
+        metrics: Metrics | None,
+        priority: int = 1,
+    ) -> None:
+        self.run_id = 0
+        self.run: Run | None = None
+        self.handle: RunHandle | None = None
+        self.label = label
+        self.client = client
+        self.priority = priority
+        self.key = key
+        self.key_print = b""
+        self._static_total = total is not None
+        self.total = total or 0
+        self._slots_seen = 0
+        self.done = 0
+        self.failed = 0
+        self.running = 0
+        self.seq = 0
+        self.state: pb.RunState = pb.RUN_STATE_QUEUED
+        self.watchers: set[Watcher] = set()
+        self.submit_ns = time.time_ns()
+        self.finish_ns = 0
+        self.cancel_requested = False
+        self.cancel_reason = ""
+        self.error_before_cancel = False
+        self.error_task_index: int | None = None
+        self.terminal_event: Any = None
+        self.finished = asyncio.Event()
+        self.on_finished: Callable[[RunRecord], None] | None = None
+        self.on_bind: Callable[[RunRecord], None] | None = None
+        self._metrics = metrics
+        self._t0: dict[tuple[int, int], int] = {}
+        #: Bytes of task results this run keeps (each counted as in one WaitRun reply).
+        self.result_bytes = 0
+        #: Why the results were dropped (limits.max_finished_result_bytes), "" while kept.
+        self.results_dropped = ""
+
+    # -- binding ---------------------------------------------------------------------
+
+    def bind(self, run: Run) -> None:
+        """Attach to the engine's Run (idempotent); called from the orchestration
+        function, before any task of the run can be dispatched."""
+        if self.run is not None:
+            return
+        self.run = run
+        self.run_id = run.run_id
+        if self.on_bind is not None:
+            self.on_bind(self)
+        run.listeners.append(self._guarded(self._on_slot))
+        run.add_done_callback(self._guarded(self._on_done))
+
+    @staticmethod
+    def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
+        """Never let a bookkeeping bug escape into the Scheduler (it would fail every run)."""
+
+        def call(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("run bookkeeping failed in %s", fn.__name__)
+
+        return call
+
+    @property
+    def terminal(self) -> bool:
+        return self.terminal_event is not None
+
+    # -- state -----------------------------------------------------------------------
+
+    def proto_state(self) -> pb.RunState:
+        run = self.run
+        if self.terminal_event is not None:
+            final: pb.RunState = self.terminal_event.state
+            return final
+        if run is None or not run.admitted:
+            return pb.RUN_STATE_QUEUED
+        state = run.state
+        if state is RunState.BUILDING:
+            return pb.RUN_STATE_BUILDING
+        if state is RunState.PREPARED:
+            return pb.RUN_STATE_PREPARED
+        if state is RunState.EXECUTING:
+            return pb.RUN_STATE_EXECUTING
+        if state is RunState.COMPLETED:
+            return pb.RUN_STATE_COMPLETED
+        return pb.RUN_STATE_CANCELLED if self._cancelled() else pb.RUN_STATE_FAILED
+
+    def _cancelled(self) -> bool:
+        run = self.run
+        if self.cancel_requested and not self.error_before_cancel:
+            return True
+        err = run.error if run is not None else None
+        return (
+            run is not None
+            and run.cancelled
+            and err is not None
+            and err.outcome == Outcome.SKIPPED.name
+            and err.remote_text.startswith("run cancelled")
+        )
+
+    def _sync_total(self) -> None:
+        if self._static_total or self.run is None:
+            return
+        slots = self.run.slots
+        for slot in slots[self._slots_seen :]:
+            self.total += slot.group_size
+        self._slots_seen = len(slots)
+
+    def counts(self) -> Any:
+        self._sync_total()
+        return pb.RunCounts(
+            total=max(self.total, 0),
+            done=max(self.done, 0),
+            failed=max(self.failed, 0),
+            running=max(self.running, 0),
+        )
+
+    def error_proto(self) -> Any:
+        run = self.run
+        err = run.error if run is not None else None
+        if err is None:
+            return None
+        cancelled = self.proto_state() == pb.RUN_STATE_CANCELLED
+        out = pb.RunError(
+            message=str(err),
+            hashid=err.hashid or "",
+            dispatch_id=err.dispatch_id or 0,
+            outcome="CANCELLED" if cancelled else err.outcome,
+            remote_text=err.remote_text,
+        )
+        if err.worker_id is not None:
+            out.worker_id = err.worker_id
+        if self.error_task_index is not None:
+            out.task_index = self.error_task_index
+        return out
+
+    def status(self, include_results: bool = False, max_bytes: int = 0) -> Any:
+        """The RunStatus; with ``include_results`` and a terminal run, the SUB tasks'
+        return values too (``LimitExceeded`` naming ``include_results`` when they would
+        not fit in ``max_bytes``, the daemon's message limit)."""
+        out = pb.RunStatus(
+            run_id=self.run_id,
+            state=self.proto_state(),
+            counts=self.counts(),
+            label=self.label,
+            submit_time=now_ts(self.submit_ns),
+            client=self.client,
+            priority=self.priority,
+        )
+        if out.state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED):
+            err = self.error_proto()
+            if err is not None:
+                out.error.CopyFrom(err)
+        if self.finish_ns:
+            out.finish_time.CopyFrom(now_ts(self.finish_ns))
+        if include_results and out.state in _TERMINAL and self.run is not None:
+            self._add_results(out, max_bytes)
+        return out
+
+    def keep_result(self, slot: TaskSlot, completion: Any, limit: int) -> None:
+        """Account the result a task just sent back (before the Scheduler reads the
+        completion): past ``limit`` (limits.max_run_result_bytes) the value is dropped and
+        the task fails with TASK_FAILURE naming the limit, so that a finished run's results
+        always fit one WaitRun reply and a run cannot fill the daemon's memory."""
+        if completion.outcome is not Outcome.SUCCESS:
+            return
+        member = completion.dispatch.group_index
+        data = slot.result
+        if isinstance(data, list):
+            value = data[member] if 0 <= member < len(data) else None
+        else:
+            value = data
+        if value is None:
+            return
+        size = len(value) + RESULT_FRAMING
+        if self.result_bytes + size <= limit:
+            self.result_bytes += size
+            return
+        if isinstance(data, list):
+            data[member] = None
+        else:
+            slot.result = None
+        where = f" member {member}" if slot.group_size > 1 else ""
+        message = (
+            f"cannot keep the result of task {slot.index}{where} ({slot.handle.name}): "
+            f"{len(value)} bytes would take run {self.run_id}'s results to "
+            f"{self.result_bytes + size} bytes, past limits.max_run_result_bytes = {limit}"
+        )
+        completion.outcome = Outcome.TASK_FAILURE
+        completion.message = message
+        if slot.failure is None:
+            slot.failure = FailureInfo(
+                Outcome.TASK_FAILURE,
+                message,
+                completion.worker_id,
+                completion.dispatch.dispatch_id,
+                None,
+                f"sub worker {completion.worker_id}",
+            )
+
+    def drop_results(self, why: str) -> int:
+        """Forget this finished run's results (``why`` names the limit); the bytes freed."""
+        freed, self.result_bytes = self.result_bytes, 0
+        self.results_dropped = why
+        if self.run is not None:
+            for slot in self.run.slots:
+                slot.result = None
+        return freed
+
+    def _add_results(self, out: Any, max_bytes: int) -> None:
+        """Copy the run's encoded results (msgpack bytes; never decoded here) into ``out``."""
+        assert self.run is not None
+        if self.results_dropped:
+            raise Precondition(
+                "include_results",
+                f"cannot return the results of run {self.run_id}: they were dropped "
+                f"({self.results_dropped}); its status is still kept (wait without "
+                "include_results)",
+            )
+        results = self.run.encoded_results()
+        size = sum(len(value) + RESULT_FRAMING for _, _, value in results)
+        if max_bytes and size + _STATUS_OVERHEAD > max_bytes:
+            raise LimitExceeded(
+                "include_results",
+                f"cannot return the results of run {self.run_id}: {len(results)} results of "
+                f"{size} bytes do not fit in one response (limits.max_message_bytes = "
+                f"{max_bytes}); wait without include_results",
+            )
+        for task_index, member_index, value in results:
+            item = out.results.add(task_index=task_index, value=value)
+            if member_index is not None:
+                item.member_index = member_index
+
+    def summary(self, now_ns: int) -> Any:
+        """This run's ListRuns row."""
+        out = pb.RunSummary(
+            run_id=self.run_id,
+            state=self.proto_state(),
+            client=self.client,
+            label=self.label,
+            counts=self.counts(),
+            submit_time=now_ts(self.submit_ns),
+            age_seconds=max(0.0, (now_ns - self.submit_ns) / 1e9),
+            priority=self.priority,
+        )
+        if self.finish_ns:
+            out.finish_time.CopyFrom(now_ts(self.finish_ns))
+        return out
+
+    def snapshot(self) -> Any:
+        self.state = self.proto_state()
+        return pb.RunEvent(
+            run_id=self.run_id,
+            sequence=self.seq,
+            type=pb.RUN_EVENT_TYPE_SNAPSHOT,
+            counts=self.counts(),
+            state=self.state,
+            time=now_ts(),
+        )
+
+    async def events(self, after: int = 0) -> AsyncGenerator[Any, None]:
+        """A WatchRun stream: a snapshot, then every event with a sequence above
+        ``after``, ending with the terminal event (a lagging watcher gets a fresh
+        snapshot instead of the events it missed)."""
+        watcher = Watcher()
+        self.watchers.add(watcher)
+        try:
+            yield self.snapshot()
+            if self.terminal_event is not None:
+                yield self.terminal_event
+                return
+            while True:
+                await watcher.wake.wait()
+                watcher.wake.clear()
+                if watcher.lagged:
+                    watcher.lagged = False
+                    yield self.snapshot()
+                while watcher.queue:
+                    event = watcher.queue.popleft()
+                    if event.sequence <= after:
+                        continue
+                    yield event
+                    if event is self.terminal_event:
+                        return
+                if self.terminal_event is not None and not watcher.queue:
+                    yield self.terminal_event  # lost in a lag: the stream still ends with it
+                    return
+        finally:
+            self.watchers.discard(watcher)
+
+    # -- events from the Scheduler (all on the loop) -----------------------------------
+
+    def _event(self, etype: pb.RunEventType, **fields: Any) -> Any:
+        self.seq += 1
+        return pb.RunEvent(
+            run_id=self.run_id,
+            sequence=self.seq,
+            type=etype,
+            counts=self.counts(),
+            state=self.state,
+            time=now_ts(),
+            **fields,
+        )
+
+    def _publish(self, event: Any, *, force: bool = False) -> None:
+        for w in self.watchers:
+            w.push(event, force=force)
+
+    def _state_changed(self) -> None:
+        state = self.proto_state()
+        if state != self.state and state not in _TERMINAL:
+            self.state = state
+            self._publish(self._event(pb.RUN_EVENT_TYPE_RUN_STATE))
+
+    def on_task_event(self, slot: TaskSlot, event: str, completion: Any) -> None:
+        metrics = self._metrics
+        if event == "dispatched":
+            self.running += 1
+            member = max(slot.members_started - 1, 0)
+            if metrics is not None:
+                kind = slot.kind.name.lower()
+                metrics.task_dispatched(kind)
+                self._t0[(slot.slot_id, member)] = time.perf_counter_ns()
+            if self.watchers:
+                self._state_changed()
+                self._publish(
+                    self._event(
+                        pb.RUN_EVENT_TYPE_TASK_DISPATCHED,
+                        task_index=slot.index,
+                        member_index=member,
+                    )
+                )
+            else:
+                self.seq += 1
+        elif event == "completed" and completion is not None:
+            self.running -= 1
+            ok = completion.outcome is Outcome.SUCCESS
+            if ok:
+                self.done += 1
+            else:
+                self.failed += 1
+            member = completion.dispatch.group_index
+            if metrics is not None:
+                t0 = self._t0.pop((slot.slot_id, member), None)
+                latency = None if t0 is None else (time.perf_counter_ns() - t0) / 1e9
+                metrics.task_completed(slot.kind.name.lower(), completion.outcome.name, latency)
+            if self.watchers:
+                self._state_changed()
+                fields: dict[str, Any] = {
+                    "task_index": slot.index,
+                    "member_index": member,
+                    "worker_id": completion.worker_id,
+                    "dispatch_id": completion.dispatch.dispatch_id,
+                    "outcome": completion.outcome.name,
+                }
+                if not ok:
+                    fields["message"] = completion.message
+                etype = pb.RUN_EVENT_TYPE_TASK_COMPLETED if ok else pb.RUN_EVENT_TYPE_TASK_FAILED
+                self._publish(self._event(etype, **fields))
+            else:
+                self.seq += 1
+        elif event == "requeued":
+            # A chip task only staged behind a terminated one never started: it goes
+            # back to its queue and is dispatched (and counted) again later.
+            self.running -= 1
+            self._t0.pop((slot.slot_id, max(slot.members_started - 1, 0)), None)
+
+    def _on_slot(self, run: Run, event: str, slot: TaskSlot | None) -> None:
+        """Run listener: a slot became terminal (``task``) or the run did (``run``)."""
+        if event != "task" or slot is None or slot.state != SlotState.FAILED:
+            return
+        failure = slot.failure
+        if (
+            self.error_task_index is None
+            and failure is not None
+            # Not a task the cancel stopped: the run's error is the cancel's.
+            and failure.outcome not in (Outcome.SKIPPED, Outcome.CANCELLED)
+        ):
+            self.error_task_index = slot.index
+        unstarted = slot.group_size - slot.members_started
+        if unstarted <= 0:
+            return  # its members were dispatched: their completions were counted
+        self.failed += unstarted
+        if self.watchers:
+            self._state_changed()
+            self._publish(
+                self._event(
+                    pb.RUN_EVENT_TYPE_TASK_FAILED,
+                    task_index=slot.index,
+                    outcome=failure.outcome.name if failure is not None else "SKIPPED",
+                    message=failure.message if failure is not None else "",
+                )
+            )
+        else:
+            self.seq += 1
+
+    def _on_done(self, run: Run) -> None:
+        if self.terminal_event is not None:
+            return
+        self._sync_total()
+        # Tasks that never got to run (the orchestration stopped early, or the
+        # daemon stopped while they were in flight) count as failed.
+        self.failed += self.running + max(0, self.total - self.done - self.failed - self.running)
+        self.running = 0
+        self.finish_ns = time.time_ns()
+        if run.state is RunState.COMPLETED:
+            state = pb.RUN_STATE_COMPLETED
+        else:
+            state = pb.RUN_STATE_CANCELLED if self._cancelled() else pb.RUN_STATE_FAILED
+        self.state = state
+        message = ""
+        if run.error is not None:
+            message = str(run.error)
+            if self.cancel_requested and self.cancel_reason and state == pb.RUN_STATE_CANCELLED:
+                message = f"run {self.run_id} cancelled: {self.cancel_reason}"
+        event = self._event(pb.RUN_EVENT_TYPE_RUN_STATE, message=message)
+        self.terminal_event = event
+        self._publish(event, force=True)
+        self._t0.clear()
+        self.finished.set()
+        if self._metrics is not None:
+            self._metrics.run_finished(pb.RunState.Name(state).removeprefix("RUN_STATE_").lower())
+        if self.on_finished is not None:
+            self.on_finished(self)
