@@ -3,343 +3,185 @@
 ::
 
     simplerctl [--socket PATH|HOST:PORT] [--json] COMMAND ...
-      info                      daemon version, level, heap, limits, serving state
+      info                      daemon version, level, heap (used/free), limits, state
       workers                   every worker and its state: local L3 workers with their
                                 children indented, remote L3 sessions below
       callables                 every registered callable
-      register PATH [--kind]    register "module:qualname" (kind sub, chip or orchestration)
-      submit FILE [--wait|--watch] [--timeout S] [--idempotency-key K] [--label L]
-      watch RUN                 live progress until the run ends
-      wait RUN [--timeout S]    wait for a run; its status
-      cancel RUN [--reason R]   cancel a run
-      buffers                   every live buffer
+      register PATH [--kind K] [--reload] [--timeout S]
+                                register "module:qualname"; --reload re-imports edited code
+      unregister HASHID|PATH    drop one reference to a registration
+      submit FILE [--wait|--watch] [--timeout S] [--keep] [--cancel-on-interrupt]
+             [--idempotency-key K] [--label L] [--priority P]
+      watch RUN [--timeout S]   live progress until the run ends
+      wait RUN [--timeout S]    wait for a run; its status and task results
+      cancel RUN [--reason R] [--terminate]
+      runs [--state S] [--limit N]
+                                the runs you can see, newest first
+      buffers                   every live buffer and the heap
+      free ID...                free buffers
       drain [--grace S] [--shutdown]
+      resume                    undo a drain: admit runs again
       add-remote IP:PORT [--num-sub-workers N] [--num-chips N] [--session-timeout S]
                                 open a session on a simpler-remote-worker (level 4)
+      completion bash|zsh       a shell completion script (needs the [completion] extra)
 
-A run spec (JSON, or TOML when the file ends in ``.toml``)::
+The run spec format is in :data:`simpler_daemon.cli_spec.SPEC_FORMAT`
+(``simplerctl submit --help``).
 
-    label = "demo"
-    [buffers.a]                       # optional: buffers created (and filled) for the run
-    shape = [8]
-    dtype = "float32"
-    fill = 2                          # or data = [...]
-    [buffers.out]
-    shape = [8]
-    dtype = "float32"
-
-    [[tasks]]
-    kind = "sub"                      # sub | sub_group | next_level | next_level_group
-    callable = "simpler_daemon.examples.tasks:scale"   # import path (registered first) or hashid
-    scalars = [3]                     # one member: tensors/scalars inline, else [[tasks.members]]
-    tensors = [{ buffer = "a", tag = "inout" }]         # buffer: a name above or a buffer id;
-                                                        # shape/dtype default to the buffer's
-    workers = []                      # NEXT_LEVEL targets
-    config = { deadline_ms = 1000 }
-
-Exit status: 0 ok, 1 the run failed (or was cancelled), 2 usage or validation
-error (a bad spec, an INVALID_ARGUMENT, PERMISSION_DENIED, RESOURCE_EXHAUSTED or
-FAILED_PRECONDITION from the daemon), 3 daemon unreachable, 4 not found,
-5 ``wait``/``--wait`` timed out with the run still active.
-
-This module holds the commands, the argument parser and the exit codes; run
-specs become ``Task`` messages in :mod:`simpler_daemon.cli_spec` and every line
-printed is formatted by :mod:`simpler_daemon.cli_output`.
+This module holds the argument parser, the error handling and the exit statuses
+(:data:`EXIT_HELP`); the commands are in :mod:`simpler_daemon.cli_runs` and
+:mod:`simpler_daemon.cli_admin`, specs in :mod:`simpler_daemon.cli_spec`, every line
+printed is formatted by :mod:`simpler_daemon.cli_output`. No user error ends in a
+traceback: every exception a command can meet maps to a message and an exit status.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NoReturn
+from typing import Final, NoReturn
 
 import grpc
 
 from simpler_daemon import __version__
-from simpler_daemon.cli_output import (
-    Out,
-    event_line,
-    print_status,
-    progress_line,
-    remote_header,
-    remote_row,
-    short_name,
-    state_name,
-    to_dict,
-    worker_header,
-    worker_rows,
+from simpler_daemon.cli_admin import (
+    cmd_add_remote,
+    cmd_buffers,
+    cmd_callables,
+    cmd_drain,
+    cmd_free,
+    cmd_info,
+    cmd_register,
+    cmd_resume,
+    cmd_unregister,
+    cmd_workers,
 )
-from simpler_daemon.cli_spec import SpecBuilder, SpecError, SpecRpcError, get_field, load_spec
-from simpler_daemon.client import TERMINAL_STATES, Client
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.cli_output import (
+    EXIT_EXHAUSTED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_PIPE,
+    EXIT_REFUSED,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CliExit,
+    Out,
+    short_name,
+)
+from simpler_daemon.cli_runs import (
+    RUN_STATES,
+    cmd_cancel,
+    cmd_runs,
+    cmd_submit,
+    cmd_wait,
+    cmd_watch,
+)
+from simpler_daemon.cli_spec import SPEC_FORMAT, SpecError, SpecLimitError, SpecRpcError
+from simpler_daemon.client import Client
 
-__all__ = ["EXIT_FAILED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "main"]
+__all__ = [
+    "EXIT_EXHAUSTED",
+    "EXIT_FAILED",
+    "EXIT_HELP",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_PIPE",
+    "EXIT_REFUSED",
+    "EXIT_TIMEOUT",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "main",
+    "parser",
+]
 
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_UNREACHABLE: Final = 3
-EXIT_NOT_FOUND: Final = 4
-EXIT_TIMEOUT: Final = 5
+EXIT_HELP: Final = f"""\
+exit status:
+  {EXIT_OK}    success (for a run: it completed)
+  {EXIT_FAILED}    the run failed or was cancelled (or the daemon failed internally)
+  {EXIT_USAGE}    usage error: a bad option or run spec, or a request the daemon refused as
+       invalid or not permitted (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED)
+  {EXIT_UNREACHABLE}    the daemon cannot be reached (UNAVAILABLE)
+  {EXIT_NOT_FOUND}    no such run, buffer, callable or worker (NOT_FOUND)
+  {EXIT_TIMEOUT}    --timeout passed while the run is still going (it keeps running), or the
+       daemon did not answer a call in time (DEADLINE_EXCEEDED: --rpc-timeout,
+       `register --timeout`)
+  {EXIT_EXHAUSTED}    the daemon is out of room (RESOURCE_EXHAUSTED: heap full, a quota or a
+       limit reached): free buffers (`simplerctl free`), let runs finish, retry
+  {EXIT_REFUSED}    refused in the daemon's current state (FAILED_PRECONDITION: draining,
+       stopping, another level; an idempotency key naming another request)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+  {EXIT_PIPE}  stdout was closed early (e.g. `| head`)
+"""
 
 _STATUS_EXIT: Final[dict[grpc.StatusCode, int]] = {
     grpc.StatusCode.NOT_FOUND: EXIT_NOT_FOUND,
     grpc.StatusCode.UNAVAILABLE: EXIT_UNREACHABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_TIMEOUT,
     grpc.StatusCode.INVALID_ARGUMENT: EXIT_USAGE,
     grpc.StatusCode.PERMISSION_DENIED: EXIT_USAGE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: EXIT_USAGE,
-    grpc.StatusCode.FAILED_PRECONDITION: EXIT_USAGE,
     grpc.StatusCode.UNAUTHENTICATED: EXIT_USAGE,
     grpc.StatusCode.OUT_OF_RANGE: EXIT_USAGE,
     grpc.StatusCode.UNIMPLEMENTED: EXIT_USAGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: EXIT_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION: EXIT_REFUSED,
+    grpc.StatusCode.ALREADY_EXISTS: EXIT_REFUSED,
+    grpc.StatusCode.ABORTED: EXIT_REFUSED,
 }
-_MAX_SHOWN: Final = 64
+
+#: Default deadline of ``register``: the daemon imports the module in every worker (and
+#: ``--reload`` waits for their running tasks), which can take far longer than a plain call.
+REGISTER_TIMEOUT: Final = 300.0
+
+#: Largest id the daemon's uint64 fields take.
+_U64_MAX: Final = (1 << 64) - 1
 
 
-class _Exit(Exception):
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
+# --------------------------------------------------------------------------- argument types
 
 
-# --------------------------------------------------------------------------- commands
-
-
-def _status_exit(status: pb.RunStatus) -> int:
-    if status.state == pb.RUN_STATE_COMPLETED:
-        return EXIT_OK
-    if status.state in TERMINAL_STATES:
-        return EXIT_FAILED
-    return EXIT_TIMEOUT
-
-
-def cmd_info(c: Client, a: argparse.Namespace, out: Out) -> int:
-    info = c.get_info()
-    if out.json:
-        out.data(to_dict(info))
-        return EXIT_OK
-    lim = info.limits
-    out.line(
-        f"simpler-daemon {info.version} (level {info.level}) on {info.hostname}, pid {info.pid}"
-    )
-    out.line(
-        f"state:    {short_name(pb.ServingState.Name(info.serving_state))}, "
-        f"{info.active_runs} active runs"
-    )
-    out.line(f"workers:  {info.num_sub_workers} SUB, {info.num_next_level_workers} NEXT_LEVEL")
-    out.line(
-        f"heap:     {info.heap.used_bytes}/{info.heap.size_bytes} bytes used"
-        + (f" ({info.heap.name})" if info.heap.name else "")
-    )
-    out.line(
-        f"limits:   {lim.max_tasks_per_run} tasks/run, {lim.max_tensors_per_task} tensors "
-        f"and {lim.max_scalars_per_task} scalars/task, {lim.max_message_bytes} bytes/message, "
-        f"{lim.max_buffer_bytes} bytes/buffer, {lim.max_concurrent_runs} concurrent runs"
-    )
-    out.line(
-        f"quotas:   {lim.per_client_runs} runs, {lim.per_client_heap_bytes} heap bytes, "
-        f"{lim.per_client_registrations} registrations, {lim.max_streams_per_client} streams "
-        "per client"
-    )
-    out.line(f"caller:   {info.caller}" + (" (admin)" if info.caller_is_admin else ""))
-    return EXIT_OK
-
-
-def cmd_workers(c: Client, a: argparse.Namespace, out: Out) -> int:
-    workers = c.list_workers()
-    if out.json:
-        out.data([to_dict(w) for w in workers])
-        return EXIT_OK
-    out.table(worker_header(), worker_rows(workers))
-    remotes = [w for w in workers if w.HasField("remote")]
-    if remotes:
-        out.line("")
-        out.table(remote_header(), [remote_row(w) for w in remotes])
-    return EXIT_OK
-
-
-def cmd_callables(c: Client, a: argparse.Namespace, out: Out) -> int:
-    callables = c.list_callables()
-    if out.json:
-        out.data([to_dict(x) for x in callables])
-        return EXIT_OK
-    out.table(
-        ["HASHID", "KIND", "REFS", "IMPORT PATH"],
-        [
-            [x.hashid, short_name(pb.CallableKind.Name(x.kind)), x.refcount, x.import_path]
-            for x in callables
-        ],
-    )
-    return EXIT_OK
-
-
-def cmd_register(c: Client, a: argparse.Namespace, out: Out) -> int:
-    response = c.register_callable(a.path, a.kind)
-    if out.json:
-        out.data({"import_path": a.path, "kind": a.kind, **to_dict(response)})
-    else:
-        out.line(f"{response.hashid} {a.path} ({a.kind}, refcount {response.refcount})")
-    return EXIT_OK
-
-
-def cmd_buffers(c: Client, a: argparse.Namespace, out: Out) -> int:
-    response = c.list_buffers()
-    if out.json:
-        out.data(to_dict(response))
-        return EXIT_OK
-    out.table(
-        ["ID", "GEN", "DTYPE", "SHAPE", "BYTES", "REFS", "LABEL"],
-        [
-            [
-                b.buffer_id,
-                b.generation,
-                b.dtype,
-                "x".join(map(str, b.shape)) or "()",
-                b.nbytes,
-                b.references,
-                b.label,
-            ]
-            for b in response.buffers
-        ],
-    )
-    h = response.heap
-    out.line(f"heap: {h.used_bytes}/{h.size_bytes} bytes used")
-    return EXIT_OK
-
-
-def cmd_submit(c: Client, a: argparse.Namespace, out: Out) -> int:
-    spec = load_spec(a.file)
-    builder = SpecBuilder(c)
-    label = a.label if a.label is not None else get_field(spec, "label", "spec", str, "")
-    key = (
-        a.idempotency_key
-        if a.idempotency_key is not None
-        else get_field(spec, "idempotency_key", "spec", str, "")
-    )
-    builder.buffers(spec)
-    tasks = builder.tasks(spec)
-    response = c.submit_run(tasks, idempotency_key=key, label=label)
-    run_id = response.run_id
-    buffers = {name: bid for name, (bid, _, _) in builder.created.items()}
-    if not (a.wait or a.watch):
-        if out.json:
-            out.data({"run_id": run_id, "deduplicated": response.deduplicated, "buffers": buffers})
-        else:
-            dedup = " (deduplicated: an earlier run with this key)" if response.deduplicated else ""
-            out.line(f"run {run_id} submitted{dedup}")
-            for name, bid in buffers.items():
-                out.line(f"  buffer {name}: {bid}")
-        return EXIT_OK
-    if a.watch:
-        code = _watch(c, run_id, out, a.timeout)
-        status = c.wait_run(run_id, 0)
-    else:
-        status = c.wait_run(run_id, a.timeout)
-        code = _status_exit(status)
-    contents = {}
-    if status.state == pb.RUN_STATE_COMPLETED:
-        for name, (bid, shape, dtype) in builder.created.items():
-            if math.prod(shape) <= _MAX_SHOWN:
-                contents[name] = c.read_array(bid, shape, dtype).tolist()
-    if out.json:
-        if a.wait:
-            out.data({**to_dict(status), "buffers": buffers, "contents": contents})
-    else:
-        if a.wait:
-            print_status(out, status)
-        for name, values in contents.items():
-            out.line(f"  {name} (buffer {buffers[name]}): {values}")
-    return code
-
-
-def _watch(c: Client, run_id: int, out: Out, timeout: float | None = None) -> int:
-    tty = not out.json and out.stream.isatty()
-    last: pb.RunEvent | None = None
-    for ev in c.watch(run_id):
-        last = ev
-        if out.json:
-            print(json.dumps(to_dict(ev)), file=out.stream, flush=True)
-        elif tty:
-            print("\r\x1b[2K" + progress_line(ev), end="", file=out.stream, flush=True)
-        else:
-            out.line(event_line(ev))
-        if ev.type == pb.RUN_EVENT_TYPE_RUN_STATE and ev.state in TERMINAL_STATES:
-            break
-    if tty:
-        print(file=out.stream)
-    if last is None or last.state not in TERMINAL_STATES:
-        return EXIT_TIMEOUT
-    if last.state != pb.RUN_STATE_COMPLETED and not out.json:
-        status = c.wait_run(run_id, 0)
-        if status.error.message:
-            print(
-                f"simplerctl: run {run_id} {state_name(last.state)}: {status.error.message}",
-                file=sys.stderr,
-            )
-    return EXIT_OK if last.state == pb.RUN_STATE_COMPLETED else EXIT_FAILED
-
-
-def cmd_watch(c: Client, a: argparse.Namespace, out: Out) -> int:
-    return _watch(c, a.run, out)
-
-
-def cmd_wait(c: Client, a: argparse.Namespace, out: Out) -> int:
-    status = c.wait_run(a.run, a.timeout)
-    print_status(out, status)
-    if status.state not in TERMINAL_STATES and not out.json:
-        out.line(f"  still {state_name(status.state)} after {a.timeout}s")
-    return _status_exit(status)
-
-
-def cmd_cancel(c: Client, a: argparse.Namespace, out: Out) -> int:
-    response = c.cancel(a.run, a.reason)
-    if out.json:
-        out.data({"run_id": a.run, **to_dict(response)})
-    elif response.already_finished:
-        out.line(f"run {a.run} had already finished ({state_name(response.state)})")
-    else:
-        out.line(f"run {a.run} cancelled ({state_name(response.state)})")
-    return EXIT_OK
-
-
-def cmd_add_remote(c: Client, a: argparse.Namespace, out: Out) -> int:
-    options: dict[str, Any] = {}
-    if a.session_timeout is not None:
-        options["session_timeout_s"] = a.session_timeout
-    worker_id = c.add_remote_worker(a.endpoint, a.num_sub_workers, a.num_chips, **options)
-    if out.json:
-        out.data({"worker_id": worker_id})
-    else:
-        out.line(f"remote worker {worker_id} added: {a.endpoint}")
-    return EXIT_OK
-
-
-def cmd_drain(c: Client, a: argparse.Namespace, out: Out) -> int:
-    response = c.drain(a.grace, a.shutdown)
-    if out.json:
-        out.data(to_dict(response))
-    else:
-        out.line(
-            f"drained: {response.runs_finished} runs finished, {response.runs_cancelled} cancelled"
-        )
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------- main
-
-
-def _positive_int(text: str) -> int:
+def _run_id(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive run id")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run id (an integer)") from None
+    if not 1 <= value <= _U64_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is not a run id (1 .. 2**64-1)")
     return value
+
+
+def _buffer_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a buffer id (an integer)") from None
+    if not 1 <= value <= _U64_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is not a buffer id (1 .. 2**64-1)")
+    return value
+
+
+def _run_state(text: str) -> str:
+    """``FAILED``, ``failed`` or ``RUN_STATE_FAILED`` -> ``failed`` (the choices' spelling)."""
+    return short_name(text.strip().upper()).lower()
+
+
+def _bounded(low: int, high: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value}: {what} must be in {low}..{high}")
+        return value
+
+    return parse
 
 
 def _seconds(text: str) -> float:
@@ -347,8 +189,9 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    # A year bounds every deadline: gRPC and the daemon refuse larger ones.
+    if not math.isfinite(value) or not 0 <= value <= 366 * 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be in 0..31622400")
     return value
 
 
@@ -356,10 +199,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         print(f"simplerctl: error: {message}", file=sys.stderr)
-        raise _Exit(EXIT_USAGE)
+        raise CliExit(EXIT_USAGE)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            print(message, file=sys.stderr, end="")
+        raise CliExit(status)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``simplerctl`` (also the source of its shell completion)."""
     common = _Parser(add_help=False)
     common.add_argument(
         "--json",
@@ -367,12 +216,20 @@ def _parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="machine-readable JSON output",
     )
-    ap = _Parser(prog="simplerctl", description="Client of simpler-daemon.", parents=[common])
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = _Parser(
+        prog="simplerctl",
+        description="Client of simpler-daemon.",
+        epilog=EXIT_HELP,
+        formatter_class=raw,
+        parents=[common],
+    )
     ap.add_argument("--version", action="version", version=f"simplerctl {__version__}")
     ap.add_argument(
         "--socket",
         metavar="PATH|HOST:PORT",
-        help="daemon address (default: $SIMPLER_DAEMON_SOCKET or the default socket)",
+        help="daemon address (default: $SIMPLER_DAEMON_SOCKET, else the first existing "
+        "socket of the search order in docs/operations.md)",
     )
     ap.add_argument("--token-file", help="bearer token for a TCP daemon")
     ap.add_argument("--tls-ca", help="CA bundle that signed a TCP daemon's certificate")
@@ -382,8 +239,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rpc-timeout", type=_seconds, default=30.0, help="per-call deadline (30 s)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def add(name: str, fn: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, parents=[common])
+    def add(
+        name: str, fn: Callable[..., int], help_text: str, **kw: object
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, parents=[common], **kw)  # type: ignore[arg-type]
         p.set_defaults(fn=fn)
         return p
 
@@ -393,49 +252,146 @@ def _parser() -> argparse.ArgumentParser:
     p = add("register", cmd_register, "register a callable by import path")
     p.add_argument("path", metavar="PATH", help="module:qualname")
     p.add_argument("--kind", choices=("sub", "chip", "orchestration"), default="sub")
-    p = add("submit", cmd_submit, "submit a run spec (JSON or TOML)")
+    p.add_argument(
+        "--reload",
+        action="store_true",
+        help="re-import the module in every worker (after editing its code)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        help=f"seconds the daemon may take to import the module in every worker "
+        f"(default {REGISTER_TIMEOUT:g}, or --rpc-timeout when longer)",
+    )
+    p = add("unregister", cmd_unregister, "drop one reference to a registered callable")
+    p.add_argument("target", metavar="HASHID|PATH", help="a hashid or a registered import path")
+    p = add(
+        "submit",
+        cmd_submit,
+        "submit a run spec (JSON or TOML)",
+        description="Submit a run described by a run spec file.",
+        epilog=SPEC_FORMAT + "\n" + EXIT_HELP,
+        formatter_class=raw,
+    )
     p.add_argument("file", metavar="FILE", help="run spec; '-' reads JSON from stdin")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--wait", action="store_true", help="wait for the run and print its status")
     g.add_argument("--watch", action="store_true", help="show live progress until it ends")
     p.add_argument("--timeout", type=_seconds, help="seconds to wait (default: until it ends)")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the spec's buffers after printing them (default: freed)",
+    )
+    p.add_argument(
+        "--cancel-on-interrupt",
+        action="store_true",
+        help="Ctrl-C cancels the run (default: ask on a terminal, else leave it running)",
+    )
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same run")
-    p.add_argument("--label", help="label shown in events and logs")
+    p.add_argument("--label", help="label shown in events, logs and `simplerctl runs`")
+    p.add_argument(
+        "--priority", type=_bounded(1, 1000, "priority"), help="share under fair admission"
+    )
     p = add("watch", cmd_watch, "live progress of a run until it ends")
-    p.add_argument("run", type=_positive_int, metavar="RUN")
+    p.add_argument("run", type=_run_id, metavar="RUN")
+    p.add_argument("--timeout", type=_seconds, help="seconds to watch (default: until it ends)")
     p = add("wait", cmd_wait, "wait for a run to end")
-    p.add_argument("run", type=_positive_int, metavar="RUN")
+    p.add_argument("run", type=_run_id, metavar="RUN")
     p.add_argument("--timeout", type=_seconds, help="seconds to wait (default: until it ends)")
     p = add("cancel", cmd_cancel, "cancel a run")
-    p.add_argument("run", type=_positive_int, metavar="RUN")
+    p.add_argument("run", type=_run_id, metavar="RUN")
     p.add_argument("--reason", default="", help="recorded in the run's error")
+    p.add_argument(
+        "--terminate",
+        action="store_true",
+        help="also stop its running tasks (their workers are killed and replaced)",
+    )
+    p = add("runs", cmd_runs, "list runs, newest first")
+    p.add_argument(
+        "--state",
+        action="append",
+        type=_run_state,
+        choices=sorted(RUN_STATES),
+        help="only runs in this state, any case (repeatable)",
+    )
+    p.add_argument(
+        "--limit", type=_bounded(1, 100000, "limit"), default=50, help="at most N runs (50)"
+    )
     add("buffers", cmd_buffers, "every live buffer")
+    p = add("free", cmd_free, "free buffers")
+    p.add_argument("buffers", type=_buffer_id, nargs="+", metavar="ID")
     p = add("drain", cmd_drain, "stop admitting runs; optionally stop the daemon")
     p.add_argument("--grace", type=_seconds, help="seconds admitted runs get (default: config)")
     p.add_argument("--shutdown", action="store_true", help="stop the daemon afterwards")
+    add("resume", cmd_resume, "undo a drain: admit runs again")
     p = add("add-remote", cmd_add_remote, "open a session on a simpler-remote-worker (level 4)")
     p.add_argument("endpoint", metavar="IP:PORT", help="address of the simpler-remote-worker")
-    p.add_argument("--num-sub-workers", type=int, default=0, help="SUB workers there (default 1)")
-    p.add_argument("--num-chips", type=int, default=0, help="simulated chips there")
+    p.add_argument(
+        "--num-sub-workers",
+        type=_bounded(0, 1024, "--num-sub-workers"),
+        default=0,
+        help="SUB workers there (default 1)",
+    )
+    p.add_argument(
+        "--num-chips", type=_bounded(0, 1024, "--num-chips"), default=0, help="simulated chips"
+    )
     p.add_argument("--session-timeout", type=_seconds, help="health silence allowed (30 s)")
+    p = add("completion", _completion, "print a shell completion script")
+    p.add_argument("shell", choices=("bash", "zsh", "tcsh"))
     return ap
+
+
+def _completion(c: Client | None, a: argparse.Namespace, out: Out) -> int:
+    """The completion script shtab generates from :func:`parser` (no daemon needed)."""
+    try:
+        import shtab
+    except ImportError:
+        out.error(
+            "",
+            "cannot generate a completion script: shtab is not installed "
+            "(pip install 'simpler-daemon[completion]')",
+        )
+        return EXIT_USAGE
+    out.stream.write(shtab.complete(parser(), shell=a.shell))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``simplerctl``; returns the exit status."""
-    ap = _parser()
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`simplerctl runs | head`): no traceback, and nothing more
+        # written to the closed pipe when Python flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    ap = parser()
     try:
         args = ap.parse_args(argv)
-    except _Exit as exc:
+    except CliExit as exc:
         return exc.code
     out = Out(getattr(args, "json", False))
     if not getattr(args, "command", None):
         ap.print_usage(sys.stderr)
         out.error("", "a command is required (see --help)")
         return EXIT_USAGE
+    if args.command == "completion":  # needs no daemon
+        return _completion(None, args, out)
     if args.socket is None and (args.token_file or args.tls_ca):
         out.error("", "--token-file/--tls-ca need --socket HOST:PORT")
         return EXIT_USAGE
+    timeout: float = args.rpc_timeout
+    if args.command == "register":
+        timeout = args.timeout if args.timeout is not None else max(timeout, REGISTER_TIMEOUT)
     try:
         client = Client(
             args.socket,
@@ -444,33 +400,63 @@ def main(argv: Sequence[str] | None = None) -> int:
             client_cert=args.tls_cert,
             client_key=args.tls_key,
             server_name=args.server_name,
-            timeout=args.rpc_timeout or None,
+            timeout=timeout or None,
         )
     except (OSError, ValueError) as exc:
         out.error("", f"cannot connect: {exc}")
         return EXIT_USAGE
     try:
         with client:
-            return int(args.fn(client, args, out))
+            code: int = args.fn(client, args, out)
+            return code
+    except CliExit as exc:
+        return exc.code
+    except SpecLimitError as exc:
+        out.error("RESOURCE_EXHAUSTED", str(exc))
+        return EXIT_EXHAUSTED
     except SpecError as exc:
         out.error("INVALID_SPEC", str(exc))
         return EXIT_USAGE
     except SpecRpcError as exc:
-        return _rpc_failed(out, exc.rpc, client.target, where=exc.where)
+        return _rpc_failed(out, exc.rpc, client.target, where=exc.where, timeout=timeout)
     except grpc.RpcError as exc:
-        return _rpc_failed(out, exc, client.target)
+        return _rpc_failed(out, exc, client.target, what=args.command, timeout=timeout)
     except KeyboardInterrupt:
         out.error("", "interrupted")
-        return 130
+        return EXIT_INTERRUPTED
+    except (ValueError, OverflowError, TypeError) as exc:
+        # A value the client library refuses before sending (e.g. out of a field's range).
+        out.error("", f"cannot {args.command}: {exc}")
+        return EXIT_USAGE
 
 
-def _rpc_failed(out: Out, exc: grpc.RpcError, target: str, where: str = "") -> int:
+def _rpc_failed(
+    out: Out,
+    exc: grpc.RpcError,
+    target: str,
+    where: str = "",
+    *,
+    what: str = "",
+    timeout: float = 0.0,
+) -> int:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not where:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        # The daemon was reached (or is busy): a slow answer, not an unreachable daemon.
+        # A register imports the module in every worker, hence its own --timeout.
+        request = f"`simplerctl {what}`" if what else "the request"
+        within = f" within {timeout:g} s" if timeout else " in time"
+        option = "`register --timeout S`" if what == "register" else "--rpc-timeout S"
+        details = (
+            f"the daemon at {target} did not answer {request}{within} "
+            f"(it may still be working on it; {option} allows longer): {details}"
+        )
+    elif code == grpc.StatusCode.UNAVAILABLE and not where:
         details = f"cannot reach the daemon at {target}: {details}"
     if where:
         details = f"{where}: {details}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details += " (`simplerctl buffers` lists what holds the heap, `simplerctl free` frees)"
     out.error(code.name, details or code.name)
     return _STATUS_EXIT.get(code, EXIT_FAILED)
 

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from simpler_daemon import cli
+from simpler_daemon.cli_output import Out
+from simpler_daemon.cli_runs import watch_run
 from simpler_daemon.client import Client
 from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_daemon, module_leak_guard
 
@@ -135,6 +137,9 @@ def test_submit_toml_and_wait(ctl: Ctl, tmp_path: Path) -> None:
     code, out, _ = ctl("submit", str(spec), "--wait")
     assert code == 0 and "COMPLETED (done 3/3, failed 0, running 0)" in out
     assert "out (buffer" in out
+    # The spec's buffers were freed once printed (13.3).
+    labels = {b["label"] for b in ctl.json("buffers")["buffers"]}
+    assert not labels & {"a", "b", "out"}
 
 
 def test_submit_json_watch_plain_lines(ctl: Ctl, tmp_path: Path) -> None:
@@ -226,10 +231,13 @@ def test_progress_bar_on_a_tty(ctl: Ctl, tmp_path: Path) -> None:
 
         run_id = c.submit([sub_task(fill, [tensor(buf, "output", (4,), "int8")], [1])] * 3)
         stream = Tty()
-        assert cli._watch(c, run_id, cli.Out(False, stream)) == 0
+        assert watch_run(c, run_id, Out(False, stream))[0] == 0
+        c.free_buffer(buf)
     text = stream.getvalue()
     assert "\r" in text and "[" in text and "3/3" in text and "COMPLETED" in text
     assert "done 3" in text and "failed 0" in text
+    # 13.8: elapsed time, rate and ETA.
+    assert "elapsed" in text and "tasks/s" in text and "ETA" in text
 
 
 def test_exit_codes(ctl: Ctl, tmp_path: Path) -> None:
@@ -254,7 +262,7 @@ def test_exit_codes(ctl: Ctl, tmp_path: Path) -> None:
         )
     )
     code, _, err = ctl("submit", str(bad))
-    assert code == 2 and "tasks[0].members[0].tensors[0].buffer: no buffer named 'nope'" in err
+    assert code == 2 and "tasks[0].tensors[0].buffer: no buffer named 'nope'" in err
     bad.write_text(json.dumps({"tasks": [{"callable": f"{EXAMPLES}:fill", "kind": "group"}]}))
     code, _, err = ctl("submit", str(bad))
     assert code == 2 and "tasks[0].kind" in err
@@ -280,7 +288,8 @@ def test_exit_codes(ctl: Ctl, tmp_path: Path) -> None:
     assert code == 2 and "INVALID_ARGUMENT" in err and "tasks[0].members[0].tensors[0]" in err
 
     code, _, err = ctl("add-remote", "127.0.0.1:19073", "--num-sub-workers", "1")
-    assert code == 2 and "FAILED_PRECONDITION" in err and "this daemon is level 3" in err
+    assert code == cli.EXIT_REFUSED and "FAILED_PRECONDITION" in err
+    assert "this daemon is level 3" in err
 
     code, _, err = ctl("wait", "not-a-number")
     assert code == 2
