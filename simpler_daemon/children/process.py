@@ -7,6 +7,13 @@ the child. ``fork_child`` refuses otherwise.
 Each child gets its own process group (so a nested subtree dies together),
 ``PR_SET_PDEATHSIG`` (so it dies with its parent), ``faulthandler`` and a
 pidfd in the parent (so a death is observed without polling).
+
+A crashing child's ``faulthandler`` dump (the Python stack at the SIGSEGV) goes to a
+memfd of its slot, not to the daemon's stderr (that may be a JSON stream): the
+process that reaps the child reads it, logs it as one record and puts its gist into
+the death message (``describe()``), which the task's error carries. The memfd is
+made by the process that forks the slot first (the Worker, at ``init``); the fork
+servers inherit it, so a replacement they fork writes where the Worker reads.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import select
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -27,6 +35,70 @@ from simpler_daemon import _mailbox as _mb
 from simpler_daemon.errors import StartupError
 
 log = logging.getLogger("simpler_daemon.children")
+
+#: Memfds for faulthandler dumps, by (reaping process pid, child label): one per slot,
+#: reused by its replacements. Keyed by the reaper so a nested L3 (which inherits this
+#: table) makes its own for its own children.
+_fault_files: dict[tuple[int, str], int] = {}
+#: Bytes of a dump read back (a dump of every thread of a big process is a few KiB).
+_FAULT_READ_MAX = 1 << 16
+
+
+def _fault_file(reaper: int, label: str) -> int | None:
+    """The memfd of slot ``label`` under ``reaper``; made on first use (None if memfds
+    are unavailable: the child then dumps to stderr, as before)."""
+    key = (reaper, label)
+    fd = _fault_files.get(key)
+    if fd is None:
+        try:
+            fd = os.memfd_create(f"simpler-fault {label}", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return None
+        _fault_files[key] = fd
+    return fd
+
+
+def _read_fault(label: str) -> str:
+    """The faulthandler dump the last child of slot ``label`` left (reaper: us), or ""."""
+    fd = _fault_files.get((os.getpid(), label))
+    if fd is None:
+        return ""
+    try:
+        data = os.pread(fd, _FAULT_READ_MAX, 0)
+        os.ftruncate(fd, 0)  # read once: a later clean exit must not repeat it
+    except OSError:
+        return ""
+    return data.replace(b"\0", b"").decode("utf-8", "replace").strip()
+
+
+def fault_summary(dump: str) -> str:
+    """The gist of a faulthandler dump: its first line and the innermost frame of the
+    thread that crashed, plus the innermost frame outside the standard library when
+    that is another (``Fatal Python error: Segmentation fault; at __init__.py:519 in
+    string_at, from tasks.py:12 in crash``)."""
+    lines = [line.strip() for line in dump.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    frames: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        if line.startswith("File "):
+            # 'File "/x/tasks.py", line 12 in crash' -> ('/x/tasks.py', '12 in crash')
+            path, _, rest = line.removeprefix("File ").partition(", line ")
+            frames.append((path.strip('"'), rest))
+        elif frames:
+            break  # the crashing thread comes first; stop at its end
+    if not frames:
+        return lines[0]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    text = f"{lines[0]}; at {_frame_text(frames[0])}"
+    own = next((f for f in frames if not f[0].startswith(stdlib)), None)
+    if own is not None and own is not frames[0]:
+        text += f", from {_frame_text(own)}"
+    return text
+
+
+def _frame_text(frame: tuple[str, str]) -> str:
+    return f"{os.path.basename(frame[0])}:{frame[1]}"
 
 
 def describe_status(status: int) -> str:
@@ -46,7 +118,7 @@ def describe_status(status: int) -> str:
 class ChildProcess:
     """A forked child as its parent sees it."""
 
-    __slots__ = ("_next_sample", "foreign", "label", "pid", "pidfd", "status")
+    __slots__ = ("_next_sample", "fault", "foreign", "label", "pid", "pidfd", "status")
 
     def __init__(self, pid: int, label: str, *, foreign: bool = False) -> None:
         self.pid = pid
@@ -55,6 +127,8 @@ class ChildProcess:
         #: pidfd, and the fork server reaps it.
         self.foreign = foreign
         self.status: int | None = None
+        #: The faulthandler dump it left when it crashed ("" otherwise); set when reaped.
+        self.fault = ""
         self._next_sample = 0.0
         try:
             self.pidfd: int | None = os.pidfd_open(pid)
@@ -91,7 +165,24 @@ class ChildProcess:
             if pid == self.pid:
                 self.status = status
                 self._close_pidfd()
+                self._collect_fault()
         return self.status is not None
+
+    def _collect_fault(self) -> None:
+        """Take the dump a crash left in the slot's memfd: one log record with all of
+        it, its gist in :meth:`describe`."""
+        dump = _read_fault(self.label)
+        if not dump:
+            return
+        self.fault = dump
+        log.warning(
+            "%s (pid %d) %s; faulthandler:\n%s",
+            self.label,
+            self.pid,
+            describe_status(self.status or 0),
+            dump,
+            extra={"event": "child_crashed", "worker": self.label, "worker_pid": self.pid},
+        )
 
     def peek(self) -> bool:
         """True once the child has exited, without reaping it (its pidfd stays open,
@@ -141,7 +232,9 @@ class ChildProcess:
             return f"{self.label} (pid {self.pid}) running"
         if self.status == -1:
             return f"{self.label} (pid {self.pid}) exited"
-        return f"{self.label} (pid {self.pid}) {describe_status(self.status)}"
+        text = f"{self.label} (pid {self.pid}) {describe_status(self.status)}"
+        summary = fault_summary(self.fault)
+        return f"{text} ({summary})" if summary else text
 
     def _close_pidfd(self) -> None:
         if self.pidfd is not None:
@@ -156,6 +249,10 @@ def kill_group(pgid: int) -> None:
     """SIGKILL process group ``pgid`` if anything is left in it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+#: Signals a child takes with their default action whatever the forking process set.
+_DEFAULT_IN_CHILD = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) -> ChildProcess:
@@ -175,6 +272,7 @@ def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) 
             "children must be forked before any thread starts"
         )
     parent = os.getppid() if sibling else os.getpid()
+    fault_fd = _fault_file(parent, label)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = _mb.fork_sibling() if sibling else os.fork()
@@ -187,7 +285,16 @@ def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) 
                 os._exit(1)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            faulthandler.enable()
+            # The daemon's own handlers (SIGHUP reloads, ...) are not the child's.
+            for sig in _DEFAULT_IN_CHILD:
+                signal.signal(sig, signal.SIG_DFL)
+            if fault_fd is None:
+                faulthandler.enable()
+            else:
+                # Empty and rewound: the slot's previous child may have left a dump.
+                os.ftruncate(fault_fd, 0)
+                os.lseek(fault_fd, 0, os.SEEK_SET)
+                faulthandler.enable(file=fault_fd)
             code = target()
         except BaseException:
             with contextlib.suppress(BaseException):

@@ -17,31 +17,36 @@
                  -> admitted runs get daemon.shutdown_grace, then are cancelled (watchers see it)
                  -> Worker.close_async -> gRPC servers stop -> socket removed
 
-Signal handlers only record the request and wake the loop; a second SIGINT
-exits at once (children are SIGKILLed; they would die with the daemon anyway).
+Signals (each leaves no socket and no /dev/shm heap behind):
+
+    SIGTERM, SIGINT   graceful stop as above; a second SIGINT exits at once
+    SIGQUIT           exit at once: children SIGKILLed, heap and sockets unlinked (131)
+    SIGHUP            reload the config file (see server/reload.py): RELOADING=1 ... READY=1
+    SIGUSR1, SIGUSR2  logged and ignored (their default action would kill the daemon
+                      and leave its heap in /dev/shm)
+    SIGPIPE           ignored (Python's default; a closed peer is an EPIPE error)
+
+Signal handlers only record the request and wake the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import grp
 import hashlib
-import json
 import logging
 import os
 import signal
 import socket
 import stat
-import sys
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final, TextIO
+from typing import Any, Final
 
 from simpler_daemon.args import MAX_TENSORS
 from simpler_daemon.authguard import check_private_file, read_token_file
-from simpler_daemon.callables import restrict_imports
+from simpler_daemon.callables import extend_import_path, restrict_imports
 from simpler_daemon.endpoints.local import set_max_task_seconds
 from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
@@ -52,13 +57,13 @@ from simpler_daemon.localtrust import (
     staged_socket_path,
     sweep_staging_dirs,
 )
+from simpler_daemon.logsetup import JsonFormatter, configure_logging
 from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
 from simpler_daemon.remote.spec import RemoteWorkerSpec
 from simpler_daemon.server.config import (
     DaemonConfig,
     LocalWorkerConfig,
     RemoteWorkerConfig,
-    ServiceConfig,
     parse_host_port,
 )
 from simpler_daemon.server.notify import SystemdNotifier
@@ -85,6 +90,11 @@ SERVICE_NAME: Final = "simpler.daemon.v1.Daemon"
 MAX_SCALARS: Final = 128
 #: Exit status of a second SIGINT (128 + SIGINT, as a shell reports it).
 EXIT_FORCED: Final = 128 + signal.SIGINT
+#: Exit status after SIGQUIT (128 + SIGQUIT).
+EXIT_QUIT: Final = 128 + signal.SIGQUIT
+#: Signals whose default action would end the daemon without its cleanup: logged and
+#: ignored while it serves.
+IGNORED_SIGNALS: Final = (signal.SIGUSR1, signal.SIGUSR2)
 #: Seconds open streams get to deliver their last events when the servers stop.
 STREAM_GRACE: Final = 2.0
 #: Seconds the Worker gets to stop its children once the runs are settled.
@@ -118,48 +128,6 @@ def check_limits(config: DaemonConfig) -> None:
             f"is {MAILBOX_ARGS_CAPACITY} bytes",
             key="limits.max_tensors_per_task",
         )
-
-
-# --------------------------------------------------------------------------- logging
-
-_STANDARD_ATTRS: Final = frozenset(
-    logging.LogRecord("", 0, "", 0, "", None, None).__dict__.keys() | {"message", "asctime"}
-)
-
-
-def _extras(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, pid, extras, exception."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-            "pid": record.process,
-        }
-        out.update(_extras(record))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-class _TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        extras = _extras(record)
-        if extras:
-            text += " " + " ".join(f"{k}={v!r}" for k, v in extras.items())
-        return text
 
 
 def remote_spec_of(remote: RemoteWorkerConfig, key: str) -> RemoteWorkerSpec:
@@ -207,17 +175,6 @@ def local_worker_of(local: LocalWorkerConfig, key: str, startup_timeout: float) 
     return inner
 
 
-def configure_logging(service: ServiceConfig, stream: TextIO | None = None) -> None:
-    """Root logging for the daemon process: text or JSON lines on stderr, no thread."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if service.log_format == "json" else _TextFormatter())
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(service.log_level.upper())
-
-
 def private_socket_of(config: DaemonConfig) -> str:
     """Where the gRPC server itself listens (mode 0600): clients reach it through the
     public socket's relay, which records their peer credentials (see peers.py)."""
@@ -242,7 +199,10 @@ class Daemon:
         *,
         notifier: SystemdNotifier | None = None,
         announce: Callable[[str], None] | None = None,
+        reload_config: Callable[[], DaemonConfig] | None = None,
     ) -> None:
+        """``reload_config()`` loads the configuration again from its sources (SIGHUP);
+        None: SIGHUP has nothing to reload and says so."""
         check_limits(config)
         self.config = config
         self.notifier = notifier if notifier is not None else SystemdNotifier(None)
@@ -265,6 +225,10 @@ class Daemon:
         self._service: Any = None
         self._metrics: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._reload_config = reload_config
+        self._ready_status = ""
+        #: Signals that arrived between prepare() and serve() (main records them).
+        self.pending_signals: list[int] = []
 
     # -- before any thread --------------------------------------------------------------
 
@@ -277,11 +241,14 @@ class Daemon:
         # must name something defined in an allowed module; and no task outlives the
         # operator's ceiling, whatever deadline its orchestration gave it.
         restrict_imports(cfg.callables.allowed_modules)
+        # The operator's code directories, first on sys.path: the children forked below
+        # (and by the fork servers) inherit it and import registered modules from there.
+        extend_import_path(cfg.callables.python_path)
         set_max_task_seconds(cfg.limits.max_task_seconds)
         for name in sweep_stale_heaps():
             log.info("removed stale heap /dev/shm/%s", name)
         self._prepare_paths()
-        self._load_credentials()
+        self.load_credentials()
         workers = cfg.workers
         try:
             worker = Worker(
@@ -293,6 +260,8 @@ class Daemon:
                 heap_name=heap_name() if workers.heap_shared else None,
                 startup_timeout=cfg.daemon.startup_timeout,
                 close_timeout=CLOSE_TIMEOUT,
+                admission=cfg.scheduler.admission,
+                max_active_runs=cfg.limits.max_concurrent_runs,
             )
         except ValueError as exc:
             raise StartupError(f"cannot start the daemon: {exc}") from exc
@@ -415,6 +384,11 @@ class Daemon:
             probe.close()
         raise StartupError(f"cannot bind {path}: another process is serving on it")
 
+    def load_credentials(self) -> None:
+        """Read and check every credential file (tokens, TLS); ``ConfigError`` naming
+        the key (``check-config`` runs this too)."""
+        self._load_credentials()
+
     def _load_credentials(self) -> None:
         g = self.config.grpc
 
@@ -490,8 +464,18 @@ class Daemon:
             raise StartupError("cannot serve: call prepare() first")
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        handlers: dict[int, Callable[[int], None]] = {
+            signal.SIGTERM: self._on_signal,
+            signal.SIGINT: self._on_signal,
+            signal.SIGQUIT: self._on_quit,
+            signal.SIGHUP: self._on_hup,
+        }
+        handlers.update(dict.fromkeys(IGNORED_SIGNALS, self._on_ignored))
+        for sig, handler in handlers.items():
+            loop.add_signal_handler(sig, handler, sig)
+        for sig in self.pending_signals:
+            loop.call_soon(handlers[sig], sig)
+        self.pending_signals.clear()
         try:
             try:
                 await self._start()
@@ -504,7 +488,7 @@ class Daemon:
             await self._stop_event.wait()
         finally:
             await self._shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in handlers:
                 loop.remove_signal_handler(sig)
         return 0
 
@@ -526,7 +510,46 @@ class Daemon:
         else:
             log.info("%s received again: already stopping", name)
 
-    def _exit_now(self, why: str) -> None:
+    def _on_quit(self, signum: int) -> None:
+        self._exit_now("SIGQUIT", EXIT_QUIT)
+
+    def _on_ignored(self, signum: int) -> None:
+        log.info(
+            "%s received: ignored (SIGHUP reloads the configuration, SIGTERM stops)",
+            signal.Signals(signum).name,
+        )
+
+    def _on_hup(self, signum: int) -> None:
+        if self._stop_reason is not None:
+            log.info("SIGHUP received while stopping: not reloading")
+            return
+        if not self._ready_status:  # READY=1 must mean ready: no reload's READY before it
+            log.info("SIGHUP received during start-up: ignored (the configuration was just read)")
+            return
+        self.reload()
+
+    def reload(self) -> bool:
+        """Reload the configuration (SIGHUP, see server/reload.py): apply what can change
+        at run time, log the rest as needing a restart; a file that does not load keeps
+        the running configuration. ``RELOADING=1`` before, ``READY=1`` after (systemd's
+        ``Type=notify-reload`` protocol). True when a new configuration was applied."""
+        from simpler_daemon.server.reload import reload_config
+
+        if self._reload_config is None:
+            log.warning("SIGHUP received: no configuration source to reload from")
+            return False
+        self.notifier.reloading("reloading the configuration")
+        log.info("SIGHUP received: reloading the configuration")
+        try:
+            new = reload_config(self.config, self._reload_config, self._service)
+        finally:
+            self.notifier.ready(self._ready_status or None)
+        if new is None:
+            return False
+        self.config = new
+        return True
+
+    def _exit_now(self, why: str, code: int = EXIT_FORCED) -> None:
         log.warning("%s: exiting at once without draining", why)
         if self.worker is not None:
             for child in self.worker.children:
@@ -541,7 +564,7 @@ class Daemon:
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()
-        os._exit(EXIT_FORCED)
+        os._exit(code)
 
     async def _start(self) -> None:
         import grpc
@@ -569,6 +592,7 @@ class Daemon:
             metrics=self._metrics,
             request_shutdown=self.request_stop,
             on_draining=self._not_serving,
+            on_resumed=self._serving_again,
             relay=self._relay,
         )
         service.start()
@@ -666,6 +690,7 @@ class Daemon:
                 "L3 workers from the config"
             )
         log.info("ready: %s", status)
+        self._ready_status = status
         self.notifier.ready(status)
         period = self.notifier.ping_period()
         if cfg.daemon.watchdog and period:
@@ -679,6 +704,15 @@ class Daemon:
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.notifier.status("draining: no new runs are admitted")
+
+    async def _serving_again(self) -> None:
+        """Health turns SERVING again: a Resume undid the drain."""
+        from grpc_health.v1 import health_pb2
+
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.notifier.status("serving: drain undone by Resume")
 
     async def _watchdog(self, period: float) -> None:
         """WATCHDOG=1 from the event loop: a wedged loop stops the pings."""

@@ -8,7 +8,11 @@
 
 Exit status: 0 clean stop, 2 configuration error, 3 start-up failure (systemd's
 ``RestartPreventExitStatus=3`` keeps a daemon that cannot start from looping),
-130 after a second SIGINT.
+130 after a second SIGINT, 131 after SIGQUIT.
+
+``check-config`` loads and validates the file, then checks what ``serve`` meets only
+on the host (server/preflight.py): heap sizes against /dev/shm and MemAvailable, the
+start-up callables' imports (in a subprocess), the credential files.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Final
 
 from simpler_daemon import __version__
@@ -32,6 +38,40 @@ EXIT_STARTUP: Final = 3
 EXIT_INTERRUPTED: Final = 130
 
 log = logging.getLogger("simpler_daemon.main")
+
+#: Set once logging is JSON: errors then go through it, so stderr stays JSON lines.
+_json_errors = False
+
+
+class _StopDuringStartup(KeyboardInterrupt):
+    """SIGTERM / SIGQUIT before the event loop runs: unwind start-up (the Worker rolls
+    its children and heap back on any BaseException), as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STARTUP_SIGNALS: Final = (
+    signal.SIGTERM,
+    signal.SIGQUIT,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+def _startup_signal(signum: int, frame: FrameType | None) -> None:
+    if signum in (signal.SIGTERM, signal.SIGQUIT):
+        raise _StopDuringStartup(signum)
+    log.info("%s received during start-up: ignored", signal.Signals(signum).name)
+
+
+def _catch_startup_signals() -> None:
+    """Until serve() takes over: no common signal may end the process without its
+    cleanup (a default SIGHUP or SIGTERM would leave the heap in /dev/shm)."""
+    for sig in _STARTUP_SIGNALS:
+        signal.signal(sig, _startup_signal)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,12 +92,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _err(text: str) -> None:
-    print(f"simpler-daemon: {text}", file=sys.stderr, flush=True)
+    if _json_errors:
+        log.error("%s", text)
+        return
+    from simpler_daemon.logsetup import journal_stream
+
+    # journald reads "<3>" as the line's priority (err); a terminal gets the bare text.
+    prefix = "<3>" if journal_stream(sys.stderr) else ""
+    print(f"{prefix}simpler-daemon: {text}", file=sys.stderr, flush=True)
 
 
 def _check_config(path: str) -> int:
     from simpler_daemon.server.config import load
     from simpler_daemon.server.daemon import check_limits
+    from simpler_daemon.server.preflight import preflight
 
     try:
         config = load(path)
@@ -65,31 +113,45 @@ def _check_config(path: str) -> int:
     except ConfigError as exc:
         _err(str(exc))
         return EXIT_CONFIG
+    problems = preflight(config)
+    for problem in problems:
+        _err(f"{path}: {problem}")
+    if problems:
+        return EXIT_CONFIG
     print(f"{path}: ok (level {config.daemon.level}, socket {config.grpc.unix_socket})")
     return EXIT_OK
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from simpler_daemon.server.config import load
-    from simpler_daemon.server.daemon import Daemon, configure_logging
+    global _json_errors
+    from simpler_daemon.logsetup import announcer, configure_logging
+    from simpler_daemon.server.config import DaemonConfig, load
+    from simpler_daemon.server.daemon import Daemon
     from simpler_daemon.server.notify import SystemdNotifier
 
+    def reload_config() -> DaemonConfig:
+        # The same layers as at start: the file, the environment, the --set overrides.
+        return load(args.config, overrides=overrides)
+
+    _catch_startup_signals()
     try:
-        config = load(args.config, overrides=overrides_from_set(args.set))
+        overrides = overrides_from_set(args.set)
+        config = load(args.config, overrides=overrides)
     except ConfigError as exc:
         _err(str(exc))
         return EXIT_CONFIG
     configure_logging(config.daemon)
-    print(f"simpler-daemon {__version__}: socket {config.grpc.unix_socket}", flush=True)
+    _json_errors = config.daemon.log_format == "json"
+    announcer(config.daemon.log_format)(
+        f"simpler-daemon {__version__}: socket {config.grpc.unix_socket}"
+    )
     # Children started later (there are none after the forks, but be safe) must not
     # speak for the daemon.
     notifier = SystemdNotifier.from_env(unset=True)
-
-    def announce(line: str) -> None:
-        print(f"simpler-daemon: {line}", flush=True)
+    announce = announcer(config.daemon.log_format, prefix="simpler-daemon")
 
     try:
-        daemon = Daemon(config, notifier=notifier, announce=announce)
+        daemon = Daemon(config, notifier=notifier, announce=announce, reload_config=reload_config)
         daemon.prepare()  # every fork happens here, before any thread exists
     except ConfigError as exc:
         _err(str(exc))
@@ -97,13 +159,21 @@ def _serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         _err(str(exc))
         return EXIT_STARTUP
-    except KeyboardInterrupt:
-        _err("interrupted during start-up")
+    except KeyboardInterrupt as exc:
+        why = exc.args[0] if isinstance(exc, _StopDuringStartup) else "interrupted"
+        _err(f"{why} during start-up: stopped")
         return EXIT_INTERRUPTED
     except Exception as exc:
         log.exception("start-up failed")
         _err(f"cannot start the daemon: {type(exc).__name__}: {exc}")
         return EXIT_STARTUP
+
+    # Prepared: a signal now waits for serve(), which handles it once its loop runs.
+    def defer(signum: int, frame: FrameType | None) -> None:
+        daemon.pending_signals.append(signum)
+
+    for sig in _STARTUP_SIGNALS:
+        signal.signal(sig, defer)
 
     import uvloop
 

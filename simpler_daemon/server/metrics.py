@@ -9,6 +9,12 @@ a small HTTP/1.1 responder on the daemon's event loop::
 so no thread is started (see the fork rule: threads only after the last fork,
 and none that the daemon does not need).
 
+Counters, gauges and the latency histogram are recorded as things happen; the state
+an operator alerts on (heap, buffers, runs by state, each worker child's CPU and
+memory) is read at scrape time (:class:`DaemonCollector`, ``watch_daemon``). What is
+exposed leaves out the ``_created`` samples ``prometheus_client`` adds to counters and
+histograms (:class:`_WithoutCreated`). Metrics are off unless ``metrics.listen`` is set.
+
 The listener cannot starve the daemon of file descriptors: at most
 ``max_connections`` (64) are served at once (more are closed at accept), and each
 gets ``idle_timeout`` (10 s) to send its request and read the answer. With a
@@ -22,7 +28,9 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import os
+import platform
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from prometheus_client import (
@@ -31,6 +39,7 @@ from prometheus_client import (
     Gauge,
     GCCollector,
     Histogram,
+    Info,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
@@ -39,10 +48,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from simpler_daemon import __version__
+
 __all__ = [
     "IDLE_TIMEOUT",
     "LATENCY_BUCKETS",
     "MAX_CONNECTIONS",
+    "DaemonCollector",
     "Metrics",
     "RemoteWorkerCollector",
 ]
@@ -133,6 +145,150 @@ class RemoteWorkerCollector(Collector):
         )
 
 
+class DaemonCollector(Collector):
+    """What an operator alerts on, read at scrape time (nothing is pushed or polled):
+
+    * the shared heap: size, used, free and largest free block (a heap with free bytes
+      but no block as large as the next buffer refuses it all the same), live buffers;
+    * runs by state (``run_counts()``, ``RunTable.state_counts``): queued, active, and the
+      finished ones the daemon keeps (completed, failed, cancelled);
+    * per local worker child (SUB, chip, local L3): CPU seconds and resident memory,
+      from ``/proc/<pid>/stat`` and ``/proc/<pid>/statm``.
+
+    Scrapes run on the event loop, where the Worker may be read.
+    """
+
+    def __init__(
+        self, worker: Any, run_counts: Callable[[], Mapping[str, int]] | None = None
+    ) -> None:
+        self._worker = worker
+        self._run_counts = run_counts
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        size, used, free, largest, buffers, runs, cpu, rss = self._families()
+        try:
+            heap = self._worker.heap
+            free_bytes = heap.free_bytes()
+            size.add_metric([], float(heap.size))
+            used.add_metric([], float(heap.size - free_bytes))
+            free.add_metric([], float(free_bytes))
+            largest.add_metric([], float(heap.largest_free()))
+            buffers.add_metric([], float(len(heap.buffers())))
+        except Exception:  # a scrape never fails the daemon (a closed heap): series absent
+            logger.exception("cannot collect heap metrics")
+        if self._run_counts is not None:
+            try:
+                for state, count in self._run_counts().items():
+                    runs.add_metric([state], float(count))
+            except Exception:
+                logger.exception("cannot collect run metrics")
+        try:
+            rows = [r for r in self._worker.list_workers() if r.get("kind") != "remote"]
+        except Exception:
+            logger.exception("cannot collect worker child metrics")
+            rows = []
+        for row in rows:
+            pid = row.get("pid")
+            if not pid or not row.get("alive", True):
+                continue
+            usage = child_usage(int(pid))
+            if usage is None:  # exited between the listing and the read
+                continue
+            labels = [str(row.get("kind", "")), str(row.get("worker_id", ""))]
+            cpu.add_metric(labels, usage[0])
+            rss.add_metric(labels, usage[1])
+        yield from (size, used, free, largest, buffers, runs, cpu, rss)
+
+    @staticmethod
+    def _families() -> tuple[
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+    ]:
+        return (
+            GaugeMetricFamily("simpler_daemon_heap_size_bytes", "Size of the shared heap."),
+            GaugeMetricFamily(
+                "simpler_daemon_heap_used_bytes", "Bytes of the shared heap held by buffers."
+            ),
+            GaugeMetricFamily("simpler_daemon_heap_free_bytes", "Free bytes of the shared heap."),
+            GaugeMetricFamily(
+                "simpler_daemon_heap_largest_free_block_bytes",
+                "Largest contiguous free block of the shared heap: the largest buffer that "
+                "can be allocated now.",
+            ),
+            GaugeMetricFamily("simpler_daemon_buffers", "Buffers allocated on the shared heap."),
+            GaugeMetricFamily(
+                "simpler_daemon_runs_in_state",
+                "Runs the daemon knows, by state (finished ones as far as they are kept: "
+                "limits.max_finished_runs_kept).",
+                labels=["state"],
+            ),
+            CounterMetricFamily(
+                "simpler_daemon_child_cpu_seconds",
+                "CPU time (user + system) of a worker child; restarts from 0 when the child "
+                "is replaced.",
+                labels=["kind", "worker"],
+            ),
+            GaugeMetricFamily(
+                "simpler_daemon_child_resident_memory_bytes",
+                "Resident memory of a worker child (the shared heap pages it touched included).",
+                labels=["kind", "worker"],
+            ),
+        )
+
+
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE")
+
+
+def child_usage(pid: int) -> tuple[float, float] | None:
+    """``(cpu seconds, resident bytes)`` of process ``pid`` from ``/proc``; None when it
+    is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            statm = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields count from the
+    # last ")". utime and stime are fields 14 and 15.
+    fields = stat.rpartition(b")")[2].split()
+    cpu = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    resident = int(statm.split()[1]) * _PAGE_SIZE
+    return cpu, float(resident)
+
+
+class _WithoutCreated(CollectorRegistry):
+    """The daemon's registry as it is exposed: without the ``<name>_created`` sample
+    ``prometheus_client`` adds beside every counter and histogram child. In the text
+    format each is one more series per label set, holding the process start time, which
+    nobody alerts on (``PROMETHEUS_DISABLE_CREATED_SERIES`` would drop them process-wide;
+    this keeps it to the daemon's registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(auto_describe=False)
+        self._source = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._source.collect():
+            created = metric.name + "_created"
+            samples = [s for s in metric.samples if s.name != created]
+            if len(samples) != len(metric.samples):
+                copy = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                copy.samples = samples
+                metric = copy
+            yield metric
+
+
 class Metrics:
     """Counters, gauges and the latency histogram of one daemon, plus ``/metrics``.
 
@@ -215,10 +371,14 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
+        self._build = Info("build", "The daemon's version and Python.", namespace=ns, registry=reg)
+        self._build.info({"version": __version__, "python": platform.python_version()})
         if runtime_metrics:
             ProcessCollector(registry=reg)
             PlatformCollector(registry=reg)
             GCCollector(registry=reg)
+        #: What is served and rendered: the registry without ``_created`` series.
+        self.exposed: CollectorRegistry = _WithoutCreated(reg)
         self._server: asyncio.Server | None = None
         # Open scrape connections: close() aborts their transports (cancelling the
         # handler tasks instead trips a 3.11 streams bug that logs the cancellation).
@@ -259,6 +419,14 @@ class Metrics:
         """A gRPC call to ``method`` finished with status ``code`` (``OK``, ``NOT_FOUND``...)."""
         self._grpc.labels(method, code).inc()
 
+    def watch_daemon(
+        self, worker: Any, run_counts: Callable[[], Mapping[str, int]] | None = None
+    ) -> None:
+        """Export the heap, buffer, run-state and worker-child series of ``worker`` (and
+        ``run_counts()``, ``RunTable.state_counts``) at each scrape
+        (:class:`DaemonCollector`). Call once."""
+        self.registry.register(DaemonCollector(worker, run_counts))
+
     def watch_remote_workers(self, rows: Callable[[], Iterable[dict[str, Any]]]) -> None:
         """Export the ``simpler_remote_*`` series of every ``kind == "remote"`` row of
         ``rows()`` (pass ``Worker.list_workers``) at each scrape. Call once."""
@@ -266,7 +434,7 @@ class Metrics:
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""
-        return bytes(generate_latest(self.registry))
+        return bytes(generate_latest(self.exposed))
 
     # ------------------------------------------------------------------ listener
 
@@ -388,7 +556,7 @@ class Metrics:
             if name.strip().lower() == "accept":
                 accept = value.strip()
         encoder, content_type = choose_encoder(accept)
-        body = bytes(encoder(self.registry))
+        body = bytes(encoder(self.exposed))
         headers = {"Content-Type": content_type}
         if method == "HEAD":
             headers["Content-Length"] = str(len(body))

@@ -6,6 +6,8 @@ abstract socket) and, with ``WatchdogSec=``, ``WATCHDOG_USEC`` and
 
     daemon --(AF_UNIX, SOCK_DGRAM)--> $NOTIFY_SOCKET     "READY=1\\nSTATUS=serving"
 
+A reload (SIGHUP) is ``RELOADING=1`` + ``MONOTONIC_USEC=<now>``, then ``READY=1``.
+
 Sending never raises: a daemon that runs without systemd, or whose manager went
 away, keeps working; the first failure is logged at debug level.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Final
@@ -100,6 +103,15 @@ class SystemdNotifier:
         if status is None:
             return self.notify(READY=1)
         return self.notify(READY=1, STATUS=status)
+
+    def reloading(self, status: str | None = None) -> bool:
+        """``RELOADING=1`` with ``MONOTONIC_USEC`` (the clock reading systemd's
+        ``Type=notify-reload`` requires, so it can tell this reload from an older one);
+        send :meth:`ready` once the reload is done."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        if status is None:
+            return self.notify(RELOADING=1, MONOTONIC_USEC=usec)
+        return self.notify(RELOADING=1, MONOTONIC_USEC=usec, STATUS=status)
 
     def stopping(self, status: str | None = None) -> bool:
         """``STOPPING=1``: shutdown began."""
