@@ -52,7 +52,7 @@ bench: $(BENCH_STAMP) build
 bench-smoke: $(TEST_STAMP) build
 	$(PY) -m benchmarks --smoke $(BENCH_ARGS)
 
-# A bounded soak of a real daemon under random kills (not part of `make test`; a 60 s
+# A bounded soak of a real daemon under random kills (not part of `make test`; a 30 s
 # smoke of it is): every run verified, no leak, a clean stop. SOAK_ARGS="--seed N" reuses a seed.
 .PHONY: soak
 soak: $(STAMP) build

@@ -263,11 +263,17 @@ def module_daemon(
     tmp_path_factory: pytest.TempPathFactory,
     name: str,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    kept: set[int] | None = None,
 ) -> Iterator[DaemonProcess]:
-    """Body of a module-scoped daemon fixture: start, yield, SIGTERM, check the exit."""
+    """Body of a module-scoped daemon fixture: start, yield, SIGTERM, check the exit.
+    ``kept``: the module's set of daemon pids its ``module_leak_guard`` spares."""
     shm_before = shm_files()
     with running_daemon(tmp_path_factory.mktemp(name), overrides) as daemon:
+        if kept is not None:
+            kept.add(daemon.pid)
         yield daemon
+        if kept is not None:
+            kept.discard(daemon.pid)
     assert not leaked_shm(shm_before)
 
 

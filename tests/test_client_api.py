@@ -44,12 +44,11 @@ from simpler_daemon.errors import (
     daemon_error,
 )
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.testing import leaked_shm, shm_files
 from tests.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
+    module_daemon,
     module_leak_guard,
-    running_daemon,
     wait_until,
 )
 from tests.two_clients import TcpAccess
@@ -81,12 +80,7 @@ def tcp(tmp_path_factory: pytest.TempPathFactory) -> TcpAccess:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tcp: TcpAccess) -> Iterator[DaemonProcess]:
-    shm_before = shm_files()
-    with running_daemon(tmp_path_factory.mktemp("client-api"), tcp.overrides(CONFIG)) as d:
-        _MODULE_DAEMONS.add(d.pid)
-        yield d
-    _MODULE_DAEMONS.discard(d.pid)
-    assert not leaked_shm(shm_before)
+    yield from module_daemon(tmp_path_factory, "client-api", tcp.overrides(CONFIG), _MODULE_DAEMONS)
 
 
 @pytest.fixture(autouse=True)

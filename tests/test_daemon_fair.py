@@ -20,8 +20,13 @@ import pytest
 
 from simpler_daemon.client import Client, RunFuture, RunPhase, RunResult, sub_task
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.testing import leaked_shm, shm_files
-from tests.daemon_harness import DaemonProcess, module_leak_guard, running_daemon, wait_until
+from tests.daemon_harness import (
+    DaemonProcess,
+    module_daemon,
+    module_leak_guard,
+    running_daemon,
+    wait_until,
+)
 from tests.two_clients import TcpAccess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -43,12 +48,7 @@ def tcp(tmp_path_factory: pytest.TempPathFactory) -> TcpAccess:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tcp: TcpAccess) -> Iterator[DaemonProcess]:
     """The daemon with its default admission (fair)."""
-    shm_before = shm_files()
-    with running_daemon(tmp_path_factory.mktemp("fair"), tcp.overrides(CONFIG)) as d:
-        _MODULE_DAEMONS.add(d.pid)
-        yield d
-    _MODULE_DAEMONS.discard(d.pid)
-    assert not leaked_shm(shm_before)
+    yield from module_daemon(tmp_path_factory, "fair", tcp.overrides(CONFIG), _MODULE_DAEMONS)
 
 
 @pytest.fixture(autouse=True)
