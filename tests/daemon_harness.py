@@ -228,6 +228,11 @@ def running_daemon(
         daemon.start()
         yield daemon
     except BaseException:
+        # SIGTERM first, also when the test failed: a SIGKILLed daemon leaves its heap in
+        # /dev/shm (the next start sweeps it, but the leak guards would count it).
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                daemon.stop(timeout=10.0)
         daemon.kill()
         raise
     code = daemon.stop()

@@ -7,14 +7,11 @@ counters and histograms (one more series per label set that nobody alerts on).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import re
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,21 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from simpler_daemon import __version__
 from simpler_daemon.client_requests import sub_task, tensor
 from simpler_daemon.server.metrics import Metrics, child_usage
-from tests.daemon_harness import EXAMPLES, DaemonProcess, running_daemon, wait_until
+from tests.daemon_harness import EXAMPLES, running_daemon, wait_until
 
 HEAP = 16 << 20  # the harness's workers.heap_bytes
-
-
-@contextlib.contextmanager
-def stopped_gracefully(directory: Path, overrides: Any) -> Iterator[DaemonProcess]:
-    """``running_daemon``, stopped with SIGTERM also when the test fails: the harness's
-    SIGKILL on failure would leave the daemon's heap in /dev/shm."""
-    with running_daemon(directory, overrides) as d:
-        try:
-            yield d
-        except BaseException:
-            d.stop()
-            raise
 
 
 def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -75,7 +60,7 @@ def test_child_usage_reads_proc() -> None:
 @pytest.mark.timeout(120)
 def test_scraped_metrics_cover_heap_runs_and_children(tmp_path: Path) -> None:
     overrides = {"metrics": {"listen": "127.0.0.1:0"}}
-    with stopped_gracefully(tmp_path / "d", overrides) as d, d.client() as c:
+    with running_daemon(tmp_path / "d", overrides) as d, d.client() as c:
         found = wait_until(
             lambda: re.search(r"metrics listening on 127\.0\.0\.1:(\d+)", d.stderr() + d.stdout()),
             message="the daemon never logged its metrics port",

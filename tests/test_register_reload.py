@@ -10,11 +10,9 @@ same through a real daemon whose config names the directory in ``callables.pytho
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ from simpler_daemon.callables import import_policy, restrict_imports
 from simpler_daemon.client_requests import make_args, register_request, task, tensor
 from simpler_daemon.errors import ConfigError, RegistrationError, TaskError
 from simpler_daemon.server import config as cfg
-from tests.daemon_harness import DaemonProcess, running_daemon
+from tests.daemon_harness import running_daemon
 from tests.tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,18 +56,6 @@ def write_module(directory: Path, name: str, text: str) -> Path:
 
 def fresh_name() -> str:
     return f"reload_tasks_{uuid.uuid4().hex[:10]}"
-
-
-@contextlib.contextmanager
-def stopped_gracefully(directory: Path, overrides: Any) -> Iterator[DaemonProcess]:
-    """``running_daemon``, stopped with SIGTERM also when the test fails: the harness's
-    SIGKILL on failure would leave the daemon's heap in /dev/shm."""
-    with running_daemon(directory, overrides) as d:
-        try:
-            yield d
-        except BaseException:
-            d.stop()
-            raise
 
 
 # -- in-process Worker ------------------------------------------------------------------------
@@ -327,7 +313,7 @@ def test_daemon_imports_from_python_path_and_reloads(tmp_path: Path) -> None:
         "workers": {"num_sub_workers": 2},
         "callables": {"allowed_modules": [name], "python_path": [str(code)]},
     }
-    with stopped_gracefully(tmp_path / "d", overrides) as d, d.client() as c:
+    with running_daemon(tmp_path / "d", overrides) as d, d.client() as c:
         h = _raw_register(c, f"{name}:stamp", reload=False).hashid
         buf = c.alloc_buffer((2, 2), "int64").buffer_id
         rows = [tensor(buf, "output", (2,), "int64", byte_offset=16 * i) for i in range(2)]
