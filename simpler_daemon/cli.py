@@ -146,24 +146,23 @@ _U64_MAX: Final = (1 << 64) - 1
 # --------------------------------------------------------------------------- argument types
 
 
-def _run_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a run id (an integer)") from None
-    if not 1 <= value <= _U64_MAX:
-        raise argparse.ArgumentTypeError(f"{value} is not a run id (1 .. 2**64-1)")
-    return value
+def _object_id(what: str) -> Callable[[str], int]:
+    """An argparse type for the daemon's ids of ``what`` (runs, buffers): 1 .. 2**64-1."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {what} id (an integer)") from None
+        if not 1 <= value <= _U64_MAX:
+            raise argparse.ArgumentTypeError(f"{value} is not a {what} id (1 .. 2**64-1)")
+        return value
+
+    return parse
 
 
-def _buffer_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a buffer id (an integer)") from None
-    if not 1 <= value <= _U64_MAX:
-        raise argparse.ArgumentTypeError(f"{value} is not a buffer id (1 .. 2**64-1)")
-    return value
+_run_id = _object_id("run")
+_buffer_id = _object_id("buffer")
 
 
 def _run_state(text: str) -> str:
