@@ -16,9 +16,11 @@ $(STAMP): $(VENV)/bin/python pyproject.toml setup.py
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# The test extra is a superset of the plain install: mark both done (the README walkthrough
+# test runs `make run`, which would otherwise reinstall the package).
 $(TEST_STAMP): $(VENV)/bin/python pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+	touch $@ $(STAMP)
 
 $(BENCH_STAMP): $(VENV)/bin/python pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[test,bench]'
@@ -27,7 +29,7 @@ $(BENCH_STAMP): $(VENV)/bin/python pyproject.toml setup.py
 install: $(STAMP)
 
 # Rebuild the C extension in place whenever its source changed.
-simpler_daemon/_mailbox%.so: simpler_daemon/_mailbox.c
+simpler_daemon/_mailbox%.so: $(wildcard simpler_daemon/_mailbox*.c simpler_daemon/_mailbox.h)
 	$(PY) setup.py -q build_ext --inplace
 
 build: $(STAMP)
@@ -42,9 +44,17 @@ lint: $(TEST_STAMP) build
 	$(VENV)/bin/mypy
 
 # The whole suite under uvloop, then every async test again under plain asyncio.
+# TEST_PROCS pytest processes (pytest-xdist) share the tests out file by file (a module's
+# daemon stays in one process): most of the suite's time is spent waiting for forked
+# children and daemon subprocesses to start, so more processes than cores pay.
+# TEST_PROCS=0 runs everything in this one process. Bytecode is cached (a machine that sets
+# PYTHONDONTWRITEBYTECODE would otherwise compile the package again in every daemon and
+# rewrite every test module's asserts again in every pytest process).
+TEST_PROCS ?= 4
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_PROCS) --dist loadfile
 test: $(TEST_STAMP) build lint
-	$(PY) -m pytest $(PYTEST_ARGS)
-	SIMPLER_LOOP=asyncio $(PY) -m pytest -q -m asyncio $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+	SIMPLER_LOOP=asyncio $(PYTEST) -q -m asyncio $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP) build
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -7,11 +7,24 @@ import asyncio
 import gc
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from simpler_daemon.testing import child_pids, leaked_shm, shm_files
+
+
+@pytest.fixture
+def tmp_path(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """pytest's ``tmp_path`` with the test's name cut to 16 characters instead of 30.
+
+    Daemons bind Unix sockets below it (``<tmp>/d/run/private-<16 hex>.sock``), and a
+    socket path has at most 107 bytes: pytest-xdist puts each process's directories one
+    level deeper (``.../pytest-N/popen-gwN/``), which pushed the longest ones past it."""
+    name = re.sub(r"\W", "_", request.node.name)[:16]
+    return tmp_path_factory.mktemp(name, numbered=True)
 
 
 @pytest.fixture(autouse=True)

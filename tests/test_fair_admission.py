@@ -163,11 +163,13 @@ def test_fair_chip_runs_take_turns_and_keep_the_two_frame_pipeline(tmp_path: Pat
         tc.wait_all(*runs, timeout=60)
         assert [x.tolist() for x in xs] == [[4] * 4] * 3
         # run 1's first task was staged behind run 0's gate (in the other frame); a run
-        # stages at most once, its first task ...
+        # stages at most once ...
         staged = [(e["run"], e["index"]) for e in c.successors()]
         assert staged[0] == (runs[1].run_id, 0), staged
         assert c.successors()[0]["frame"] != runs[0].run.lease_slot & 1
-        assert len(set(staged)) == len(staged) and all(i == 0 for _, i in staged)
+        # (A run that already ran tasks may stage a later one once, behind another run's
+        # task, when its turn comes while the chip is busy: which one depends on timing.)
+        assert len({r for r, _ in staged}) == len(staged), staged
         # ... and the runs took turns on the chip: run 0 had not finished when the
         # others started.
         done = [(e["run"], e["index"]) for e in c.of("completed")]

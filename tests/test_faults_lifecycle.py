@@ -284,7 +284,9 @@ def test_register_during_init_waits_for_init_then_succeeds(
 ) -> None:
     release = tmp_path / "release"
     w = Worker(num_sub_workers=2, heap_bytes=4 << 20, restart_children=False)
-    w._init_hooks[0] = _hold_init(release)
+    # The last child signals: by then the parent has forked every child, so the
+    # registrar thread the signal starts never shares the process with a fork.
+    w._init_hooks[1] = _hold_init(release)
     outcome: list[tuple[WorkerState, Any]] = []
 
     def register_in_thread() -> None:

@@ -316,8 +316,13 @@ def test_unreachable_target_resets_the_client() -> None:
     probe.close()
     with ChaosProxy("127.0.0.1", port) as proxy:
         assert proxy.address is not None
-        with Client(proxy.address) as client:
-            assert client.at_eof()
+        try:
+            with Client(proxy.address) as client:
+                assert client.at_eof()
+        except ConnectionResetError:
+            # The reset came before the client's connect() returned (a loaded machine
+            # schedules the proxy's thread first): the same outcome as a reset read.
+            pass
         assert proxy.errors and "cannot connect" in proxy.errors[0]
 
 
