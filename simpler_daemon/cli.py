@@ -236,6 +236,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key", help="client key (mutual TLS)")
     ap.add_argument("--server-name", help="name to check the daemon's certificate against")
     ap.add_argument("--rpc-timeout", type=_seconds, default=30.0, help="per-call deadline (30 s)")
+    ap.add_argument(
+        "--transport",
+        choices=("auto", "fast", "grpc"),
+        default="auto",
+        help="auto: the daemon's local fast path when its socket exists, else gRPC "
+        "(default; $SIMPLER_DAEMON_TRANSPORT overrides auto)",
+    )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def add(
@@ -400,6 +407,7 @@ def _main(argv: Sequence[str] | None) -> int:
             client_key=args.tls_key,
             server_name=args.server_name,
             timeout=timeout or None,
+            transport=args.transport,
         )
     except (OSError, ValueError) as exc:
         out.error("", f"cannot connect: {exc}")

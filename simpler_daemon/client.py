@@ -27,6 +27,10 @@ the status code (``InvalidArgument``, ``NotFound``, ``PermissionDenied``...), wi
 (``.code()``, ``.details()``). Buffer and callable calls still return the
 protobuf messages of the API.
 
+Local clients call over the daemon's fast path (``daemon.fast.sock`` beside the
+socket, :mod:`simpler_daemon.client_fast`) when it exists, else over gRPC: same
+requests, answers and errors (``transport=`` / ``$SIMPLER_DAEMON_TRANSPORT`` pick one).
+
 This module holds the channels (target, TLS, token, per-call deadlines); the
 same-host zero-copy view of the heap is :mod:`simpler_daemon.client_heap`, every
 request is built by :mod:`simpler_daemon.client_requests`.
@@ -37,13 +41,20 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Iterator, Sequence
 from types import EllipsisType
 from typing import Any, Final
 
 import grpc
 import numpy as np
 
+from simpler_daemon.client_fast import (
+    ENV_TRANSPORT,
+    TRANSPORTS,
+    AsyncFastTransport,
+    FastTransport,
+    pick_fast_socket,
+)
 from simpler_daemon.client_heap import map_buffer_view
 from simpler_daemon.client_requests import (
     TERMINAL_STATES,
@@ -89,7 +100,9 @@ from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb
 
 __all__ = [
     "CLIENT_ID_METADATA",
+    "ENV_TRANSPORT",
     "TERMINAL_STATES",
+    "TRANSPORTS",
     "AsyncClient",
     "AsyncRunFuture",
     "CancelResult",
@@ -171,6 +184,7 @@ class _Base:
         server_name: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
         client_id: str | None = None,
+        transport: str = "auto",
     ) -> None:
         self.target = target or default_target()
         self.address, self.tcp = _address(self.target)
@@ -213,7 +227,34 @@ class _Base:
             if server_name:
                 self.options.append(("grpc.ssl_target_name_override", server_name))
         self._chunk: int | None = None
+        #: The daemon's fast socket in use (None: gRPC), see ``transport``.
+        unix = _unix_path(self.address) if self.address.startswith("unix:") else None
+        self._fast_path = pick_fast_socket(transport, unix, self.address)
+        self._channel: Any = None
+        self._stub: Any = None
         self._open()
+
+    @property
+    def transport(self) -> str:
+        """``"fast"`` (the daemon's local fast path) or ``"grpc"``: what calls go over."""
+        return "grpc" if self._fast_path is None else "fast"
+
+    @property
+    def channel(self) -> Any:
+        """The gRPC channel (opened on first use when calls go over the fast path)."""
+        if self._channel is None:
+            self._channel = self._new_channel()
+        return self._channel
+
+    @property
+    def stub(self) -> Any:
+        """The generated gRPC stub over :attr:`channel`."""
+        if self._stub is None:
+            self._stub = pb_grpc.DaemonStub(self.channel)
+        return self._stub
+
+    def _new_channel(self) -> Any:
+        raise NotImplementedError  # each client opens its own kind of channel
 
     def _view(self, info: Any) -> np.ndarray[Any, Any]:
         return map_buffer_view(info, self._daemon_uid)
@@ -238,18 +279,26 @@ class Client(_Base):
     deadline of unary calls (None = no deadline). A Unix socket is checked first:
     ``UntrustedPathError`` (a ``PermissionError``) when a user other than this one or
     root could have put it, or its directory, there (see :mod:`simpler_daemon.localtrust`).
+    ``transport``: ``"auto"`` (the daemon's local fast path when its socket is beside a
+    Unix target, else gRPC; ``$SIMPLER_DAEMON_TRANSPORT`` overrides it), ``"fast"``
+    (``Unavailable`` without a fast socket) or ``"grpc"``; :attr:`transport` tells.
 
     Every refusal or transport failure is a :class:`~simpler_daemon.errors.DaemonError`
     subclass (also a ``grpc.RpcError``), never a raw gRPC error.
     """
 
     def _open(self) -> None:
-        if self.credentials is not None:
-            self.channel = grpc.secure_channel(self.address, self.credentials, self.options)
+        self._fast: FastTransport | None = None
+        if self._fast_path is not None:
+            self._fast = FastTransport(self._fast_path, self.client_id)
         else:
-            self.channel = grpc.insecure_channel(self.address, self.options)
-        self.stub = pb_grpc.DaemonStub(self.channel)
+            self._channel = self._new_channel()
         self._done_watcher = DoneWatcher()
+
+    def _new_channel(self) -> Any:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials, self.options)
+        return grpc.insecure_channel(self.address, self.options)
 
     @property
     def done_watcher(self) -> DoneWatcher:
@@ -258,7 +307,10 @@ class Client(_Base):
         return self._done_watcher
 
     def close(self) -> None:
-        self.channel.close()
+        if self._fast is not None:
+            self._fast.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -266,19 +318,34 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, timeout: float | EllipsisType | None = ...) -> Any:
-        """One unary call; ``timeout`` ``...`` = the client's default, None = no deadline."""
+    def _call(self, method: str, request: Any, timeout: float | EllipsisType | None = ...) -> Any:
+        """One unary (or client-streaming) call of RPC ``method``; ``timeout`` ``...`` =
+        the client's default, None = no deadline."""
         deadline = self.timeout if timeout is ... else timeout
+        if self._fast is not None:
+            return self._fast.unary(method, request, deadline)
         with mapped_errors():
-            return method(request, timeout=deadline, metadata=self.metadata)
+            return getattr(self.stub, method)(request, timeout=deadline, metadata=self.metadata)
+
+    def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[Any]:
+        """A server-streaming call: its messages; left early, the call is cancelled."""
+        if self._fast is not None:
+            yield from self._fast.stream(method, request, timeout)
+            return
+        call = getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+        try:
+            with mapped_errors():
+                yield from call
+        finally:
+            call.cancel()
 
     # -- info -----------------------------------------------------------------------
 
     def get_info(self) -> pb.GetInfoResponse:
-        return self._call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
+        return self._call("GetInfo", pb.GetInfoRequest())  # type: ignore[no-any-return]
 
     def list_workers(self) -> list[pb.WorkerInfo]:
-        return list(self._call(self.stub.ListWorkers, pb.ListWorkersRequest()).workers)
+        return list(self._call("ListWorkers", pb.ListWorkersRequest()).workers)
 
     # -- callables ---------------------------------------------------------------------
 
@@ -291,7 +358,7 @@ class Client(_Base):
         reload: bool = False,
     ) -> pb.RegisterCallableResponse:
         request = register_request(import_path, kind, workers, reload)
-        return self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
+        return self._call("RegisterCallable", request)  # type: ignore[no-any-return]
 
     def register(self, import_path: str, kind: str = "sub", *, reload: bool = False) -> str:
         """Register ``module:qualname``; returns its hashid. ``reload``: re-import the
@@ -301,10 +368,10 @@ class Client(_Base):
     def unregister(self, hashid: str) -> int:
         """Drop one reference; returns the references left."""
         request = pb.UnregisterCallableRequest(hashid=hashid)
-        return int(self._call(self.stub.UnregisterCallable, request).refcount)
+        return int(self._call("UnregisterCallable", request).refcount)
 
     def list_callables(self) -> list[pb.CallableInfo]:
-        return list(self._call(self.stub.ListCallables, pb.ListCallablesRequest()).callables)
+        return list(self._call("ListCallables", pb.ListCallablesRequest()).callables)
 
     # -- buffers ----------------------------------------------------------------------
 
@@ -312,7 +379,7 @@ class Client(_Base):
         self, shape: Sequence[int], dtype: Any, label: str = ""
     ) -> pb.AllocBufferResponse:
         request = alloc_request(shape, dtype, label)
-        return self._call(self.stub.AllocBuffer, request)  # type: ignore[no-any-return]
+        return self._call("AllocBuffer", request)  # type: ignore[no-any-return]
 
     def _max_chunk(self, chunk: int | None) -> int:
         if self._chunk is None:
@@ -332,7 +399,7 @@ class Client(_Base):
         payload = array_bytes(data) if isinstance(data, np.ndarray) else data
         chunk = self._max_chunk(chunk_bytes)
         requests = write_requests(buffer_id, payload, offset, generation, chunk)
-        return int(self._call(self.stub.WriteBuffer, requests).bytes_written)
+        return int(self._call("WriteBuffer", requests).bytes_written)
 
     def read_buffer(
         self,
@@ -345,17 +412,15 @@ class Client(_Base):
     ) -> bytes:
         """The bytes ``[offset, offset + length)`` (length 0 = to the end)."""
         request = read_request(buffer_id, offset, length, generation, chunk_bytes)
-        with mapped_errors():
-            stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
-            return b"".join(chunk.data for chunk in stream)
+        return b"".join(chunk.data for chunk in self._stream("ReadBuffer", request, self.timeout))
 
     def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         """Free a buffer; True when its memory is released later (still referenced)."""
         request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
-        return bool(self._call(self.stub.FreeBuffer, request).deferred)
+        return bool(self._call("FreeBuffer", request).deferred)
 
     def list_buffers(self) -> pb.ListBuffersResponse:
-        return self._call(self.stub.ListBuffers, pb.ListBuffersRequest())  # type: ignore[no-any-return]
+        return self._call("ListBuffers", pb.ListBuffersRequest())  # type: ignore[no-any-return]
 
     def map_buffer(self, buffer_id: int) -> np.ndarray[Any, Any]:
         """A NumPy array over the buffer's bytes in the daemon's shared heap: writes are
@@ -396,7 +461,7 @@ class Client(_Base):
         wait = check_wait(wait_seconds, "wait_seconds")
         request = submit_request(tasks, idempotency_key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
-        return self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
+        return self._call("SubmitRun", request, timeout)  # type: ignore[no-any-return]
 
     def run(
         self,
@@ -441,7 +506,7 @@ class Client(_Base):
     ) -> RunFuture:
         """Run a registered orchestration function in the daemon; its :class:`RunFuture`."""
         request = orchestration_request(hashid, args, config, idempotency_key, label, priority)
-        response = self._call(self.stub.RunOrchestration, request)
+        response = self._call("RunOrchestration", request)
         return RunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
     def future(self, run: int) -> RunFuture:
@@ -451,17 +516,12 @@ class Client(_Base):
 
     def watch(
         self, run: int, after_sequence: int = 0, *, timeout: float | None = None
-    ) -> Iterator[pb.RunEvent]:
+    ) -> Generator[pb.RunEvent, None, None]:
         """Events of a run: a SNAPSHOT, then every change until a terminal RUN_STATE.
         ``timeout``: seconds for the whole stream (``DeadlineExceeded`` past it)."""
         request = pb.WatchRunRequest(run_id=int(run), after_sequence=after_sequence)
         deadline = call_deadline(check_wait(timeout, "timeout"), 0.0)
-        call = self.stub.WatchRun(request, timeout=deadline, metadata=self.metadata)
-        try:
-            with mapped_errors():
-                yield from call
-        finally:
-            call.cancel()
+        yield from self._stream("WatchRun", request, deadline)
 
     def wait_run(
         self, run: int, timeout: float | None = None, *, include_results: bool = False
@@ -470,7 +530,7 @@ class Client(_Base):
         failed run); ``include_results``: with the tasks' return values once terminal."""
         wait = check_wait(timeout, "timeout")
         request = wait_request(run, wait, include_results)
-        status = self._call(self.stub.WaitRun, request, call_deadline(wait, DEFAULT_TIMEOUT))
+        status = self._call("WaitRun", request, call_deadline(wait, DEFAULT_TIMEOUT))
         return run_result(status)
 
     def wait(
@@ -484,14 +544,14 @@ class Client(_Base):
         """Cancel a run: its tasks not started never start; ``terminate`` also stops the
         running ones (their workers are killed and replaced)."""
         request = cancel_request(run, reason, terminate)
-        return cancel_result(self._call(self.stub.CancelRun, request))
+        return cancel_result(self._call("CancelRun", request))
 
     def list_runs(self, states: Iterable[int | str] = (), limit: int = 0) -> list[RunSummaryInfo]:
         """Runs the daemon knows, newest first: this client's (an admin's: everyone's),
         in ``states`` (names such as ``"failed"`` or ``RunPhase`` values; empty = all), at
         most ``limit`` (0 = 100). Finished runs are kept up to the daemon's
         limits.max_finished_runs_kept."""
-        response = self._call(self.stub.ListRuns, list_runs_request(states, limit))
+        response = self._call("ListRuns", list_runs_request(states, limit))
         return [run_summary(row) for row in response.runs]
 
     # -- operations ---------------------------------------------------------------------
@@ -505,17 +565,17 @@ class Client(_Base):
         ``heap_bytes``, ``token_file``, ``tls_ca_file``...).
         """
         request = add_remote_request(endpoint, num_sub_workers, num_chips, options)
-        return int(self._call(self.stub.AddRemoteWorker, request).worker_id)
+        return int(self._call("AddRemoteWorker", request).worker_id)
 
     def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
         request = drain_request(grace, shutdown)
         timeout = None if grace is None else call_deadline(request.grace_seconds, DEFAULT_TIMEOUT)
-        return self._call(self.stub.Drain, request, timeout)  # type: ignore[no-any-return]
+        return self._call("Drain", request, timeout)  # type: ignore[no-any-return]
 
     def resume(self) -> bool:
         """Undo a drain (admin): the daemon admits runs again and its health is SERVING.
         False when it was not draining; ``FailedPrecondition`` when it is shutting down."""
-        return bool(self._call(self.stub.Resume, pb.ResumeRequest()).was_draining)
+        return bool(self._call("Resume", pb.ResumeRequest()).was_draining)
 
 
 class AsyncClient(_Base):
@@ -523,14 +583,22 @@ class AsyncClient(_Base):
     ``submit`` returns an :class:`AsyncRunFuture` (``await`` it for the result)."""
 
     def _open(self) -> None:
-        if self.credentials is not None:
-            self.channel = grpc.aio.secure_channel(self.address, self.credentials, self.options)
+        self._fast: AsyncFastTransport | None = None
+        if self._fast_path is not None:
+            self._fast = AsyncFastTransport(self._fast_path, self.client_id)
         else:
-            self.channel = grpc.aio.insecure_channel(self.address, self.options)
-        self.stub = pb_grpc.DaemonStub(self.channel)
+            self._channel = self._new_channel()
+
+    def _new_channel(self) -> Any:
+        if self.credentials is not None:
+            return grpc.aio.secure_channel(self.address, self.credentials, self.options)
+        return grpc.aio.insecure_channel(self.address, self.options)
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self._fast is not None:
+            await self._fast.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -539,17 +607,33 @@ class AsyncClient(_Base):
         await self.close()
 
     async def _call(
-        self, method: Any, request: Any, timeout: float | EllipsisType | None = ...
+        self, method: str, request: Any, timeout: float | EllipsisType | None = ...
     ) -> Any:
         deadline = self.timeout if timeout is ... else timeout
+        if self._fast is not None:
+            return await self._fast.unary(method, request, deadline)
         with mapped_errors():
-            return await method(request, timeout=deadline, metadata=self.metadata)
+            call = getattr(self.stub, method)
+            return await call(request, timeout=deadline, metadata=self.metadata)
+
+    async def _stream(self, method: str, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+        if self._fast is not None:
+            async for item in self._fast.stream(method, request, timeout):
+                yield item
+            return
+        call = getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+        try:
+            with mapped_errors():
+                async for item in call:
+                    yield item
+        finally:
+            call.cancel()
 
     async def get_info(self) -> pb.GetInfoResponse:
-        return await self._call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
+        return await self._call("GetInfo", pb.GetInfoRequest())  # type: ignore[no-any-return]
 
     async def list_workers(self) -> list[pb.WorkerInfo]:
-        return list((await self._call(self.stub.ListWorkers, pb.ListWorkersRequest())).workers)
+        return list((await self._call("ListWorkers", pb.ListWorkersRequest())).workers)
 
     async def register_callable(
         self,
@@ -560,24 +644,24 @@ class AsyncClient(_Base):
         reload: bool = False,
     ) -> pb.RegisterCallableResponse:
         request = register_request(import_path, kind, workers, reload)
-        return await self._call(self.stub.RegisterCallable, request)  # type: ignore[no-any-return]
+        return await self._call("RegisterCallable", request)  # type: ignore[no-any-return]
 
     async def register(self, import_path: str, kind: str = "sub", *, reload: bool = False) -> str:
         return (await self.register_callable(import_path, kind, reload=reload)).hashid
 
     async def unregister(self, hashid: str) -> int:
         request = pb.UnregisterCallableRequest(hashid=hashid)
-        return int((await self._call(self.stub.UnregisterCallable, request)).refcount)
+        return int((await self._call("UnregisterCallable", request)).refcount)
 
     async def list_callables(self) -> list[pb.CallableInfo]:
-        response = await self._call(self.stub.ListCallables, pb.ListCallablesRequest())
+        response = await self._call("ListCallables", pb.ListCallablesRequest())
         return list(response.callables)
 
     async def alloc_buffer(
         self, shape: Sequence[int], dtype: Any, label: str = ""
     ) -> pb.AllocBufferResponse:
         request = alloc_request(shape, dtype, label)
-        return await self._call(self.stub.AllocBuffer, request)  # type: ignore[no-any-return]
+        return await self._call("AllocBuffer", request)  # type: ignore[no-any-return]
 
     async def _max_chunk(self, chunk: int | None) -> int:
         if self._chunk is None:
@@ -596,7 +680,7 @@ class AsyncClient(_Base):
         payload = array_bytes(data) if isinstance(data, np.ndarray) else data
         chunk = await self._max_chunk(chunk_bytes)
         requests = write_requests(buffer_id, payload, offset, generation, chunk)
-        return int((await self._call(self.stub.WriteBuffer, requests)).bytes_written)
+        return int((await self._call("WriteBuffer", requests)).bytes_written)
 
     async def read_buffer(
         self,
@@ -608,20 +692,19 @@ class AsyncClient(_Base):
         chunk_bytes: int = 0,
     ) -> bytes:
         request = read_request(buffer_id, offset, length, generation, chunk_bytes)
-        with mapped_errors():
-            stream = self.stub.ReadBuffer(request, timeout=self.timeout, metadata=self.metadata)
-            return b"".join([chunk.data async for chunk in stream])
+        stream = self._stream("ReadBuffer", request, self.timeout)
+        return b"".join([chunk.data async for chunk in stream])
 
     async def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
-        return bool((await self._call(self.stub.FreeBuffer, request)).deferred)
+        return bool((await self._call("FreeBuffer", request)).deferred)
 
     async def map_buffer(self, buffer_id: int) -> np.ndarray[Any, Any]:
         """See :meth:`Client.map_buffer`."""
         return self._view(self._find_buffer(await self.list_buffers(), buffer_id))
 
     async def list_buffers(self) -> pb.ListBuffersResponse:
-        return await self._call(self.stub.ListBuffers, pb.ListBuffersRequest())  # type: ignore[no-any-return]
+        return await self._call("ListBuffers", pb.ListBuffersRequest())  # type: ignore[no-any-return]
 
     async def alloc_array(self, array: np.ndarray[Any, Any], label: str = "") -> int:
         arr = np.asarray(array)
@@ -651,7 +734,7 @@ class AsyncClient(_Base):
         wait = check_wait(wait_seconds, "wait_seconds")
         request = submit_request(tasks, idempotency_key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
-        return await self._call(self.stub.SubmitRun, request, timeout)  # type: ignore[no-any-return]
+        return await self._call("SubmitRun", request, timeout)  # type: ignore[no-any-return]
 
     async def run(
         self,
@@ -691,7 +774,7 @@ class AsyncClient(_Base):
         priority: int = 1,
     ) -> AsyncRunFuture:
         request = orchestration_request(hashid, args, config, idempotency_key, label, priority)
-        response = await self._call(self.stub.RunOrchestration, request)
+        response = await self._call("RunOrchestration", request)
         return AsyncRunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
     def future(self, run: int) -> AsyncRunFuture:
@@ -699,16 +782,11 @@ class AsyncClient(_Base):
 
     async def watch(
         self, run: int, after_sequence: int = 0, *, timeout: float | None = None
-    ) -> AsyncIterator[pb.RunEvent]:
+    ) -> AsyncGenerator[pb.RunEvent, None]:
         request = pb.WatchRunRequest(run_id=int(run), after_sequence=after_sequence)
         deadline = call_deadline(check_wait(timeout, "timeout"), 0.0)
-        call = self.stub.WatchRun(request, timeout=deadline, metadata=self.metadata)
-        try:
-            with mapped_errors():
-                async for event in call:
-                    yield event
-        finally:
-            call.cancel()
+        async for event in self._stream("WatchRun", request, deadline):
+            yield event
 
     async def wait_run(
         self, run: int, timeout: float | None = None, *, include_results: bool = False
@@ -716,7 +794,7 @@ class AsyncClient(_Base):
         wait = check_wait(timeout, "timeout")
         request = wait_request(run, wait, include_results)
         deadline = call_deadline(wait, DEFAULT_TIMEOUT)
-        return run_result(await self._call(self.stub.WaitRun, request, deadline))
+        return run_result(await self._call("WaitRun", request, deadline))
 
     async def wait(
         self, run: int, timeout: float | None = None, *, include_results: bool = True
@@ -725,12 +803,12 @@ class AsyncClient(_Base):
 
     async def cancel(self, run: int, reason: str = "", *, terminate: bool = False) -> CancelResult:
         request = cancel_request(run, reason, terminate)
-        return cancel_result(await self._call(self.stub.CancelRun, request))
+        return cancel_result(await self._call("CancelRun", request))
 
     async def list_runs(
         self, states: Iterable[int | str] = (), limit: int = 0
     ) -> list[RunSummaryInfo]:
-        response = await self._call(self.stub.ListRuns, list_runs_request(states, limit))
+        response = await self._call("ListRuns", list_runs_request(states, limit))
         return [run_summary(row) for row in response.runs]
 
     async def add_remote_worker(
@@ -738,12 +816,12 @@ class AsyncClient(_Base):
     ) -> int:
         """See :meth:`Client.add_remote_worker`."""
         request = add_remote_request(endpoint, num_sub_workers, num_chips, options)
-        return int((await self._call(self.stub.AddRemoteWorker, request)).worker_id)
+        return int((await self._call("AddRemoteWorker", request)).worker_id)
 
     async def drain(self, grace: float | None = None, shutdown: bool = False) -> pb.DrainResponse:
         request = drain_request(grace, shutdown)
         timeout = None if grace is None else call_deadline(request.grace_seconds, DEFAULT_TIMEOUT)
-        return await self._call(self.stub.Drain, request, timeout)  # type: ignore[no-any-return]
+        return await self._call("Drain", request, timeout)  # type: ignore[no-any-return]
 
     async def resume(self) -> bool:
-        return bool((await self._call(self.stub.Resume, pb.ResumeRequest())).was_draining)
+        return bool((await self._call("Resume", pb.ResumeRequest())).was_draining)

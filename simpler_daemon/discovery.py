@@ -25,13 +25,31 @@ import os
 from collections.abc import Mapping
 from typing import Final
 
-__all__ = ["ENV_SOCKET", "SOCKET_NAME", "SYSTEM_RUNTIME_DIR", "candidates", "default_target"]
+__all__ = [
+    "ENV_SOCKET",
+    "FAST_SUFFIX",
+    "SOCKET_NAME",
+    "SYSTEM_RUNTIME_DIR",
+    "candidates",
+    "default_target",
+    "fast_socket_path",
+]
 
 #: The variable that names the daemon's address (a path, ``unix:`` URI or host:port).
 ENV_SOCKET: Final = "SIMPLER_DAEMON_SOCKET"
 SOCKET_NAME: Final = "daemon.sock"
 #: The systemd unit's ``RuntimeDirectory=`` (and the tmpfiles.d entry).
 SYSTEM_RUNTIME_DIR = "/run/simpler-daemon"
+#: The fast path's socket sits beside the gRPC one: ``daemon.sock`` -> ``daemon.fast.sock``.
+FAST_SUFFIX: Final = ".fast.sock"
+
+
+def fast_socket_path(grpc_socket: str) -> str:
+    """The local fast path's socket of the daemon serving gRPC at ``grpc_socket`` (a
+    path): the same directory, the stem plus ``.fast.sock`` (``fast.unix_socket = ""``)."""
+    directory, name = os.path.split(grpc_socket)
+    stem = name[: -len(".sock")] if name.endswith(".sock") else name
+    return os.path.join(directory, stem + FAST_SUFFIX)
 
 
 def candidates(env: Mapping[str, str] | None = None, uid: int | None = None) -> list[str]:

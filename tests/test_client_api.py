@@ -89,9 +89,11 @@ def no_leaked_children() -> Iterator[None]:
     yield from module_leak_guard(lambda: set(_MODULE_DAEMONS))
 
 
-@pytest.fixture
-def c(daemon: DaemonProcess) -> Iterator[Client]:
-    with daemon.client(timeout=60) as client:
+@pytest.fixture(params=["grpc", "fast"])
+def c(daemon: DaemonProcess, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """The suite runs over both transports (issue 14.1): same answers, same errors."""
+    with daemon.client(timeout=60, transport=request.param) as client:
+        assert client.transport == request.param
         yield client
 
 
@@ -395,10 +397,14 @@ def test_list_runs_own_runs_newest_first_with_filters_and_eviction(
     with tcp.client(daemon, timeout=60) as other:
         theirs = other.submit([sub_task(nothing)], label="theirs")
         theirs.result(timeout=30)
-        ours = [c.submit([sub_task(nothing)], label=f"ours-{i}") for i in range(3)]
+        # One after another: a full table (the other transport's runs of this module's
+        # daemon) evicts the oldest *finished*, so the finish order must be the submit order.
+        ours = []
+        for i in range(3):
+            ours.append(c.submit([sub_task(nothing)], label=f"ours-{i}"))
+            ours[-1].result(timeout=30)
         failed = c.submit([sub_task(fail)], label="ours-failed")
-        for fut in [*ours, failed]:
-            fut.exception(timeout=30)
+        failed.exception(timeout=30)
         # A client sees its own runs only; the admin (this process, root or the
         # daemon's user) sees every client's, newest first.
         mine = other.list_runs()

@@ -321,6 +321,14 @@ def _authorization(context: Any) -> bytes:
 
 def identify(context: Any, relay: UnixRelay | None, policy: AdminPolicy) -> Identity:
     """The :class:`Identity` behind a call, as the kernel or the transport knows it."""
+    creds = getattr(context, "peer_credentials", None)
+    if isinstance(creds, PeerCredentials):  # the fast path (fastpath.py): SO_PEERCRED at accept
+        return Identity(
+            f"uid:{creds.uid}",
+            uid=creds.uid,
+            gid=creds.gid,
+            admin=policy.is_admin_uid(creds.uid, creds.gid),
+        )
     peer = str(context.peer() or "")
     if peer.startswith("unix"):
         creds = relay.credentials(peer) if relay is not None else None

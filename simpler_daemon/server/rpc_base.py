@@ -25,6 +25,7 @@ from simpler_daemon.errors import FIELD_METADATA, WorkerClosedError
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
+from simpler_daemon.server.fastpath import FastContext
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
 from simpler_daemon.server.plan import Planner
@@ -204,6 +205,16 @@ class ServiceBase:
     def _who(self, context: Any) -> Identity:
         """Who the call comes from, for ownership and quotas: what the kernel or the
         transport says (peer credentials, TLS identity, admin token), never a header."""
+        if type(context) is FastContext:
+            # Named once per connection: its credentials are the kernel's snapshot at
+            # connect, so the answer only changes with the admin policy.
+            cached = context.identity
+            if cached is not None and cached[0] is self._admins:
+                who: Identity = cached[1]
+                return who
+            who = identify(context, self._relay, self._admins)
+            context.identity = (self._admins, who)
+            return who
         return identify(context, self._relay, self._admins)
 
     def _check_pins(self, who: Identity, pins: set[int], what: str) -> None:

@@ -1,0 +1,524 @@
+"""The daemon's local fast path: the gRPC API's handlers behind a framed msgspec socket.
+
+gRPC costs local clients hundreds of microseconds per call whatever the channel
+options; most of it is grpcio's own machinery, not the daemon. Local clients
+(``simpler_daemon.client``, hence simplerctl) therefore call the same servicer over
+a second Unix socket speaking the frames of :mod:`simpler_daemon.fastwire`::
+
+    client --unix--> <dir>/daemon.fast.sock (grpc.socket_mode, grpc.socket_group)
+                        |  FastServer: SO_PEERCRED at accept -> FastContext
+                        v  Call(id, "SubmitRun", request bytes)
+                     DaemonService.SubmitRun(request, FastContext)   <- the gRPC handler
+                        |  response message | context.abort(code, details, field)
+                        v
+                     Reply(id, code, details, field, response bytes)
+
+Identical semantics by construction: a call runs the very handler gRPC runs (same
+decorators, so the same status mapping and request metrics), with the same
+protobuf messages; the caller is identified from its peer credentials exactly as
+through the gRPC socket's relay (``peers.identify``), so ownership, admin rights
+and quotas are shared between the transports. TCP is never served here.
+
+One task per call: a client disconnecting cancels its calls' handlers, a
+``Cancel`` frame cancels one, a call's deadline (``Call.timeout``) answers
+DEADLINE_EXCEEDED. A malformed frame closes its connection with a logged reason.
+Backpressure is per connection: a server stream waits while the socket's write
+buffer is full, and reading pauses while a client stream's unread chunks pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, NoReturn
+
+import grpc
+
+from simpler_daemon.errors import FIELD_METADATA, ProtocolError
+from simpler_daemon.fastwire import (
+    METHODS,
+    PROTOCOL_VERSION,
+    SERVER_FRAMES,
+    Call,
+    Cancel,
+    End,
+    FrameDecoder,
+    Hello,
+    Item,
+    Reply,
+    encode,
+    frame_limit,
+)
+from simpler_daemon.server.peers import CLIENT_LABEL_KEY, PeerCredentials, peer_credentials
+from simpler_daemon.server.wire import tolerant
+
+__all__ = ["FastAbort", "FastContext", "FastServer"]
+
+log = logging.getLogger("simpler_daemon.daemon")
+
+Code = grpc.StatusCode
+_CODE_NUMBER: Final[dict[grpc.StatusCode, int]] = {c: c.value[0] for c in grpc.StatusCode}
+#: Bytes the socket's write buffer holds before a server stream waits.
+_HIGH_WATER: Final = 4 << 20
+#: Unread client-stream bytes of one connection before it stops reading.
+_READ_HIGH: Final = 8 << 20
+#: Seconds between checks of the calls' deadlines.
+DEADLINE_TICK: Final = 0.05
+
+
+class FastAbort(grpc.aio.AbortError):  # type: ignore[misc]  # grpc is untyped
+    """``context.abort`` on the fast path: a ``grpc.aio.AbortError`` (the decorators let
+    it through as they do gRPC's) carrying the status for the reply frame."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, field: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.field = field
+
+
+class FastContext:
+    """What the servicer's handlers use of a ``grpc.aio.ServicerContext``, for one fast-path
+    connection: its peer's credentials (read at accept) and the client's label."""
+
+    __slots__ = ("_metadata", "identity", "peer_credentials")
+
+    def __init__(self, creds: PeerCredentials) -> None:
+        #: ``peers.identify`` names the caller from this, as the relay's credentials.
+        self.peer_credentials = creds
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        #: ``(policy, Identity)``: the caller as named under that AdminPolicy, kept for
+        #: the connection (its credentials are the kernel's snapshot at connect).
+        self.identity: tuple[Any, Any] | None = None
+
+    def set_label(self, label: str) -> None:
+        self._metadata = ((CLIENT_LABEL_KEY, label),) if label else ()
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> NoReturn:
+        field = ""
+        for key, value in trailing_metadata or ():
+            if key == FIELD_METADATA:
+                field = str(value)
+        raise FastAbort(code, details, field)
+
+    def peer(self) -> str:
+        creds = self.peer_credentials
+        return f"fast:uid {creds.uid} pid {creds.pid}"
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+
+class _Call:
+    """One call in flight on a connection."""
+
+    __slots__ = ("deadline", "expired", "id", "inbound", "task")
+
+    def __init__(self, call_id: int) -> None:
+        self.id = call_id
+        self.task: asyncio.Task[None] | None = None
+        self.deadline: float | None = None  # loop.time() past which the call is expired
+        self.expired = False
+        self.inbound: _Inbound | None = None
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class _Inbound:
+    """The request messages of a client stream, as the handler's async iterator."""
+
+    __slots__ = ("_conn", "_items", "_parse", "_waiter", "ended")
+
+    def __init__(self, conn: _Connection, parse: Callable[[bytes], Any]) -> None:
+        self._conn = conn
+        self._parse = parse
+        self._items: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.ended = False
+
+    def put(self, data: bytes) -> None:
+        self._items.append(data)
+        self._conn.unread(len(data))
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def discard(self) -> None:
+        """The call is over: what it did not read no longer counts against the connection."""
+        while self._items:
+            self._conn.unread(-len(self._items.popleft()))
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            if self._items:
+                data = self._items.popleft()
+                self._conn.unread(-len(data))
+                yield self._parse(data)
+            elif self.ended:
+                return
+            else:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+                self._waiter = None
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: decodes its frames, runs one task per call."""
+
+    def __init__(self, server: FastServer) -> None:
+        self._server = server
+        self._transport: Any = None  # uvloop's transports are not asyncio.Transport
+        self._loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
+        self._decoder = FrameDecoder(SERVER_FRAMES, server.max_frame)
+        self._ctx: FastContext | None = None
+        self._calls: dict[int, _Call] = {}
+        self._closed = False
+        self._writable: asyncio.Future[None] | None = None
+        self._unread = 0
+        self._reading_paused = False
+
+    # -- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        try:
+            creds = peer_credentials(transport.get_extra_info("socket"))
+        except OSError as exc:
+            log.warning(
+                "refused a fast-path client on %s: no peer credentials: %s", self._server.path, exc
+            )
+            self._closed = True
+            transport.close()
+            return
+        self._ctx = FastContext(creds)
+        transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[attr-defined]
+        self._server.connections.add(self)
+        log.debug("fast path: a client connected (%s)", creds)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except ProtocolError as exc:
+            self.drop(str(exc))
+            return
+        for frame in frames:
+            kind = type(frame)
+            if kind is Call:
+                self._start(frame)
+            elif kind is Item:
+                call = self._calls.get(frame.id)
+                if call is not None and call.inbound is not None and not call.inbound.ended:
+                    call.inbound.put(frame.data)
+            elif kind is End:
+                call = self._calls.get(frame.id)
+                if call is not None and call.inbound is not None:
+                    call.inbound.end()
+            elif kind is Cancel:
+                call = self._calls.get(frame.id)
+                if call is not None:
+                    call.cancel()
+            elif kind is Hello:
+                if frame.version != PROTOCOL_VERSION:
+                    self.drop(
+                        f"cannot serve protocol version {frame.version} (this daemon speaks "
+                        f"{PROTOCOL_VERSION})"
+                    )
+                elif self._ctx is not None:
+                    self._ctx.set_label(frame.label)
+            if self._closed:
+                return
+
+    def eof_received(self) -> bool | None:
+        return None  # close: a client that stops sending has given up on its calls
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server.connections.discard(self)
+        if self._calls:
+            log.debug(
+                "fast path: a client went away (%s): cancelling %d calls",
+                self._ctx and self._ctx.peer_credentials,
+                len(self._calls),
+            )
+        for call in list(self._calls.values()):
+            call.cancel()
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._wake_writer()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def drop(self, reason: str) -> None:
+        """Close the connection for a protocol violation, saying why in the log."""
+        if self._closed:
+            return
+        self._closed = True
+        log.warning(
+            "closed a fast-path connection (%s): %s",
+            self._ctx and self._ctx.peer_credentials,
+            reason,
+        )
+        if self._transport is not None:
+            self._transport.abort()
+
+    def close(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()  # flushes what is buffered first
+
+    def has_deadlines(self) -> bool:
+        return any(call.deadline is not None for call in self._calls.values())
+
+    def calls(self) -> list[asyncio.Task[None]]:
+        return [c.task for c in self._calls.values() if c.task is not None]
+
+    def _wake_writer(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def unread(self, delta: int) -> None:
+        """Client-stream bytes received but not yet read by a handler: past the high
+        water mark the connection stops reading until the handlers catch up."""
+        self._unread += delta
+        transport = self._transport
+        if transport is None or self._closed:
+            return
+        if not self._reading_paused and self._unread > _READ_HIGH:
+            self._reading_paused = True
+            transport.pause_reading()
+        elif self._reading_paused and self._unread <= _READ_HIGH // 2:
+            self._reading_paused = False
+            transport.resume_reading()
+
+    def _send(self, data: bytes) -> None:
+        if not self._closed:
+            self._transport.write(data)
+
+    def _start(self, frame: Call) -> None:
+        call_id = frame.id
+        if call_id in self._calls:
+            self.drop(f"call id {call_id} reused while that call is in flight")
+            return
+        server = self._server
+        entry = server.table.get(frame.method)
+        if entry is None:
+            self._send(
+                encode(
+                    Reply(
+                        call_id,
+                        _CODE_NUMBER[Code.UNIMPLEMENTED],
+                        f"cannot call {frame.method!r}: simpler.daemon.v1.Daemon has no such method",
+                    )
+                )
+            )
+            return
+        method, handler, parse = entry
+        if frame.stream != method.client_stream:
+            kind = "a client-streaming" if method.client_stream else "not a client-streaming"
+            self._send(
+                encode(
+                    Reply(
+                        call_id,
+                        _CODE_NUMBER[Code.INVALID_ARGUMENT],
+                        f"cannot call {frame.method}: it is {kind} method",
+                    )
+                )
+            )
+            return
+        call = _Call(call_id)
+        request: Any
+        if method.client_stream:
+            call.inbound = _Inbound(self, parse)
+            request = call.inbound
+        else:
+            request = parse(frame.data)
+        if method.server_stream:
+            coro = self._run_stream(call, handler, request)
+        else:
+            coro = self._run_unary(call, frame.method, handler, request)
+        self._calls[call_id] = call
+        loop = self._loop
+        if frame.timeout is not None:
+            call.deadline = loop.time() + frame.timeout
+            server.watch_deadlines()
+        # A task per call, even for handlers that never wait: they may use what needs
+        # a current task (asyncio.timeout, locks), as under grpc.aio.
+        call.task = loop.create_task(coro)
+
+    def expire(self, now: float) -> None:
+        """Cancel the calls whose deadline passed: they answer DEADLINE_EXCEEDED."""
+        for call in list(self._calls.values()):
+            if call.deadline is not None and call.deadline <= now and call.task is not None:
+                call.expired = True
+                call.task.cancel()
+
+    def _finish(self, call: _Call) -> None:
+        self._calls.pop(call.id, None)
+        if call.inbound is not None:
+            call.inbound.discard()
+
+    async def _run_unary(self, call: _Call, name: str, handler: Any, request: Any) -> None:
+        try:
+            response = await handler(request, self._ctx)
+        except FastAbort as exc:
+            reply = Reply(call.id, _CODE_NUMBER[exc.code], exc.details, exc.field)
+        except asyncio.CancelledError:
+            if not call.expired:
+                return  # the client cancelled the call or went away: nobody to answer
+            reply = Reply(call.id, _CODE_NUMBER[Code.DEADLINE_EXCEEDED], "Deadline Exceeded")
+        except Exception as exc:  # the decorators map every error: this is a bug
+            log.error("fast path: %s failed: %s", name, exc, exc_info=exc)
+            reply = Reply(
+                call.id,
+                _CODE_NUMBER[Code.INTERNAL],
+                f"internal error in {name} ({type(exc).__name__}); see the daemon log",
+            )
+        else:
+            data = response.SerializeToString()
+            limit = self._server.max_message_bytes
+            if len(data) > limit:
+                reply = Reply(
+                    call.id,
+                    _CODE_NUMBER[Code.RESOURCE_EXHAUSTED],
+                    f"cannot send the {name} response: {len(data)} bytes exceed "
+                    f"limits.max_message_bytes = {limit}",
+                )
+            else:
+                reply = Reply(call.id, 0, "", "", data)
+        finally:
+            self._finish(call)
+        self._send(encode(reply))
+
+    async def _run_stream(self, call: _Call, handler: Any, request: Any) -> None:
+        end = End(call.id)
+        try:
+            async for item in handler(request, self._ctx):
+                if self._closed:
+                    return
+                self._send(encode(Item(call.id, item.SerializeToString())))
+                if self._writable is not None:  # the client reads slower than we write
+                    await self._writable
+        except FastAbort as exc:
+            end = End(call.id, _CODE_NUMBER[exc.code], exc.details, exc.field)
+        except asyncio.CancelledError:
+            if not call.expired:
+                return
+            end = End(call.id, _CODE_NUMBER[Code.DEADLINE_EXCEEDED], "Deadline Exceeded")
+        except Exception as exc:
+            log.error("fast path: a stream failed: %s", exc, exc_info=exc)
+            end = End(
+                call.id,
+                _CODE_NUMBER[Code.INTERNAL],
+                f"internal error in a stream ({type(exc).__name__}); see the daemon log",
+            )
+        finally:
+            self._finish(call)
+        self._send(encode(end))
+
+
+class FastServer:
+    """The fast-path listener over ``service`` (a :class:`DaemonService`) at ``path``.
+
+    ``start()`` binds ``path`` (mode 0600 until the caller publishes it with the
+    socket's mode and group) and serves; ``close(grace)`` stops accepting, gives the
+    calls in flight ``grace`` seconds, cancels the rest and closes every connection.
+    The caller removes the socket file (the daemon renames it into place)."""
+
+    def __init__(self, service: Any, path: str, max_message_bytes: int) -> None:
+        self.path = path
+        self.max_message_bytes = max_message_bytes
+        self.max_frame = frame_limit(max_message_bytes)
+        #: Every served method: its description, the servicer's handler, its parser
+        #: (one lookup per call).
+        self.table: dict[str, tuple[Any, Any, Callable[[bytes], Any]]] = {}
+        for name, method in METHODS.items():
+            handler = getattr(service, name, None)
+            if handler is not None:
+                parse = tolerant(method.request.FromString)
+                assert parse is not None
+                self.table[name] = (method, handler, parse)
+        self.connections: set[_Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def watch_deadlines(self) -> None:
+        """Check calls' deadlines every DEADLINE_TICK seconds while some are in flight:
+        one timer for the server rather than one per call (the client enforces its
+        deadline to the microsecond itself; this only stops the handler)."""
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(DEADLINE_TICK, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = asyncio.get_running_loop().time()
+        for conn in list(self.connections):
+            conn.expire(now)
+        if any(conn.has_deadlines() for conn in self.connections):
+            self.watch_deadlines()
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
+        try:
+            sock.bind(self.path)
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot bind the Unix socket {self.path}: {exc}") from exc
+        finally:
+            os.umask(old_umask)
+        sock.listen(128)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self, grace: float) -> None:
+        self.stop_accepting()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        tasks = [t for conn in self.connections for t in conn.calls()]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            self._server = None
+        self.connections.clear()

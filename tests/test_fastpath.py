@@ -1,0 +1,488 @@
+"""Issue 14 item 1: the daemon's local fast path (fastwire.py, server/fastpath.py,
+client_fast.py) and the client's transport selection.
+
+Codec units first (no daemon); then one real daemon for the module, reached over its
+fast socket both with raw frames (what a misbehaving client sends) and with the
+Python clients. The client API suite itself runs over both transports in
+tests/test_client_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+import numpy as np
+import pytest
+
+from simpler_daemon.client import AsyncClient, Client, sub_task
+from simpler_daemon.discovery import fast_socket_path
+from simpler_daemon.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    ResourceExhausted,
+    RunCancelled,
+    Unavailable,
+)
+from simpler_daemon.fastwire import (
+    CLIENT_FRAMES,
+    LENGTH,
+    SERVER_FRAMES,
+    Call,
+    Cancel,
+    End,
+    FrameDecoder,
+    Hello,
+    Item,
+    Reply,
+    encode,
+    frame_limit,
+)
+from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from tests.daemon_harness import (
+    DaemonProcess,
+    module_daemon,
+    module_leak_guard,
+    running_daemon,
+    wait_until,
+)
+
+TASKS = "tests.client_api_tasks"
+MAX_MESSAGE = 1 << 20
+STREAMS = 2  # limits.max_streams_per_client: quota sharing shows with few streams
+CONFIG: dict[str, dict[str, Any]] = {
+    "limits": {"max_message_bytes": MAX_MESSAGE, "max_streams_per_client": STREAMS},
+    "callables": {"allowed_modules": ["simpler_daemon.examples", "tests"]},
+}
+
+# --------------------------------------------------------------------------- codec
+
+
+def _frames() -> list[Any]:
+    return [
+        Hello(1, "label"),
+        Call(1, "GetInfo", b"", None),
+        Call(2, "WriteBuffer", b"", 2.5, True),
+        Item(2, b"\x00" * 300),
+        End(2),
+        Cancel(1),
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_codec_reassembles_frames_split_anywhere_and_several_per_read() -> None:
+    frames = _frames()
+    stream = b"".join(encode(f) for f in frames)
+    one_by_one = FrameDecoder(SERVER_FRAMES, 1 << 16)
+    got: list[Any] = []
+    for i in range(len(stream)):
+        got += one_by_one.feed(stream[i : i + 1])
+    assert got == frames and one_by_one.buffered == 0
+    together = FrameDecoder(SERVER_FRAMES, 1 << 16)
+    assert together.feed(stream) == frames
+    split = FrameDecoder(SERVER_FRAMES, 1 << 16)
+    cut = len(stream) // 2 + 3
+    assert split.feed(stream[:cut]) + split.feed(memoryview(stream)[cut:]) == frames
+    split.eof()
+    replies = [Reply(7, 0, "", "", b"abc"), Item(8, b"x"), End(8, 5, "gone", "run_id")]
+    assert FrameDecoder(CLIENT_FRAMES, 1 << 16).feed(b"".join(map(encode, replies))) == replies
+
+
+@pytest.mark.timeout(30)
+def test_codec_refuses_an_oversize_length_before_buffering_it() -> None:
+    dec = FrameDecoder(SERVER_FRAMES, frame_limit(1024))
+    with pytest.raises(ProtocolError, match="exceed the limit"):
+        dec.feed(LENGTH.pack(frame_limit(1024) + 1))  # the header alone is enough
+    assert dec.buffered == 0
+    with pytest.raises(ProtocolError):  # failed for good: never resynchronised
+        dec.feed(encode(Hello(1)))
+
+
+@pytest.mark.timeout(30)
+def test_codec_refuses_garbage_wrong_side_frames_and_a_truncated_end() -> None:
+    for junk in (b"\xc1\xc1\xc1", b"\x93\x01\x02", encode(Reply(1, 0))[4:]):
+        dec = FrameDecoder(SERVER_FRAMES, 1 << 16)
+        with pytest.raises(ProtocolError, match="cannot decode frame 0"):
+            dec.feed(LENGTH.pack(len(junk)) + junk)
+        assert dec.failed is not None
+    dec = FrameDecoder(CLIENT_FRAMES, 1 << 16)
+    with pytest.raises(ProtocolError):  # a Call is not something a client accepts
+        dec.feed(encode(Call(1, "GetInfo")))
+    dec = FrameDecoder(SERVER_FRAMES, 1 << 16)
+    assert dec.feed(encode(Hello(1))[:-1]) == []
+    with pytest.raises(ProtocolError, match="truncated"):
+        dec.eof()
+
+
+# --------------------------------------------------------------------------- daemon
+
+_MODULE_DAEMONS: set[int] = set()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    yield from module_daemon(tmp_path_factory, "fastpath", CONFIG, _MODULE_DAEMONS)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_children() -> Iterator[None]:
+    yield from module_leak_guard(lambda: set(_MODULE_DAEMONS))
+
+
+@pytest.fixture
+def c(daemon: DaemonProcess) -> Iterator[Client]:
+    with daemon.client(timeout=60, transport="fast") as client:
+        assert client.transport == "fast"
+        yield client
+
+
+class Raw:
+    """One fast-path connection speaking frames by hand."""
+
+    def __init__(self, daemon: DaemonProcess) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(fast_socket_path(daemon.socket))
+        self.dec = FrameDecoder(CLIENT_FRAMES, 1 << 30)
+        self.pending: list[Any] = []
+
+    def send(self, *frames: Any) -> None:
+        self.sock.sendall(b"".join(encode(f) for f in frames))
+
+    def frame(self) -> Any:
+        while not self.pending:
+            data = self.sock.recv(1 << 16)
+            assert data, "the daemon closed the connection"
+            self.pending += self.dec.feed(data)
+        return self.pending.pop(0)
+
+    def closed_by_daemon(self) -> bool:
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_fast_socket_has_the_grpc_sockets_mode_and_owner(daemon: DaemonProcess) -> None:
+    fast = os.stat(fast_socket_path(daemon.socket))
+    public = os.stat(daemon.socket)
+    assert stat.S_ISSOCK(fast.st_mode)
+    assert stat.S_IMODE(fast.st_mode) == stat.S_IMODE(public.st_mode) == 0o660
+    assert (fast.st_uid, fast.st_gid) == (public.st_uid, public.st_gid)
+    assert "fast path on " + fast_socket_path(daemon.socket) in daemon.stdout()
+
+
+@pytest.mark.timeout(60)
+def test_garbage_and_oversize_frames_close_only_that_connection(
+    daemon: DaemonProcess, c: Client
+) -> None:
+    garbage = Raw(daemon)
+    garbage.sock.sendall(LENGTH.pack(3) + b"\xc1\xc1\xc1")
+    assert garbage.closed_by_daemon()
+    garbage.close()
+    big = Raw(daemon)
+    big.sock.sendall(LENGTH.pack(frame_limit(MAX_MESSAGE) + 1))  # no body follows
+    assert big.closed_by_daemon()
+    big.close()
+    assert c.get_info().limits.max_message_bytes == MAX_MESSAGE  # still serving
+    wait_until(
+        lambda: daemon.stderr().count("closed a fast-path connection") >= 2,
+        10,
+        "no log line names the protocol violations",
+    )
+    assert "exceed the limit" in daemon.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_method_is_unimplemented_naming_it_and_bad_bytes_invalid(
+    daemon: DaemonProcess,
+) -> None:
+    raw = Raw(daemon)
+    try:
+        raw.send(Hello(1, "raw"), Call(1, "NoSuchRpc", b""), Call(2, "WaitRun", b"\xff\xff"))
+        got: dict[int, Any] = {}  # replies arrive in completion order: collect by id
+        while len(got) < 2:
+            frame = raw.frame()
+            got[frame.id] = frame
+        assert got[1].code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+        assert "NoSuchRpc" in got[1].details
+        assert got[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "WaitRunRequest" in got[2].details
+    finally:
+        raw.close()
+
+
+@pytest.mark.timeout(90)
+def test_identity_is_the_peer_uid_and_stream_quotas_are_shared_with_grpc(
+    daemon: DaemonProcess, c: Client
+) -> None:
+    sleep = c.register(f"{TASKS}:sleep_ms")
+    run = c.submit([sub_task(sleep, scalars=[30_000])], label="held")
+    with daemon.client(timeout=60, transport="grpc") as g:
+        assert g.transport == "grpc"
+        assert g.wait_run(run, 0).client == f"uid:{os.geteuid()}"  # one owner, both ways
+        raw = Raw(daemon)
+        try:
+            # One stream over each transport fills the quota of this uid (STREAMS = 2).
+            raw.send(Call(1, "WatchRun", pb.WatchRunRequest(run_id=run).SerializeToString()))
+            assert type(raw.frame()) is Item  # the SNAPSHOT: the stream holds its slot
+            watch = g.watch(run)
+            next(watch)
+            with pytest.raises(ResourceExhausted, match="max_streams_per_client"):
+                next(c.watch(run))
+            # A client that goes away mid-call has its handler cancelled: the slot frees.
+            raw.close()
+            wait_until(lambda: _can_watch(c, run), 30, "the closed stream kept its slot")
+            watch.close()
+        finally:
+            raw.close()
+            c.cancel(run, terminate=True)
+    with pytest.raises(RunCancelled):
+        c.wait(run, timeout=30)
+
+
+def _can_watch(c: Client, run: int) -> bool:
+    try:
+        events = c.watch(run)
+        next(events)
+        events.close()
+        return True
+    except ResourceExhausted:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_watch_streams_to_the_terminal_event_and_deadlines_match_grpc(c: Client) -> None:
+    nothing = c.register(f"{TASKS}:nothing")
+    run = c.submit([sub_task(nothing)])
+    run.result(timeout=30)
+    events = list(c.watch(run, timeout=30))
+    assert (
+        events[0].type == pb.RUN_EVENT_TYPE_SNAPSHOT and events[-1].state == pb.RUN_STATE_COMPLETED
+    )
+    sleep = c.register(f"{TASKS}:sleep_ms")
+    slow = c.submit([sub_task(sleep, scalars=[30_000])])
+    try:
+        with pytest.raises(DeadlineExceeded):
+            list(c.watch(slow, timeout=0.3))
+        with pytest.raises(NotFound) as missing:
+            c.wait(10**9, timeout=0)
+        assert missing.value.field == "run_id"
+    finally:
+        c.cancel(slow, terminate=True)
+
+
+@pytest.mark.timeout(90)
+def test_kernel_timeouts_kept_between_calls_neither_cut_nor_stretch_a_call(c: Client) -> None:
+    """The blocking transport keeps SO_RCVTIMEO armed from call to call (client_fast
+    ``_Conn.arm``): a call without a deadline outlives the timeout a short call left,
+    and a shorter deadline than the one held still fires. A WaitRun on a finished run
+    answers the terminal state, also when the terminal event is built late."""
+    sleep = c.register(f"{TASKS}:sleep_ms")
+    second = c.submit([sub_task(sleep, scalars=[1_000])])
+    assert c._call("GetInfo", pb.GetInfoRequest(), 0.3).caller  # leaves ~0.27 s armed
+    status = c._call("WaitRun", pb.WaitRunRequest(run_id=second.run_id), None)
+    assert status.state == pb.RUN_STATE_COMPLETED
+    events = list(c.watch(second, timeout=30))
+    assert events[-1].type == pb.RUN_EVENT_TYPE_RUN_STATE
+    assert events[-1].state == pb.RUN_STATE_COMPLETED
+    assert events[-1].counts.done == 1 and events[-1].sequence == events[0].sequence
+    slow = c.submit([sub_task(sleep, scalars=[30_000])])
+    try:
+        assert c._call("GetInfo", pb.GetInfoRequest(), 20.0).caller  # ~18 s armed
+        with pytest.raises(DeadlineExceeded):
+            c._call("WaitRun", pb.WaitRunRequest(run_id=slow.run_id), 0.5)
+        waited = c.submit_run([sub_task(sleep, scalars=[30_000])], wait_seconds=0.2).status
+        assert waited.state in (pb.RUN_STATE_EXECUTING, pb.RUN_STATE_QUEUED)
+        c.cancel(waited.run_id, terminate=True)
+    finally:
+        c.cancel(slow, terminate=True)
+
+
+@pytest.mark.timeout(90)
+def test_threads_share_one_sync_client_without_sharing_a_connection(c: Client) -> None:
+    echo = c.register(f"{TASKS}:echo")
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(10):
+                result = c.run([sub_task(echo, scalars=[n, i])], timeout=30)
+                assert result.results[0].value["scalars"] == [n, i]
+                assert c.get_info().pid > 0
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    futures = [c.submit([sub_task(echo, scalars=[k])]) for k in range(8)]
+    done = threading.Event()
+    seen: list[int] = []
+
+    def called(f: Any) -> None:  # on the DoneWatcher thread, beside our own calls
+        seen.append(int(f))
+        if len(seen) == len(futures):
+            done.set()
+
+    for fut in futures:
+        fut.add_done_callback(called)
+    values = [f.result(timeout=30).results[0].value for f in futures]
+    assert [v["scalars"] for v in values] == [[k] for k in range(8)]
+    assert done.wait(30)
+
+
+@pytest.mark.timeout(90)
+def test_async_client_multiplexes_calls_on_one_connection(daemon: DaemonProcess) -> None:
+    async def go() -> None:
+        async with AsyncClient(daemon.socket, timeout=60, transport="fast") as ac:
+            assert ac.transport == "fast"
+            echo = await ac.register(f"{TASKS}:echo")
+            sleep = await ac.register(f"{TASKS}:sleep_ms")
+            slow = await ac.submit([sub_task(sleep, scalars=[30_000])])
+            fast = [ac.run([sub_task(echo, scalars=[i])], timeout=30) for i in range(10)]
+            transport = ac._fast
+            assert transport is not None
+            connection = transport._proto
+            results = await asyncio.gather(*fast)  # ten calls in flight on one connection
+            assert [r.results[0].value["scalars"] for r in results] == [[i] for i in range(10)]
+            assert connection is not None and transport._proto is connection
+            # A cancelled awaiting call is cancelled in the daemon too: its stream slot
+            # comes back (STREAMS slots; cancelled watches would exhaust them).
+            for _ in range(STREAMS + 1):
+                watch = ac.watch(slow)
+                first = await watch.__anext__()
+                assert first.type == pb.RUN_EVENT_TYPE_SNAPSHOT
+                pending = asyncio.ensure_future(watch.__anext__())
+                await asyncio.sleep(0)
+                pending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pending
+                await watch.aclose()
+            with pytest.raises(DeadlineExceeded):
+                async for _ in ac.watch(slow, timeout=0.3):
+                    pass
+            await ac.cancel(slow, terminate=True)
+            with pytest.raises(RunCancelled):
+                await ac.wait(slow, timeout=30)
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+def test_transport_selection(
+    daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Client(daemon.socket, client_id="label" * 100) as auto:  # any label, as gRPC
+        assert auto.transport == "fast" and auto.get_info().pid > 0  # the fast socket exists
+    monkeypatch.setenv("SIMPLER_DAEMON_TRANSPORT", "grpc")
+    with Client(daemon.socket) as forced:
+        assert forced.transport == "grpc" and forced.get_info().pid > 0
+    with Client(daemon.socket, transport="fast") as explicit:  # explicit beats the env
+        assert explicit.transport == "fast"
+    monkeypatch.delenv("SIMPLER_DAEMON_TRANSPORT")
+    with pytest.raises(ValueError, match="transport"):
+        Client(daemon.socket, transport="carrier-pigeon")
+    lone = tmp_path / "daemon.sock"  # no daemon, no fast socket beside it
+    with Client(str(lone)) as fallback:
+        assert fallback.transport == "grpc"
+    with pytest.raises(Unavailable, match=str(tmp_path / "daemon.fast.sock")):
+        Client(str(lone), transport="fast")
+
+
+@pytest.mark.timeout(120)
+def test_fast_socket_follows_the_socket_mode_and_is_removed_at_stop(tmp_path: Path) -> None:
+    with running_daemon(tmp_path / "d", {"grpc": {"socket_mode": 0o600}}) as d:
+        path = fast_socket_path(d.socket)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with d.client(transport="fast") as client:
+            assert client.get_info().pid == d.pid
+    assert not os.path.exists(path) and not os.path.exists(d.socket)
+    with running_daemon(tmp_path / "off", {"fast": {"enabled": False}}) as off:
+        assert not os.path.exists(fast_socket_path(off.socket))
+        with off.client() as client:
+            assert client.transport == "grpc"
+
+
+@pytest.mark.timeout(30)
+def test_the_daemon_refuses_a_live_fast_socket_and_removes_a_stale_one(tmp_path: Path) -> None:
+    from simpler_daemon.errors import StartupError
+    from simpler_daemon.server.config import DaemonConfig, resolve
+    from simpler_daemon.server.daemon import Daemon
+
+    run = tmp_path / "run"
+    config = resolve(
+        DaemonConfig(daemon=msgspec.structs.replace(DaemonConfig().daemon, runtime_dir=str(run)))
+    )
+    fast = config.fast.unix_socket
+    assert fast == str(run / "daemon.fast.sock")
+    run.mkdir(mode=0o750)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        live.bind(fast)
+        live.listen(1)
+        with pytest.raises(StartupError, match="another process is serving on it"):
+            Daemon(config)._prepare_paths()
+    finally:
+        live.close()
+    assert os.path.exists(fast)  # closed, not removed: a stale socket now
+    Daemon(config)._prepare_paths()
+    assert not os.path.exists(fast)
+    Path(fast).write_text("not a socket")
+    with pytest.raises(StartupError, match="is not a socket"):
+        Daemon(config)._prepare_paths()
+
+
+@pytest.mark.timeout(60)
+def test_buffers_stream_both_ways_in_chunks_of_the_message_limit(c: Client) -> None:
+    data = np.random.default_rng(14).integers(0, 255, 6 << 20, dtype=np.uint8)
+    buf = c.alloc_array(data)  # WriteBuffer: a client stream of ~1 MiB chunks
+    try:
+        assert np.array_equal(c.read_array(buf, data.shape, data.dtype), data)
+        with pytest.raises(InvalidArgument) as bad:
+            c.write_buffer(buf, b"x" * 16, offset=(6 << 20) - 8)
+        assert bad.value.field == "target.total_bytes"
+    finally:
+        c.free_buffer(buf)
+
+
+@pytest.mark.timeout(30)
+def test_a_pooled_connection_the_daemon_closed_is_replaced(tmp_path: Path) -> None:
+    from simpler_daemon.client_fast import FastTransport
+
+    path = str(tmp_path / "d.fast.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    transport = FastTransport(path, "test")
+    try:
+        first = transport._take()
+        transport._give(first)
+        accepted, _ = listener.accept()
+        accepted.close()  # the daemon went away (restarted) while the connection idled
+        wait_until(first.stale, 10, "a closed connection does not read as stale")
+        first.idle_since -= 1.0  # idle long enough to be checked (back-to-back calls are not)
+        second = transport._take()
+        assert second is not first and not second.stale()
+        transport._give(second)
+        assert transport._take() is second  # an alive idle connection is reused
+    finally:
+        transport.close()
+        listener.close()
