@@ -73,6 +73,8 @@ MAX_KEY: Final = 256
 #: Longest stretch (seconds) the planner and a declarative run's build hold the event loop
 #: before yielding: a 100,000-task SubmitRun must not stall every other client.
 SLICE_S: Final = 0.002
+#: Well-formed hashids a Planner remembers (then it starts over).
+_WELL_FORMED_KEPT: Final = 4096
 #: Longest wait (seconds) a request may ask for; more means "until it ends" (as the client
 #: library's MAX_WAIT_S): an event loop deadline further out overflows.
 MAX_WAIT_S: Final = 1e8
@@ -185,6 +187,9 @@ class Planner:
         self._credentials_dir = credentials_dir
         self._dtypes: dict[str, np.dtype[Any]] = {}
         self._default_config: CallConfig | None = None
+        # Hashids already found well-formed (a pure check of the string, a regex costing
+        # microseconds on every submitted run); bounded by _WELL_FORMED_KEPT.
+        self._well_formed: set[str] = set()
 
     def reconfigure(self, limits: LimitsConfig, callables: CallablesConfig) -> None:
         """New limits and allow-list (SIGHUP) for requests planned from now on."""
@@ -230,10 +235,14 @@ class Planner:
     def handle(self, hashid: str, field: str) -> CallableHandle:
         if not hashid:
             raise InvalidArgument(field, "required ('sha256:' followed by 64 lowercase hex digits)")
-        try:
-            digest_of(hashid)
-        except RegistrationError as exc:
-            raise InvalidArgument(field, exc.args[0].partition(": ")[2] or str(exc)) from exc
+        if hashid not in self._well_formed:
+            try:
+                digest_of(hashid)
+            except RegistrationError as exc:
+                raise InvalidArgument(field, exc.args[0].partition(": ")[2] or str(exc)) from exc
+            if len(self._well_formed) >= _WELL_FORMED_KEPT:
+                self._well_formed.clear()
+            self._well_formed.add(hashid)
         entry = self._worker.registry.lookup(hashid)
         if entry is None or entry.state != "active":
             raise NotFound(field, f"callable {hashid} is not registered")
@@ -499,7 +508,12 @@ class Planner:
 
         Yields to the loop every ``SLICE_S`` (see :class:`Slicer`). Buffers are pinned
         as they are checked (``pins``, see :meth:`task_args`); the caller unpins them
-        when the run ends or when planning raises."""
+        when the run ends or when planning raises.
+
+        A task equal to the one before it (``[sub_task(f)] * n``, the usual big run) is
+        not validated again: it gets the same :class:`Planned` (its args are encoded
+        per slot at submit), so such a run costs one validation and one comparison per
+        task. Equal tasks pass or fail alike, and the first one names its index."""
         tasks = request.tasks
         limits = self._limits
         if not tasks:
@@ -516,9 +530,15 @@ class Planner:
         total = 0
         empty = TaskArgs()
         slicer = Slicer()
+        prev: Any = None
+        prev_planned: Planned | None = None
         for i, task in enumerate(tasks):
             if slicer.due():
                 await slicer.pause()
+            if prev_planned is not None and task == prev:
+                plan.append(prev_planned)
+                total += len(prev_planned.members)
+                continue
             where = f"tasks[{i}]"
             kind = task.kind
             kind_name = _TASK_KIND_NAMES.get(kind)
@@ -596,7 +616,8 @@ class Planner:
                 else:
                     args_list.append(self.task_args(member, f"{where}.members[{m}]", pins))
             total += len(args_list)
-            plan.append(Planned(kind, handle, args_list, config, workers))
+            prev, prev_planned = task, Planned(kind, handle, args_list, config, workers)
+            plan.append(prev_planned)
         return plan, total
 
 

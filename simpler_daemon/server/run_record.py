@@ -3,6 +3,11 @@
 A :class:`RunRecord` is bound to the engine's ``Run`` and driven by the Scheduler's
 callbacks, all on the daemon's event loop; it answers RunStatus, RunSummary and
 WatchRun streams. :mod:`simpler_daemon.server.runs` keeps the table of records.
+
+Once the run is terminal the record keeps a small status only (state, counts, error,
+times, the encoded task results while they are kept) and lets go of the engine's
+``Run`` (``Run.release``: its task slots, args and dependency map), so a finished run
+costs the daemon about :data:`STATUS_BYTES` whatever its size (issue 14.2).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Final
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.errors import TaskError
 from simpler_daemon.orchestrator import FailureInfo, Run, RunState, SlotState, TaskSlot
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.metrics import Metrics
@@ -26,6 +32,7 @@ from simpler_daemon.worker import RunHandle
 
 __all__ = [
     "RESULT_FRAMING",
+    "STATUS_BYTES",
     "WATCH_QUEUE_LIMIT",
     "RunRecord",
     "Watcher",
@@ -44,6 +51,10 @@ _BIG_REQUEST: Final = 1 << 16
 _STATUS_OVERHEAD: Final = 4096
 #: Bytes one TaskResult adds to a reply beside its value (indexes, tags, lengths).
 RESULT_FRAMING: Final = 16
+#: What a finished run's record holds beside its strings (the record, its event, its
+#: terminal RunEvent, timestamps), measured with tracemalloc (tests/test_daemon_memory.py):
+#: the unit of limits.max_finished_run_bytes.
+STATUS_BYTES: Final = 2048
 
 
 async def fingerprint(method: str, request: Any) -> bytes:
@@ -58,6 +69,11 @@ async def fingerprint(method: str, request: Any) -> bytes:
     if request.ByteSize() > _BIG_REQUEST:
         return await asyncio.to_thread(digest)
     return digest()
+
+
+def _time_up(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def now_ts(ns: int | None = None) -> Timestamp:
@@ -94,6 +110,48 @@ class RunRecord:
     (+failed per member).
     """
 
+    # Slotted: the daemon keeps up to limits.max_finished_runs_kept of them.
+    __slots__ = (
+        "_error",
+        "_final",
+        "_metrics",
+        "_results",
+        "_slots_seen",
+        "_static_total",
+        "_t0",
+        "_terminal_event",
+        "_terminal_message",
+        "_waiters",
+        "_was_cancelled",
+        "cancel_reason",
+        "cancel_requested",
+        "client",
+        "done",
+        "error_before_cancel",
+        "error_task_index",
+        "failed",
+        "finish_ns",
+        "finished",
+        "handle",
+        "key",
+        "key_print",
+        "label",
+        "on_bind",
+        "on_finished",
+        "priority",
+        "result_bytes",
+        "results_dropped",
+        "run",
+        "run_id",
+        "running",
+        "seq",
+        "state",
+        "status_bytes",
+        "submit_ns",
+        "total",
+        "watchers",
+    )
+
     def __init__(
         self,
         *,
@@ -127,8 +185,14 @@ class RunRecord:
         self.cancel_reason = ""
         self.error_before_cancel = False
         self.error_task_index: int | None = None
-        self.terminal_event: Any = None
+        # Terminal: set when the run ends; the terminal RunEvent is built on first use
+        # (terminal_event): most runs are never watched.
+        self._final = False
+        self._terminal_event: Any = None
+        self._terminal_message = ""
         self.finished = asyncio.Event()
+        # Futures of wait_finished() calls (None while nobody waits): resolved at terminal.
+        self._waiters: list[asyncio.Future[None]] | None = None
         self.on_finished: Callable[[RunRecord], None] | None = None
         self.on_bind: Callable[[RunRecord], None] | None = None
         self._metrics = metrics
@@ -137,13 +201,19 @@ class RunRecord:
         self.result_bytes = 0
         #: Why the results were dropped (limits.max_finished_result_bytes), "" while kept.
         self.results_dropped = ""
+        # Kept from the run when it turns terminal (the engine's Run is released then).
+        self._error: TaskError | None = None
+        self._was_cancelled = False
+        self._results: list[tuple[int, int | None, bytes]] = []
+        #: Bytes this finished run's status is counted for (limits.max_finished_run_bytes).
+        self.status_bytes = 0
 
     # -- binding ---------------------------------------------------------------------
 
     def bind(self, run: Run) -> None:
         """Attach to the engine's Run (idempotent); called from the orchestration
         function, before any task of the run can be dispatched."""
-        if self.run is not None:
+        if self.run is not None or self._final:
             return
         self.run = run
         self.run_id = run.run_id
@@ -166,15 +236,54 @@ class RunRecord:
 
     @property
     def terminal(self) -> bool:
-        return self.terminal_event is not None
+        return self._final
+
+    @property
+    def terminal_event(self) -> Any:
+        """The run's terminal RUN_STATE event (its final state, counts and message; None
+        while the run is not terminal), built on first use."""
+        event = self._terminal_event
+        if event is None and self._final:
+            event = self._terminal_event = pb.RunEvent(
+                run_id=self.run_id,
+                sequence=self.seq,  # the terminal event is the run's last
+                type=pb.RUN_EVENT_TYPE_RUN_STATE,
+                counts=self.counts(),
+                state=self.state,
+                time=now_ts(self.finish_ns),
+                message=self._terminal_message,
+            )
+        return event
+
+    async def wait_finished(self, timeout: float | None) -> None:
+        """Return once the run is terminal or ``timeout`` seconds (None: no limit) passed.
+
+        What ``asyncio.timeout`` around ``finished.wait()`` does, at a third of the cost
+        (one future and one timer handle, no Timeout object or task bookkeeping): it is
+        on the path of every SubmitRun that waits."""
+        if self._final:
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(waiter)
+        timer = None if timeout is None else loop.call_later(timeout, _time_up, waiter)
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            waiters = self._waiters
+            if waiters is not None:  # timed out or cancelled before the run ended
+                waiters.remove(waiter)
 
     # -- state -----------------------------------------------------------------------
 
     def proto_state(self) -> pb.RunState:
         run = self.run
-        if self.terminal_event is not None:
-            final: pb.RunState = self.terminal_event.state
-            return final
+        if self._final:
+            return self.state  # the final state, set when the run ended
         if run is None or not run.admitted:
             return pb.RUN_STATE_QUEUED
         state = run.state
@@ -190,6 +299,8 @@ class RunRecord:
 
     def _cancelled(self) -> bool:
         run = self.run
+        if run is None and self._final:
+            return self._was_cancelled
         if self.cancel_requested and not self.error_before_cancel:
             return True
         err = run.error if run is not None else None
@@ -220,7 +331,7 @@ class RunRecord:
 
     def error_proto(self) -> Any:
         run = self.run
-        err = run.error if run is not None else None
+        err = run.error if run is not None else self._error
         if err is None:
             return None
         cancelled = self.proto_state() == pb.RUN_STATE_CANCELLED
@@ -256,7 +367,7 @@ class RunRecord:
                 out.error.CopyFrom(err)
         if self.finish_ns:
             out.finish_time.CopyFrom(now_ts(self.finish_ns))
-        if include_results and out.state in _TERMINAL and self.run is not None:
+        if include_results and out.state in _TERMINAL:
             self._add_results(out, max_bytes)
         return out
 
@@ -305,14 +416,11 @@ class RunRecord:
         """Forget this finished run's results (``why`` names the limit); the bytes freed."""
         freed, self.result_bytes = self.result_bytes, 0
         self.results_dropped = why
-        if self.run is not None:
-            for slot in self.run.slots:
-                slot.result = None
+        self._results = []
         return freed
 
     def _add_results(self, out: Any, max_bytes: int) -> None:
         """Copy the run's encoded results (msgpack bytes; never decoded here) into ``out``."""
-        assert self.run is not None
         if self.results_dropped:
             raise Precondition(
                 "include_results",
@@ -320,7 +428,7 @@ class RunRecord:
                 f"({self.results_dropped}); its status is still kept (wait without "
                 "include_results)",
             )
-        results = self.run.encoded_results()
+        results = self._results
         size = sum(len(value) + RESULT_FRAMING for _, _, value in results)
         if max_bytes and size + _STATUS_OVERHEAD > max_bytes:
             raise LimitExceeded(
@@ -390,6 +498,22 @@ class RunRecord:
                     return
         finally:
             self.watchers.discard(watcher)
+
+    def _keep_status(self, run: Run, cancelled: bool, message: str) -> None:
+        """The run is terminal: keep what its status needs and let go of the Run (its
+        slots, args and dependency map; ``Run.release``) and of the handle."""
+        self._error = run.error
+        self._was_cancelled = cancelled
+        if self.result_bytes:
+            self._results = run.encoded_results()
+        run.release()
+        self.run = None
+        self.handle = None
+        err = self._error
+        text = 0 if err is None else len(str(err)) + len(err.remote_text)
+        self.status_bytes = (
+            STATUS_BYTES + len(self.label) + len(self.key) + len(self.client) + len(message) + text
+        )
 
     # -- events from the Scheduler (all on the loop) -----------------------------------
 
@@ -498,7 +622,7 @@ class RunRecord:
             self.seq += 1
 
     def _on_done(self, run: Run) -> None:
-        if self.terminal_event is not None:
+        if self._final:
             return
         self._sync_total()
         # Tasks that never got to run (the orchestration stopped early, or the
@@ -516,11 +640,18 @@ class RunRecord:
             message = str(run.error)
             if self.cancel_requested and self.cancel_reason and state == pb.RUN_STATE_CANCELLED:
                 message = f"run {self.run_id} cancelled: {self.cancel_reason}"
-        event = self._event(pb.RUN_EVENT_TYPE_RUN_STATE, message=message)
-        self.terminal_event = event
-        self._publish(event, force=True)
+        self.seq += 1
+        self._terminal_message = message
+        self._final = True
+        if self.watchers:  # else built when first asked for (terminal_event)
+            self._publish(self.terminal_event, force=True)
         self._t0.clear()
+        self._keep_status(run, state == pb.RUN_STATE_CANCELLED, message)
         self.finished.set()
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
         if self._metrics is not None:
             self._metrics.run_finished(pb.RunState.Name(state).removeprefix("RUN_STATE_").lower())
         if self.on_finished is not None:

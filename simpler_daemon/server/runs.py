@@ -7,8 +7,9 @@
          |  RunRecord per run  <---------------------------+ on_task_event, Run listeners,
          |  (counts, state, watchers, terminal event)         done callbacks
          v
-    runs / active / live / finished (bounded by limits.max_finished_runs_kept: the
-    oldest finished run of the client holding the most goes first), task result bytes
+    runs / active / live / finished (bounded by limits.max_finished_runs_kept and
+    limits.max_finished_run_bytes: the oldest finished run of the client holding the
+    most goes first; a finished run keeps a small status, not its slots), task result bytes
     (limits.max_run_result_bytes per run, limits.max_finished_result_bytes for the
     finished runs together: the oldest runs' results are dropped),
     idempotency keys (scoped per owner) -> run ids, per-owner active counts,
@@ -63,6 +64,9 @@ log = logging.getLogger("simpler_daemon.service")
 
 #: ListRuns answers at most this many runs when the request says 0.
 LIST_RUNS_DEFAULT: Final = 100
+#: Evicted runs whose eviction reason (the limit) NotFound still names; older ones get
+#: both limits named.
+_EVICTIONS_REMEMBERED: Final = 4096
 #: The keys of :meth:`RunTable.state_counts` (metrics read them).
 STATE_KEYS: Final = ("queued", "active", "completed", "failed", "cancelled")
 _STATE_KEY: Final[dict[int, str]] = {
@@ -91,6 +95,10 @@ class RunTable:
         # the oldest of the client holding the most, so one client cannot evict another's).
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._finished_by_client: dict[str, OrderedDict[int, None]] = {}
+        # Bytes the finished runs' statuses are counted for (RunRecord.status_bytes).
+        self._finished_status_bytes = 0
+        # Recently evicted runs -> the limit that evicted them (for NotFound's text).
+        self._evicted: OrderedDict[int, str] = OrderedDict()
         # Finished runs whose results are still kept, oldest first, and their bytes.
         self._with_results: OrderedDict[int, None] = OrderedDict()
         self._finished_result_bytes = 0
@@ -108,8 +116,9 @@ class RunTable:
         """New run limits (SIGHUP) for runs submitted from now on; runs already
         admitted stay. limits.max_concurrent_runs is the daemon's gate here; the
         engine's fair admission keeps the bound it started with (runs beyond it wait
-        QUEUED)."""
+        QUEUED). Finished runs past the new retention limits are forgotten now."""
         self._limits = limits
+        self._trim()
 
     @property
     def active_count(self) -> int:
@@ -161,10 +170,11 @@ class RunTable:
         rec = self._runs.get(run_id)
         if rec is None:
             if 0 < run_id <= self._highest_id:
+                why = self._evicted.get(run_id) or (
+                    f"{self._count_limit()} or {self._bytes_limit()}"
+                )
                 raise NotFound(
-                    field,
-                    f"run {run_id} finished and was evicted (limits.max_finished_runs_kept "
-                    f"= {self._limits.max_finished_runs_kept}): its status is gone",
+                    field, f"run {run_id} finished and was evicted ({why}): its status is gone"
                 )
             raise NotFound(field, f"run {run_id} is unknown (never submitted)")
         return rec
@@ -282,6 +292,8 @@ class RunTable:
 
     @staticmethod
     def _log_finished(rec: RunRecord) -> None:
+        if rec.state == pb.RUN_STATE_COMPLETED and not oplog.log.isEnabledFor(logging.DEBUG):
+            return  # oplog logs a completed run at DEBUG: skip building the line
         event = rec.terminal_event
         oplog.run_finished(
             rec.run_id,
@@ -312,8 +324,19 @@ class RunTable:
         if rec.result_bytes:
             self._with_results[rec.run_id] = None
             self._finished_result_bytes += rec.result_bytes
+        self._finished_status_bytes += rec.status_bytes
+        self._trim()
+
+    def _trim(self) -> None:
+        """Forget finished runs past the count and byte limits; drop the oldest runs'
+        results past limits.max_finished_result_bytes."""
         while len(self._finished) > self._limits.max_finished_runs_kept:
-            self._evict(self._eviction_victim())
+            self._evict(self._eviction_victim(), self._count_limit())
+        # One finished run stays whatever its size (a limit below one status keeps one).
+        while self._finished_status_bytes > self._limits.max_finished_run_bytes and (
+            len(self._finished) > 1
+        ):
+            self._evict(self._eviction_victim(), self._bytes_limit())
         limit = self._limits.max_finished_result_bytes
         while self._finished_result_bytes > limit and self._with_results:
             old, _ = self._with_results.popitem(last=False)
@@ -340,11 +363,21 @@ class RunTable:
         assert best is not None  # _finished is not empty, so neither is this
         return next(iter(best))
 
-    def _evict(self, old: int) -> None:
+    def _count_limit(self) -> str:
+        return f"limits.max_finished_runs_kept = {self._limits.max_finished_runs_kept}"
+
+    def _bytes_limit(self) -> str:
+        return f"limits.max_finished_run_bytes = {self._limits.max_finished_run_bytes}"
+
+    def _evict(self, old: int, why: str) -> None:
         self._finished.pop(old, None)
         gone = self._runs.pop(old, None)
         if gone is None:
             return
+        self._evicted[old] = why
+        if len(self._evicted) > _EVICTIONS_REMEMBERED:
+            self._evicted.popitem(last=False)
+        self._finished_status_bytes -= gone.status_bytes
         own = self._finished_by_client.get(gone.client)
         if own is not None:
             own.pop(old, None)
@@ -379,7 +412,8 @@ class RunTable:
             )
         except WorkerClosedError as exc:
             raise Precondition("", str(exc)) from exc
-        rec.handle = handle
+        if not handle.run.terminal:  # a terminal run's record keeps a status, not the run
+            rec.handle = handle
         rec.bind(handle.run)
         run_id = rec.run_id
         self._runs[run_id] = rec
@@ -424,9 +458,7 @@ class RunTable:
         """The run's status once terminal or after ``timeout`` seconds (with the task
         results when asked for and the run is terminal)."""
         if not rec.terminal and timeout != 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await rec.finished.wait()
+            await rec.wait_finished(timeout)
         return rec.status(include_results, self._limits.max_message_bytes)
 
     def abort_drain(self) -> bool:
