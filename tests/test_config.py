@@ -127,6 +127,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_concurrent_runs": 9,
         "max_streams_per_client": 10,
         "max_finished_runs_kept": 11,
+        "max_finished_run_bytes": 4097,
         "max_run_result_bytes": 700,
         "max_finished_result_bytes": 701,
         "max_group_members": 12,
@@ -142,12 +143,13 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "python_path": ["/tmp"],
     },
     "metrics": {"listen": "127.0.0.1:9464", "token_file": "/etc/simpler/metrics-token"},
+    "fast": {"enabled": False, "unix_socket": "/srv/simpler/d.fast.sock"},
     "security": {
         "admin_uids": [1001, 1002],
         "admin_groups": ["simpler-admins", "1003"],
         "admin_token_file": "/etc/simpler/admin-token",
     },
-    "scheduler": {"admission": "fifo"},
+    "scheduler": {"admission": "fifo", "spin_us": 150, "child_spin_us": 75},
 }
 
 

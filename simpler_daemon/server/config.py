@@ -226,6 +226,11 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Finished runs whose status WaitRun / ListRuns still report; past it the oldest
     finished run of the client holding the most finished runs is forgotten (one client's
     many runs never evict another client's recent one)."""
+    max_finished_run_bytes: int = 64 * MIB
+    """Bytes the statuses of the kept finished runs may take together (about 2 KiB each
+    plus their label, key and error text; results count under max_finished_result_bytes):
+    past it finished runs are forgotten as past max_finished_runs_kept. A finished run
+    keeps a status only, never its tasks (at least one finished run is kept)."""
     max_run_result_bytes: int = DEFAULT_RUN_RESULT_BYTES
     """Bytes of SUB task results one run may keep (each result counts its size plus 16):
     a task whose result would pass it fails (TASK_FAILURE naming this limit), so a
@@ -262,6 +267,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     different clients share idle workers round-robin weighted by their priority, so a
     small run is never stuck behind a big one; "fifo": the run at the head of admission
     takes the workers first (the in-process Worker's default)."""
+    spin_us: int = 200
+    """How long (µs) the Scheduler spins on the doorbell word while tasks are in flight
+    before it parks on the eventfd (0 = park at once). Spinning saves a wake-up per task
+    that finishes within it and costs the daemon this much CPU per completion wait; it
+    spins only while tasks typically finish within it (the Worker's scheduler_spin_s)."""
+    child_spin_us: int = 50
+    """How long (µs) a SUB worker spins for its next task after one ends, before it
+    parks on its futex (0 = park at once): a task arriving within it skips a wake-up; it
+    costs up to this much CPU per task, none while idle (the Worker's child_spin_ns).
+    Both spins are read at start: a change needs a restart."""
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -295,6 +310,16 @@ class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         )
 
 
+class FastConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[fast]`` section: the local fast path (server/fastpath.py), a framed msgspec
+    protocol on its own Unix socket that local Python clients prefer over gRPC."""
+
+    enabled: bool = True
+    unix_socket: str = ""
+    """"" = beside ``grpc.unix_socket``: ``<dir>/<stem>.fast.sock``, where clients look.
+    It gets ``grpc.socket_mode`` and ``grpc.socket_group``."""
+
+
 class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[metrics]`` section."""
 
@@ -315,6 +340,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     callables: CallablesConfig = msgspec.field(default_factory=CallablesConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    fast: FastConfig = msgspec.field(default_factory=FastConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
@@ -363,6 +389,7 @@ max_buffer_bytes = 1073741824       # 1 GiB
 max_concurrent_runs = 256
 max_streams_per_client = 16
 max_finished_runs_kept = 10000
+max_finished_run_bytes = 67108864   # 64 MiB of finished runs' statuses (about 2 KiB each)
 max_run_result_bytes = 16777216     # 16 MiB of task results per run
 max_finished_result_bytes = 268435456  # 256 MiB of results kept by finished runs
 max_group_members = 65536
@@ -377,6 +404,10 @@ allowed_modules = ["simpler_daemon.examples"]
 preload = []
 python_path = []            # directories your own modules are imported from
 
+[fast]
+enabled = true              # the local fast path for Python clients (docs/operations.md)
+unix_socket = ""            # "" = beside grpc.unix_socket: <dir>/<stem>.fast.sock
+
 [metrics]
 listen = ""
 token_file = ""             # set: scrapes send "Authorization: Bearer <token>"
@@ -388,6 +419,8 @@ admin_token_file = ""
 
 [scheduler]
 admission = "fair"          # "fair": runs share the workers by priority; "fifo": head run first
+spin_us = 200               # the Scheduler's spin before parking while tasks are in flight
+child_spin_us = 50          # a SUB worker's spin for its next task before parking
 """
 
 _SCHEMA: Final = ConfigSchema(
@@ -460,10 +493,20 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
         workers = replace(workers, num_sub_workers=_available_cpus())
     if workers.num_chips is None:
         workers = replace(workers, num_chips=2 if service.level == 3 else 0)
-    return replace(config, daemon=service, grpc=grpc, workers=workers)
+    fast = config.fast
+    if not fast.unix_socket:
+        from simpler_daemon.discovery import fast_socket_path
+
+        fast = replace(fast, unix_socket=fast_socket_path(grpc.unix_socket))
+    return replace(config, daemon=service, grpc=grpc, workers=workers, fast=fast)
 
 
 # --------------------------------------------------------------------------- validation
+
+
+#: The longest spin the config accepts (µs): beyond it a spin costs more CPU than any
+#: wake-up it could save.
+_MAX_SPIN_US: Final = 10_000
 
 
 def validate(config: DaemonConfig) -> None:
@@ -482,6 +525,13 @@ def _check(config: DaemonConfig) -> None:
     if not (math.isfinite(service.shutdown_grace) and service.shutdown_grace >= 0):
         raise Invalid("daemon.shutdown_grace", f": must be >= 0, got {service.shutdown_grace}")
     check_path("daemon.runtime_dir", service.runtime_dir)
+
+    for name in ("spin_us", "child_spin_us"):
+        value = getattr(config.scheduler, name)
+        if not 0 <= value <= _MAX_SPIN_US:
+            raise Invalid(
+                f"scheduler.{name}", f": must be between 0 and {_MAX_SPIN_US} (µs), got {value}"
+            )
 
     for name in ("num_sub_workers", "num_chips"):
         value = getattr(workers, name)
@@ -520,6 +570,19 @@ def _check(config: DaemonConfig) -> None:
         )
     if not 0 <= grpc.socket_mode <= 0o777:
         raise Invalid("grpc.socket_mode", f": {grpc.socket_mode:#o} is outside 0o000..0o777")
+    fast = config.fast
+    if fast.enabled:
+        check_path("fast.unix_socket", fast.unix_socket)
+        if len(os.fsencode(fast.unix_socket)) > _UNIX_PATH_MAX:
+            raise Invalid(
+                "fast.unix_socket",
+                f": {fast.unix_socket!r} is {len(os.fsencode(fast.unix_socket))} bytes, "
+                f"a Unix socket path may have at most {_UNIX_PATH_MAX}",
+            )
+        if fast.unix_socket and os.path.abspath(fast.unix_socket) == os.path.abspath(
+            grpc.unix_socket or "."
+        ):
+            raise Invalid("fast.unix_socket", ": must differ from grpc.unix_socket")
     if grpc.tcp_listen:
         check_host_port("grpc.tcp_listen", grpc.tcp_listen)
         if not (grpc.tls_cert and grpc.tls_key):

@@ -211,6 +211,10 @@ class Daemon:
         self.socket_path = config.grpc.unix_socket
         self.private_socket_path = private_socket_of(config)
         self._relay: Any = None
+        #: The local fast path's socket (server/fastpath.py); "" = [fast] enabled = false.
+        self.fast_socket_path = config.fast.unix_socket if config.fast.enabled else ""
+        self._fast: Any = None
+        self._fast_bound = False
         self.tcp_port: int | None = None
         self._token: bytes | None = None
         self._tls: tuple[bytes, bytes, bytes | None] | None = None
@@ -262,6 +266,8 @@ class Daemon:
                 close_timeout=CLOSE_TIMEOUT,
                 admission=cfg.scheduler.admission,
                 max_active_runs=cfg.limits.max_concurrent_runs,
+                scheduler_spin_s=cfg.scheduler.spin_us / 1e6,
+                child_spin_ns=cfg.scheduler.child_spin_us * 1000,
             )
         except ValueError as exc:
             raise StartupError(f"cannot start the daemon: {exc}") from exc
@@ -365,6 +371,13 @@ class Daemon:
                 f"cannot bind {self.private_socket_path}: the path is too long for a Unix "
                 "socket (choose a shorter daemon.runtime_dir)"
             )
+        self._claim_socket_path(path)
+        if self.fast_socket_path:
+            self._claim_socket_path(self.fast_socket_path)
+
+    def _claim_socket_path(self, path: str) -> None:
+        """Remove a stale socket at ``path``; ``StartupError`` when something else is
+        there or another process serves on it."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -560,6 +573,9 @@ class Daemon:
         for sock_path in (self.socket_path, self.private_socket_path) if self._socket_bound else ():
             with contextlib.suppress(OSError):
                 os.unlink(sock_path)
+        if self._fast_bound:
+            with contextlib.suppress(OSError):
+                os.unlink(self.fast_socket_path)
         self.notifier.status(f"exited at once ({why})")
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
@@ -666,6 +682,8 @@ class Daemon:
         finally:
             self._relay.public_path = path
         self._socket_bound = True
+        if self.fast_socket_path:
+            await self._start_fast(service)
         if self._metrics is not None:
             host, port = parse_host_port(cfg.metrics.listen, key="metrics.listen")
             await self._metrics.start(host, port)
@@ -675,6 +693,8 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, serving)
         self._announce(f"listening on unix:{path}")
+        if self._fast_bound:
+            self._announce(f"fast path on {self.fast_socket_path}")
         if self.tcp_port is not None:
             host, _ = parse_host_port(cfg.grpc.tcp_listen, key="grpc.tcp_listen")
             shown = f"[{host}]" if ":" in host else host
@@ -695,6 +715,25 @@ class Daemon:
         period = self.notifier.ping_period()
         if cfg.daemon.watchdog and period:
             self._tasks.append(asyncio.create_task(self._watchdog(period), name="watchdog"))
+
+    async def _start_fast(self, service: Any) -> None:
+        """The local fast path (server/fastpath.py) beside the gRPC socket, with the same
+        mode and group, published the same way (bound staged, renamed into place)."""
+        from simpler_daemon.server.fastpath import FastServer
+
+        cfg = self.config
+        path = self.fast_socket_path
+        self._fast = FastServer(service, path, cfg.limits.max_message_bytes)
+        try:
+            with staged_socket_path(path) as staged:
+                self._fast.path = staged
+                await self._fast.start()
+                publish_socket(staged, path, cfg.grpc.socket_mode, self._gid)
+        except OSError as exc:
+            raise StartupError(str(exc)) from exc
+        finally:
+            self._fast.path = path
+        self._fast_bound = True
 
     async def _not_serving(self) -> None:
         """Health turns NOT_SERVING: a drain began (load balancers stop sending work)."""
@@ -776,10 +815,19 @@ class Daemon:
                 log.exception("closing the worker pool failed")
         if self._relay is not None:
             self._relay.stop_accepting()
+        if self._fast is not None:
+            self._fast.stop_accepting()
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await server.stop(STREAM_GRACE)
         self._servers.clear()
+        if self._fast is not None:
+            await self._fast.close(STREAM_GRACE)
+            self._fast = None
+        if self._fast_bound:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.fast_socket_path)
+            self._fast_bound = False
         if self._relay is not None:
             await self._relay.close()
         with contextlib.suppress(FileNotFoundError):

