@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -37,8 +38,15 @@ class ProgressLoop(RunCompletion):
 
     def spin_budget(self) -> float:
         """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
-        they typically run longer than that (spinning would only steal a core from them)."""
-        return self.spin_s if self.latency_ewma < self.spin_s else 0.0
+        they typically run longer than that (spinning would only steal a core from them),
+        except for an occasional probe that finds out when they are quick again
+        (spingate.py)."""
+        return self.spin_gate.budget(time.monotonic())
+
+    def note_park(self) -> None:
+        """The driving loop is about to sleep on the doorbell (counted in ``stats``)."""
+        self.stats["parks"] += 1
+        self.spin_gate.parked(time.monotonic(), self.busy())
 
     def socket_busy(self) -> bool:
         """A lane whose completion arrives on a socket (not the doorbell word) is busy."""
@@ -135,11 +143,14 @@ class ProgressLoop(RunCompletion):
                     # Yield to the loop until a child announces a completion or a
                     # submitter pokes us; no mailbox is re-polled meanwhile. This is the
                     # bounded spin of the spin-then-park design, so an Event would be wrong.
-                    while (  # noqa: ASYNC110
+                    # The core is yielded too: a child woken onto it runs at once
+                    # instead of after the spin (see Driver._rounds).
+                    while (
                         doorbell.completed() == seen
                         and not self._poked
                         and time.monotonic() - last_progress < spin_s
                     ):
+                        os.sched_yield()
                         await asyncio.sleep(0)
                     continue
                 # Park: flag first, then one more round (Dekker), then sleep.
@@ -151,7 +162,7 @@ class ProgressLoop(RunCompletion):
                     doorbell.unpark()
                     self._wake = None
                     continue
-                self.stats["parks"] += 1
+                self.note_park()
                 timeout = 0.01 if self.busy() else None
                 try:
                     if timeout is None:
