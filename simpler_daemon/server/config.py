@@ -14,7 +14,9 @@ Layers, later wins::
 Every failure is a ``ConfigError`` whose ``key`` is the dotted setting and whose
 message names the file (and where a value came from when it was not the file).
 Loading has no side effects: nothing is created, bound or imported here. The layering
-itself is :mod:`simpler_daemon.configfile`; this module holds the structs and rules.
+itself is :mod:`simpler_daemon.configfile`; the structs are
+:mod:`simpler_daemon.server.config_types` (re-exported here); this module holds the
+default file, the rules, loading and dumping.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import os
 import stat
 from collections.abc import Mapping
-from typing import Final, Literal
+from typing import Final
 
 import msgspec
 
@@ -33,10 +35,29 @@ from simpler_daemon.configfile import (
     check_host_port,
     check_module_names,
     check_path,
-    default_allowed_modules,
     is_dotted,
     parse_host_port,
 )
+from simpler_daemon.server.config_types import (
+    DEFAULT_RUN_RESULT_BYTES,
+    GIB,
+    MIB,
+    CallablesConfig,
+    DaemonConfig,
+    GrpcConfig,
+    LimitsConfig,
+    LocalCallableConfig,
+    LocalWorkerConfig,
+    MetricsConfig,
+    RemoteCallableConfig,
+    RemoteWorkerConfig,
+    SchedulerConfig,
+    SecurityConfig,
+    ServiceConfig,
+    WorkersConfig,
+)
+from simpler_daemon.server.config_types import KIB as KIB
+from simpler_daemon.server.config_types import FastConfig as FastConfig
 
 __all__ = [
     "DEFAULT_CONFIG_TOML",
@@ -67,282 +88,16 @@ __all__ = [
     "validate",
 ]
 
-KIB: Final = 1 << 10
-MIB: Final = 1 << 20
-GIB: Final = 1 << 30
-
 #: Environment variables ``SIMPLER_DAEMON__SECTION__KEY`` override the file.
 ENV_PREFIX: Final = "SIMPLER_DAEMON__"
 
 # gRPC message size options are C ints.
 _GRPC_MAX_MESSAGE: Final = (1 << 31) - 1
-#: Default of limits.max_run_result_bytes.
-DEFAULT_RUN_RESULT_BYTES: Final = 16 * MIB
 #: Room one WaitRun reply keeps beside a run's results (its RunStatus, error text); a
 #: quarter of limits.max_message_bytes when that is below 256 KiB.
 RESULT_HEADROOM_BYTES: Final = 64 << 10
 # sun_path is 108 bytes including the terminating NUL.
 _UNIX_PATH_MAX: Final = 107
-
-
-class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[daemon]`` section: the process itself."""
-
-    level: Literal[3, 4] = 3
-    """3 = node (one host: chips and SUB workers), 4 = pod parent of L3 workers."""
-    runtime_dir: str = ""
-    """Socket and state directory; "" = ``default_runtime_dir()`` (``$XDG_RUNTIME_DIR``,
-    ``/run/user/<uid>``, ``/run`` for root, else ``/tmp/simpler-daemon-<uid>``)."""
-    startup_timeout: float = 30.0
-    """Seconds for every child to report ready before start-up fails."""
-    shutdown_grace: float = 30.0
-    """Seconds admitted runs get to finish on SIGTERM/Drain before they are cancelled."""
-    log_format: Literal["text", "json"] = "text"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    watchdog: bool = True
-    """Ping the systemd watchdog from the event loop when systemd asks for it."""
-
-
-class RemoteCallableConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``callables`` entry of a ``[[workers.remote]]`` table: installed at start."""
-
-    target: str
-    """``module:qualname``, importable on the remote host."""
-    kind: Literal["sub", "chip", "orchestration"]
-
-
-class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``[[workers.remote]]`` table (level 4): a session on a simpler-remote-worker."""
-
-    endpoint: str
-    """"IP:PORT" (or "localhost:PORT") of the simpler-remote-worker; host names are
-    not resolved."""
-    num_sub_workers: int = 1
-    num_chips: int = 0
-    chip_pipeline_depth: Literal[1, 2] = 2
-    heap_bytes: int = 64 * MIB
-    """Shared heap of the remote L3."""
-    session_timeout_s: float = 30.0
-    """Seconds the health lane may stay silent (and a control may take) before the
-    session counts as failed."""
-    token_file: str = ""
-    """File holding the worker's bearer token; "" = none (loopback workers only)."""
-    tls_ca_file: str = ""
-    """Set: TLS to the worker, verified against this CA."""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    """Both set: a client certificate (mutual TLS)."""
-    tls_server_name: str = ""
-    """Name checked against the worker's certificate; "" = the endpoint's host."""
-    callables: list[RemoteCallableConfig] = []
-
-
-class LocalCallableConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``callables`` entry of a ``[[workers.local]]`` table: installed into that L3."""
-
-    target: str
-    """``module:qualname`` under ``callables.allowed_modules``."""
-    kind: Literal["sub", "chip", "orchestration"]
-    """"sub" or "chip"; "orchestration" is refused: an orchestration is never installed
-    into one L3, a RegisterCallable of kind ORCHESTRATION (no workers) reaches every
-    local L3 worker."""
-
-
-class LocalWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``[[workers.local]]`` table (level 4): an L3 worker forked on this host, with
-    SUB and chip children of its own."""
-
-    num_sub_workers: int = 1
-    num_chips: int = 0
-    chip_pipeline_depth: Literal[1, 2] = 2
-    heap_bytes: int = 64 * MIB
-    """The L3's own heap (mapped by the daemon before it forks, so the L3's children
-    see the daemon's heap and this one zero-copy)."""
-    callables: list[LocalCallableConfig] = []
-
-
-class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[workers]`` section: the pre-forked pools."""
-
-    num_sub_workers: int = 0
-    """SUB worker processes; 0 = one per CPU available to the daemon at level 3, none
-    at level 4 (a pod parent's work runs on its L3 workers)."""
-    num_chips: int | None = None
-    """Simulated chip children (NEXT_LEVEL workers 0..num_chips-1); unset = 2 at level 3,
-    0 at level 4 (a pod parent's chips belong to its L3 workers)."""
-    chip_pipeline_depth: Literal[1, 2] = 2
-    heap_bytes: int = 256 * MIB
-    """Size of the shared heap that tensors live in."""
-    heap_shared: bool = True
-    """Expose the heap as /dev/shm/simpler-heap-<pid>-<id> so local clients running as
-    the daemon's user map buffers zero-copy (Client.map_buffer); unlinked at stop,
-    swept at start if a crashed daemon left it."""
-    local: list[LocalWorkerConfig] = []
-    """Level 4: ``[[workers.local]]`` L3 workers forked at start (NEXT_LEVEL workers;
-    ids 0.. in file order, before the remote ones)."""
-    remote: list[RemoteWorkerConfig] = []
-    """Level 4: ``[[workers.remote]]`` sessions opened at start (NEXT_LEVEL workers;
-    ids follow the local ones, in file order)."""
-    remote_credentials_dir: str = ""
-    """Directory the credential files named in an AddRemoteWorker request must lie in;
-    "" = such a request may name none (the daemon never reads a client-chosen path
-    outside it)."""
-
-
-class GrpcConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[grpc]`` section: where and how clients connect."""
-
-    unix_socket: str = ""
-    """"" = ``<runtime_dir>/daemon.sock``."""
-    socket_mode: int = 0o660
-    socket_group: str = ""
-    """Group (name or gid) given to the socket; "" = the daemon's group."""
-    tcp_listen: str = ""
-    """"host:port" of an optional TCP listener; requires TLS and a token."""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    """Set: mutual TLS, every TCP client must present a certificate from this CA."""
-    token_file: str = ""
-    """File holding the bearer token TCP clients must send."""
-
-
-#: Largest ``limits.max_task_seconds``: ``CallConfig.deadline_ms`` stops at a week
-#: (``args.MAX_DEADLINE_MS``; not imported here, the config loads without NumPy).
-_MAX_TASK_SECONDS: Final = 7 * 24 * 3600.0
-
-
-class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[limits]`` section: every size and count a client controls is bounded."""
-
-    max_message_bytes: int = 64 * MIB
-    max_tasks_per_run: int = 100_000
-    max_tensors_per_task: int = 256
-    max_scalars_per_task: int = 128
-    max_buffer_bytes: int = 1 * GIB
-    max_concurrent_runs: int = 256
-    max_streams_per_client: int = 16
-    max_finished_runs_kept: int = 10_000
-    """Finished runs whose status WaitRun / ListRuns still report; past it the oldest
-    finished run of the client holding the most finished runs is forgotten (one client's
-    many runs never evict another client's recent one)."""
-    max_finished_run_bytes: int = 64 * MIB
-    """Bytes the statuses of the kept finished runs may take together (about 2 KiB each
-    plus their label, key and error text; results count under max_finished_result_bytes):
-    past it finished runs are forgotten as past max_finished_runs_kept. A finished run
-    keeps a status only, never its tasks (at least one finished run is kept)."""
-    max_run_result_bytes: int = DEFAULT_RUN_RESULT_BYTES
-    """Bytes of SUB task results one run may keep (each result counts its size plus 16):
-    a task whose result would pass it fails (TASK_FAILURE naming this limit), so a
-    finished run's results always fit one WaitRun reply. At most limits.max_message_bytes
-    minus RESULT_HEADROOM_BYTES; the default is lowered to that when max_message_bytes is
-    smaller (see :func:`run_result_limit`)."""
-    max_finished_result_bytes: int = 256 * MIB
-    """Bytes of results all finished runs keep together; past it the results of the
-    oldest finished runs are dropped (their WaitRun / SubmitRun ``include_results`` is
-    FAILED_PRECONDITION naming this limit; their status stays)."""
-    max_group_members: int = 65_536
-    """Members of one SUB_GROUP / NEXT_LEVEL_GROUP task."""
-    per_client_runs: int = 128
-    """Active runs of one client identity (``Identity.owner``); below max_concurrent_runs
-    so that one client cannot take every run slot."""
-    per_client_heap_bytes: int = 128 * MIB
-    """Bytes of heap buffers one client identity may hold at once (freed buffers stop
-    counting; a client's buffers outlive its connection and keep counting)."""
-    per_client_registrations: int = 256
-    """Callable registrations (references) one client identity may hold at once."""
-    max_import_path_chars: int = 1024
-    """Length of a RegisterCallable import path."""
-    max_task_seconds: float = 0.0
-    """Ceiling on every task's time: its effective deadline is min(deadline_ms, this),
-    enforced by the parent (the child is killed, the task fails with ``deadline
-    exceeded``); 0 = none."""
-
-
-class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[scheduler]`` section: how runs share the workers."""
-
-    admission: Literal["fair", "fifo"] = "fair"
-    """"fair": every admitted run (up to limits.max_concurrent_runs) dispatches, runs of
-    different clients share idle workers round-robin weighted by their priority, so a
-    small run is never stuck behind a big one; "fifo": the run at the head of admission
-    takes the workers first (the in-process Worker's default)."""
-    spin_us: int = 200
-    """How long (µs) the Scheduler spins on the doorbell word while tasks are in flight
-    before it parks on the eventfd (0 = park at once). Spinning saves a wake-up per task
-    that finishes within it and costs the daemon this much CPU per completion wait; it
-    spins only while tasks typically finish within it (the Worker's scheduler_spin_s)."""
-    child_spin_us: int = 50
-    """How long (µs) a SUB worker spins for its next task after one ends, before it
-    parks on its futex (0 = park at once): a task arriving within it skips a wake-up; it
-    costs up to this much CPU per task, none while idle (the Worker's child_spin_ns).
-    Both spins are read at start: a change needs a restart."""
-
-
-class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[security]`` section: who is an admin (see docs/operations.md, threat model).
-
-    Root and the daemon's own uid are always admins."""
-
-    admin_uids: list[int] = []
-    """Further uids (Unix-socket peers) that may Drain, shut down and act on others' objects."""
-    admin_groups: list[str] = []
-    """Groups (name or gid) whose members are admins on the Unix socket."""
-    admin_token_file: str = ""
-    """File holding the bearer token that makes a TCP client an admin; "" = none."""
-
-
-class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[callables]`` section: which code clients may register by import path."""
-
-    allowed_modules: list[str] = msgspec.field(default_factory=default_allowed_modules)
-    """A module is allowed when it equals an entry or lies below one (``entry.``)."""
-    preload: list[str] = []
-    """``module:qualname`` paths registered at start; each must be allowed."""
-    python_path: list[str] = []
-    """Directories (absolute, existing) put first on the daemon's ``sys.path`` before it
-    forks its workers, which inherit it: where your own modules are imported from."""
-
-    def allows(self, module: str) -> bool:
-        """Whether ``module`` may be imported on a client's behalf."""
-        return any(
-            module == entry or module.startswith(entry + ".") for entry in self.allowed_modules
-        )
-
-
-class FastConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[fast]`` section: the local fast path (server/fastpath.py), a framed msgspec
-    protocol on its own Unix socket that local Python clients prefer over gRPC."""
-
-    enabled: bool = True
-    unix_socket: str = ""
-    """"" = beside ``grpc.unix_socket``: ``<dir>/<stem>.fast.sock``, where clients look.
-    It gets ``grpc.socket_mode`` and ``grpc.socket_group``."""
-
-
-class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[metrics]`` section."""
-
-    listen: str = ""
-    """"host:port" of the Prometheus ``/metrics`` listener; "" = off."""
-    token_file: str = ""
-    """Set: scrapes must send ``Authorization: Bearer <token>`` (the file's content, at
-    least 16 bytes, mode 0600); "" = no token (keep ``listen`` on loopback then)."""
-
-
-class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The whole configuration; decode with ``msgspec.toml.decode(data, type=DaemonConfig)``
-    or, with layering and validation, :func:`load`."""
-
-    daemon: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
-    workers: WorkersConfig = msgspec.field(default_factory=WorkersConfig)
-    grpc: GrpcConfig = msgspec.field(default_factory=GrpcConfig)
-    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
-    callables: CallablesConfig = msgspec.field(default_factory=CallablesConfig)
-    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
-    fast: FastConfig = msgspec.field(default_factory=FastConfig)
-    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
-    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
 
 #: The configuration used when no file is given; equal to ``DaemonConfig()``.
@@ -504,6 +259,9 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
 # --------------------------------------------------------------------------- validation
 
 
+#: Largest ``limits.max_task_seconds``: ``CallConfig.deadline_ms`` stops at a week
+#: (``args.MAX_DEADLINE_MS``; not imported here, the config loads without NumPy).
+_MAX_TASK_SECONDS: Final = 7 * 24 * 3600.0
 #: The longest spin the config accepts (µs): beyond it a spin costs more CPU than any
 #: wake-up it could save.
 _MAX_SPIN_US: Final = 10_000

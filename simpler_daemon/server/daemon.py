@@ -34,12 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
-import hashlib
 import logging
 import os
 import signal
-import socket
-import stat
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final
@@ -50,13 +47,6 @@ from simpler_daemon.callables import extend_import_path, restrict_imports
 from simpler_daemon.endpoints.local import set_max_task_seconds
 from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
-from simpler_daemon.localtrust import (
-    UntrustedPathError,
-    ensure_private_dir,
-    publish_socket,
-    staged_socket_path,
-    sweep_staging_dirs,
-)
 from simpler_daemon.logsetup import JsonFormatter, configure_logging
 from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
 from simpler_daemon.remote.spec import RemoteWorkerSpec
@@ -65,6 +55,13 @@ from simpler_daemon.server.config import (
     LocalWorkerConfig,
     RemoteWorkerConfig,
     parse_host_port,
+)
+from simpler_daemon.server.listeners import (
+    bind_private_socket,
+    prepare_socket_paths,
+    private_socket_of,
+    publish_fast,
+    publish_relay,
 )
 from simpler_daemon.server.notify import SystemdNotifier
 from simpler_daemon.server.tcpauth import is_loopback, token_interceptor
@@ -173,13 +170,6 @@ def local_worker_of(local: LocalWorkerConfig, key: str, startup_timeout: float) 
     except ValueError as exc:
         raise ConfigError(f"{key}: {exc}", key=key) from exc
     return inner
-
-
-def private_socket_of(config: DaemonConfig) -> str:
-    """Where the gRPC server itself listens (mode 0600): clients reach it through the
-    public socket's relay, which records their peer credentials (see peers.py)."""
-    digest = hashlib.sha256(os.fsencode(config.grpc.unix_socket)).hexdigest()[:16]
-    return os.path.join(config.daemon.runtime_dir, f"private-{digest}.sock")
 
 
 # --------------------------------------------------------------------------- the daemon
@@ -345,57 +335,11 @@ class Daemon:
                     ) from exc
 
     def _prepare_paths(self) -> None:
-        """Verify (or create) the runtime and socket directories, remove a stale socket.
-
-        A directory someone else owns or can write, or a symlink, is refused: whoever
-        controls it would receive the daemon's socket and its clients' connections."""
-        cfg = self.config
-        path = self.socket_path
-        socket_dir = os.path.dirname(os.path.abspath(path))
-        runtime_dir = os.path.abspath(cfg.daemon.runtime_dir)
-        directories = {runtime_dir: "runtime directory"}
-        directories.setdefault(socket_dir, "socket directory")
-        for directory, what in directories.items():
-            try:
-                ensure_private_dir(directory, 0o750, what=what)
-            except UntrustedPathError as exc:
-                raise StartupError(str(exc)) from exc
-            except OSError as exc:
-                raise StartupError(
-                    f"cannot create the {what} {directory}: {exc.strerror or exc}"
-                ) from exc
-            for stale in sweep_staging_dirs(directory):
-                log.info("removed a staging directory a killed daemon left: %s", stale)
-        if len(os.fsencode(self.private_socket_path)) > 107:
-            raise StartupError(
-                f"cannot bind {self.private_socket_path}: the path is too long for a Unix "
-                "socket (choose a shorter daemon.runtime_dir)"
-            )
-        self._claim_socket_path(path)
-        if self.fast_socket_path:
-            self._claim_socket_path(self.fast_socket_path)
-
-    def _claim_socket_path(self, path: str) -> None:
-        """Remove a stale socket at ``path``; ``StartupError`` when something else is
-        there or another process serves on it."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise StartupError(f"cannot bind {path}: it exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except OSError:
-            log.info("removing stale socket %s", path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            return
-        finally:
-            probe.close()
-        raise StartupError(f"cannot bind {path}: another process is serving on it")
+        """Verify (or create) the runtime and socket directories, remove a stale socket
+        (see listeners.prepare_socket_paths)."""
+        prepare_socket_paths(
+            self.config, self.socket_path, self.private_socket_path, self.fast_socket_path
+        )
 
     def load_credentials(self) -> None:
         """Read and check every credential file (tokens, TLS); ``ConfigError`` naming
@@ -639,17 +583,7 @@ class Daemon:
 
         unix_server = build([])
         path = self.socket_path
-        private = self.private_socket_path
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(private)  # stale: the public socket was checked in prepare()
-        # Bound in a private directory and renamed into place already 0600: only the
-        # daemon's user may connect, ever, and a path swapped meanwhile is never followed.
-        try:
-            with staged_socket_path(private) as staged:
-                unix_server.add_insecure_port(f"unix:{staged}")
-                publish_socket(staged, private, 0o600, None)
-        except (RuntimeError, OSError) as exc:
-            raise StartupError(f"cannot bind the Unix socket {private}: {exc}") from exc
+        bind_private_socket(unix_server, self.private_socket_path)
         self._servers.append(unix_server)
 
         if cfg.grpc.tcp_listen:
@@ -670,17 +604,7 @@ class Daemon:
 
         for server in self._servers:
             await server.start()
-        # The public socket gets its mode and group before it appears at ``path`` (a chmod
-        # after bind would follow a symlink swapped in for the socket).
-        try:
-            with staged_socket_path(path) as staged:
-                self._relay.public_path = staged
-                await self._relay.start()
-                publish_socket(staged, path, cfg.grpc.socket_mode, self._gid)
-        except OSError as exc:
-            raise StartupError(str(exc)) from exc
-        finally:
-            self._relay.public_path = path
+        await publish_relay(self._relay, path, cfg.grpc.socket_mode, self._gid)
         self._socket_bound = True
         if self.fast_socket_path:
             await self._start_fast(service)
@@ -724,15 +648,7 @@ class Daemon:
         cfg = self.config
         path = self.fast_socket_path
         self._fast = FastServer(service, path, cfg.limits.max_message_bytes)
-        try:
-            with staged_socket_path(path) as staged:
-                self._fast.path = staged
-                await self._fast.start()
-                publish_socket(staged, path, cfg.grpc.socket_mode, self._gid)
-        except OSError as exc:
-            raise StartupError(str(exc)) from exc
-        finally:
-            self._fast.path = path
+        await publish_fast(self._fast, path, cfg.grpc.socket_mode, self._gid)
         self._fast_bound = True
 
     async def _not_serving(self) -> None:
