@@ -41,6 +41,7 @@ from typing import Annotated, Any, Final, NamedTuple, TypeAlias
 import msgspec
 
 from simpler_daemon.errors import ProtocolError
+from simpler_daemon.framestream import StreamDecoder
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = [
@@ -148,7 +149,7 @@ def frame_limit(max_message_bytes: int) -> int:
     return min(_U32_MAX, max_message_bytes + ENVELOPE)
 
 
-class FrameDecoder:
+class FrameDecoder(StreamDecoder[Any]):
     """Sans-IO decoder of one connection's byte stream; fed arbitrary splits.
 
     ``frames``: the union of frame structs this end accepts (:data:`SERVER_FRAMES` or
@@ -157,24 +158,12 @@ class FrameDecoder:
     every later :meth:`feed` or :meth:`eof` re-raises it.
     """
 
-    __slots__ = ("_buf", "_consumed", "_dec", "_failed", "_frames", "max_frame")
+    __slots__ = ("_dec", "max_frame")
 
     def __init__(self, frames: Any, max_frame: int) -> None:
+        super().__init__()
         self._dec: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(frames)
         self.max_frame = max_frame
-        self._buf = bytearray()
-        self._consumed = 0  # stream offset of _buf[0], for error messages
-        self._frames = 0
-        self._failed: ProtocolError | None = None
-
-    @property
-    def failed(self) -> ProtocolError | None:
-        return self._failed
-
-    @property
-    def buffered(self) -> int:
-        """Bytes held back waiting for the rest of a frame."""
-        return len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
         """Add ``data`` and return every frame it completes, in order."""
@@ -193,34 +182,7 @@ class FrameDecoder:
                     self._frames += 1
                     self._consumed += size + 4
                     return [frame]
-        try:
-            return self._feed(data)
-        except ProtocolError as exc:
-            self._fail(exc)
-            raise
-        except Exception as exc:  # a codec bug must still end the connection cleanly
-            err = ProtocolError(f"cannot decode frame {self._where()}: {exc!r}")
-            self._fail(err)
-            raise err from exc
-
-    def eof(self) -> None:
-        """Raise ``ProtocolError`` when the stream ended inside a frame."""
-        if self._failed is not None:
-            raise self._failed
-        if self._buf:
-            exc = ProtocolError(
-                f"cannot decode frame {self._where()}: truncated frame at EOF "
-                f"({len(self._buf)} bytes of an incomplete frame buffered)"
-            )
-            self._fail(exc)
-            raise exc
-
-    def _fail(self, exc: ProtocolError) -> None:
-        self._failed = exc
-        self._buf = bytearray()
-
-    def _where(self) -> str:
-        return f"{self._frames} (stream offset {self._consumed})"
+        return self._guarded(data)
 
     def _feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
         frames: list[Any] = []

@@ -40,6 +40,7 @@ import msgspec
 
 from simpler_daemon.args import _DTYPES
 from simpler_daemon.errors import ProtocolError
+from simpler_daemon.framestream import StreamDecoder
 
 __all__ = [
     "CONTROL_BODIES",
@@ -482,7 +483,7 @@ _PAYLOAD_DECODERS: Final = {
 }
 
 
-class FrameDecoder:
+class FrameDecoder(StreamDecoder[Frame]):
     """Sans-IO decoder of one connection's byte stream; fed arbitrary splits.
 
     ``session_id`` / ``worker_id`` (when given) are the only ids a frame may
@@ -492,16 +493,7 @@ class FrameDecoder:
     the connection.
     """
 
-    __slots__ = (
-        "_accept",
-        "_allowed",
-        "_buf",
-        "_consumed",
-        "_failed",
-        "_frames",
-        "_session_id",
-        "_worker_id",
-    )
+    __slots__ = ("_accept", "_allowed", "_session_id", "_worker_id")
 
     def __init__(
         self,
@@ -510,60 +502,17 @@ class FrameDecoder:
         worker_id: int | None = None,
         allowed: frozenset[FrameType] | None = None,
     ) -> None:
+        super().__init__()
         self._session_id = session_id
         self._worker_id = worker_id
         self._allowed = allowed
-        self._buf = bytearray()
-        self._consumed = 0  # stream offset of _buf[0], for error messages
-        self._frames = 0  # frames decoded so far, for error messages
-        self._failed: ProtocolError | None = None
         # frame type value -> (type, payload decoder) for every type this lane accepts
         self._accept: dict[int, tuple[FrameType, msgspec.msgpack.Decoder[Any] | None]] = {
             t.value: (t, _PAYLOAD_DECODERS[t]) for t in FrameType if allowed is None or t in allowed
         }
 
-    @property
-    def failed(self) -> ProtocolError | None:
-        return self._failed
-
-    @property
-    def buffered(self) -> int:
-        """Bytes held back waiting for the rest of a frame."""
-        return len(self._buf)
-
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        """Add ``data`` and return every frame it completes, in order."""
-        if self._failed is not None:
-            raise self._failed
-        try:
-            return self._feed(data)
-        except ProtocolError as exc:
-            self._fail(exc)
-            raise
-        except Exception as exc:  # a codec bug must still end the connection cleanly
-            err = ProtocolError(f"cannot decode frame {self._where()}: {exc!r}")
-            self._fail(err)
-            raise err from exc
-
-    def eof(self) -> None:
-        """Raise ``ProtocolError`` when the stream ended inside a frame."""
-        if self._failed is not None:
-            raise self._failed
-        if self._buf:
-            exc = ProtocolError(
-                f"cannot decode frame {self._where()}: truncated frame at EOF "
-                f"({len(self._buf)} bytes of an incomplete frame buffered)"
-            )
-            self._fail(exc)
-            raise exc
-
-    def _fail(self, exc: ProtocolError) -> None:
-        self._failed = exc
-        self._buf = bytearray()
-
-    def _where(self) -> str:
-        who = "" if self._worker_id is None else f" from worker {self._worker_id}"
-        return f"{self._frames}{who} (stream offset {self._consumed})"
+    def _who(self) -> str:
+        return "" if self._worker_id is None else f" from worker {self._worker_id}"
 
     def _feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         frames: list[Frame] = []
