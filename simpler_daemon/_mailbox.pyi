@@ -6,8 +6,9 @@ raise ``IndexError``, misaligned ones ``ValueError``, out-of-range values
 ``OverflowError``.
 """
 
+from collections import deque
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from _typeshed import ReadableBuffer, WriteableBuffer
 
@@ -38,6 +39,10 @@ OFF_ERRMSG: Final = 65280
 ERRMSG_SIZE: Final = 256
 
 TENSOR_DESC_SIZE: Final = 168
+
+SUBPUMP_FIELDS: Final = 8
+SUBPUMP_MAX_LANES: Final = 256
+SUBPUMP_MAX_RESULT: Final = 32768
 
 STATE_IDLE: Final = 0
 STATE_TASK_READY: Final = 1
@@ -144,3 +149,32 @@ def read_bytes(buf: WriteableBuffer, off: int, n: int) -> bytes: ...
 def write_bytes(buf: WriteableBuffer, off: int, data: ReadableBuffer) -> None: ...
 def set_pdeathsig(signum: int, /) -> None: ...
 def fork_sibling() -> int: ...
+
+# --- SUB fast loop ---------------------------------------------------------
+
+def sub_pump(
+    lanes: list[list[Any]],
+    queue: deque[Any],
+    ready: object,
+    published: list[Any],
+    spin_ns: int,
+    max_publish: int,
+    /,
+) -> int:
+    """The per-task loop of single-frame SUB lanes over one ready queue.
+
+    Each lane is ``[buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns,
+    stop, done]`` (``SUBPUMP_FIELDS`` items), updated in place: poll the frame of a lane
+    whose ``slot`` is in flight; a plain completion (TASK_DONE, error 0, trailer
+    ``{PROTOCOL, slot.run_id, slot.slot_id, slot.lease_generation, dispatch_id}``,
+    result length <= ``SUBPUMP_MAX_RESULT``) stores IDLE and appends ``slot`` (or
+    ``(slot, bytes)`` for a value) to ``done``; anything else sets ``stop`` to 1 and
+    leaves the frame alone. An idle lane takes ``queue[0]`` if ``slot.state is ready``,
+    ``slot.group_size == 1`` and it fits the frame (else the queue is closed for this
+    call), publishes it like ``publish_task`` with dispatch id ``next_dispatch_id``
+    (``stop`` = 2 when the frame is not IDLE), pops it and appends it to ``published``.
+    Returns after ``max_publish`` publications, when nothing is in flight, or when no
+    lane progressed for ``spin_ns`` (0: after one pass over the lanes, so a task it
+    published is never completed by the same call); the number of slots published.
+    The GIL is held.
+    """
