@@ -41,6 +41,7 @@ from simpler_daemon.orchestrator import (
     TaskKind,
     TaskSlot,
 )
+from simpler_daemon.spingate import SpinGate
 
 if TYPE_CHECKING:
     from simpler_daemon.callables import CallableRegistry
@@ -98,7 +99,8 @@ class RunCompletion(SubmitSink):
         self._stall_warned = False
         self._in_round = False
         self._poked = False
-        self.latency_ewma = 0.0
+        #: Spin or park while tasks are in flight (spingate.py): fed by every completion.
+        self.spin_gate = SpinGate(spin_s)
         self._suspect: set[WorkerThread] = set()
         #: Dispatches of other runs staged on a chip whose child ``terminate`` killed: they
         #: never started, so they go back to their queue (by ``id``) instead of failing.
@@ -340,10 +342,8 @@ class RunCompletion(SubmitSink):
             self._requeue_staged(slot, c)
             return
         if c.dispatch.issued_at:
-            # Smoothed dispatch-to-completion latency: decides whether spinning pays.
-            self.latency_ewma += 0.125 * (
-                time.monotonic() - c.dispatch.issued_at - self.latency_ewma
-            )
+            # Dispatch-to-completion latency: decides whether spinning pays (spingate.py).
+            self.spin_gate.observe(c.dispatch.issued_at, time.monotonic())
         if c.outcome is Outcome.SUCCESS:
             self.stats["completed"] += 1
         else:
@@ -379,6 +379,59 @@ class RunCompletion(SubmitSink):
             self._fail_slot(slot, failure, running=True)
         self._maybe_finish_run(run)
 
+    # -- the SUB fast loop's bulk bookkeeping (subpump.py) ------------------------------------
+
+    def _claim_published(self, published: list[TaskSlot]) -> None:
+        """What ``_send`` does per dispatch, for the slots the pump published (one run)."""
+        run = published[0].run
+        running = SlotState.RUNNING
+        for slot in published:
+            slot.state = running
+            slot.members_started = 1
+        k = len(published)
+        run.counts["running"] += k
+        self.stats["dispatched"] += k
+        if self.fair is not None:
+            self.fair.charge(run, k)  # k single charges in a row add up to this one
+        event = self.on_task_event
+        if event is not None:
+            for slot in published:
+                event(slot, "dispatched", None)
+        published.clear()
+
+    def _complete_pumped(self, lane: WorkerThread, done: list[Any]) -> None:
+        """``_handle_completion`` of a SUCCESS, for the tasks the pump completed on
+        ``lane`` (a slot, or (slot, msgpack bytes) when it returned a value)."""
+        event = self.on_task_event
+        self.stats["completed"] += len(done)
+        for item in done:
+            if type(item) is tuple:
+                slot, data = item
+                slot.set_result(0, data)
+            else:
+                slot = item
+            run = slot.run
+            if run is RETIRED_RUN:
+                self.stats["completed"] -= 1
+                continue  # force-finished by close(); nothing waits for it
+            if event is not None:
+                c = WorkerCompletion(
+                    WorkerDispatch(slot, 0), lane.worker_id, WorkerType.SUB, Outcome.SUCCESS
+                )
+                event(slot, "completed", c)
+            run.counts["running"] -= 1
+            failure = slot.failure
+            if failure is not None:
+                # The listener failed it (the daemon's limits.max_run_result_bytes):
+                # what _handle_completion does with a failure it set.
+                slot.failure = None
+                self._fail_slot(slot, failure, running=True)
+                self._maybe_finish_run(run)
+                continue
+            self._complete_slot(slot)
+            if not run.remaining:
+                self._maybe_finish_run(run)
+
     def _requeue_staged(self, slot: TaskSlot, c: WorkerCompletion) -> None:
         """A staged single that never started goes back to the head of its run's queue
         for its chip (it was the first there), to run on the replacement child."""
@@ -401,14 +454,18 @@ class RunCompletion(SubmitSink):
         run = slot.run
         run.remaining -= 1
         run.counts["done"] += 1
-        self._unpin(slot)
-        for consumer in slot.consumers:
-            consumer.deps -= 1
-            if consumer.deps == 0 and consumer.state == SlotState.PENDING:
-                consumer.state = SlotState.READY
-                self.enqueue_ready(consumer)
-        slot.consumers = []
-        run.emit("task", slot)
+        if slot.pins:
+            self._unpin(slot)
+        consumers = slot.consumers
+        if consumers:
+            for consumer in consumers:
+                consumer.deps -= 1
+                if consumer.deps == 0 and consumer.state == SlotState.PENDING:
+                    consumer.state = SlotState.READY
+                    self.enqueue_ready(consumer)
+            slot.consumers = []
+        if run.listeners:
+            run.emit("task", slot)
 
     def _fail_slot(
         self, slot: TaskSlot, failure: FailureInfo, *, record: bool = True, running: bool = False

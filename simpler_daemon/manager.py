@@ -186,8 +186,11 @@ class WorkerThread:
             return
         events = self._events
         self.endpoint.poll_progress(events)
-        if not events:
-            return
+        if events:
+            self.forward(events)
+
+    def forward(self, events: list[EndpointEvent]) -> None:
+        """Hand the endpoint's ``events`` to the Scheduler's callbacks, then clear them."""
         for ev in events:
             d = ev.dispatch
             if ev.kind is EventKind.COMPLETED:

@@ -110,11 +110,15 @@ _API: Final = {
 class Orchestrator:
     """The facade an orchestration function receives: ``orch(o, args, config)``."""
 
-    __slots__ = ("_sink", "run")
+    __slots__ = ("_refs", "_sink", "run")
 
     def __init__(self, sink: SubmitSink, run: Run) -> None:
         self._sink = sink
         self.run = run
+        #: The attribute dict every ``TaskRef`` of this run shares (``{"run": run}``):
+        #: assigning it costs less than a dict per ref. Held here, not on the run, so no
+        #: run <-> dict cycle keeps a finished run from being freed by refcounting.
+        self._refs = {"run": run}
 
     @property
     def run_id(self) -> int:
@@ -251,9 +255,10 @@ class Orchestrator:
             run.slots.append(slot)
             run.remaining += 1
             self._sink.add_slot(slot)
-            # int.__new__ directly, without TaskRef.__new__: about half the cost per submit.
+            # int.__new__ directly, without TaskRef.__new__, and the run's shared attribute
+            # dict instead of a new one: a TaskRef costs about a quarter less.
             ref = _new_int(TaskRef, slot.index)
-            ref.run = run
+            ref.__dict__ = self._refs
             return ref
 
         pins: list[Any] = list({d.key: None for descs in member_descs for d in descs})
@@ -296,7 +301,7 @@ class Orchestrator:
         else:
             self._sink.add_slot(slot)
         ref = _new_int(TaskRef, slot.index)
-        ref.run = run
+        ref.__dict__ = self._refs
         return ref
 
     # -- run-owned buffers ------------------------------------------------------------------

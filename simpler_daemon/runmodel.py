@@ -255,6 +255,12 @@ class Run:
         self.scopes: list[list[int]] = [[]]
         #: Index of the task whose failure is ``error`` (None: a run-level error).
         self.error_index: int | None = None
+        #: Set by :meth:`release`: ``slots`` is empty, ``kept_slots`` holds what is read.
+        self.released = False
+        #: After :meth:`release`: how many slots the run had, and the ones still read
+        #: (not COMPLETED, a group, or holding a result), stripped of their args.
+        self.task_count = 0
+        self.kept_slots: dict[int, TaskSlot] = {}
 
     @property
     def state(self) -> RunState:
@@ -324,18 +330,60 @@ class Run:
         if self.error is not None:
             raise self.error
 
+    def release(self) -> None:
+        """Let go of a terminal run's task slots, args and dependency map, keeping what
+        ``task_results``, ``encoded_results``, ``slot`` and ``task_error`` read.
+
+        A long-lived holder of many finished runs (the daemon) calls it: a run of 20,000
+        tasks otherwise keeps about 100,000 objects until it is forgotten. Only the slots
+        that say more than "completed, returned nothing" stay, without their args, their
+        consumers or their run (the retired sentinel). No-op before the run is terminal.
+        """
+        if not self.terminal or self.released:
+            return
+        kept: dict[int, TaskSlot] = {}
+        for slot in self.slots:
+            slot.run = RETIRED_RUN
+            if slot.state is SlotState.COMPLETED and slot.result is None and not slot.is_group:
+                continue
+            slot.blobs = []
+            slot.consumers = []
+            slot.pins = []
+            kept[slot.index] = slot
+        self.task_count = len(self.slots)
+        self.kept_slots = kept
+        self.slots = []
+        self.tensor_map = TensorMap()
+        self.listeners = []
+        self.orch = None
+        self.released = True
+
+    def slot(self, index: int) -> TaskSlot | None:
+        """The slot of task ``index``; after :meth:`release` None for a task that
+        completed and returned nothing (its slot is gone)."""
+        if self.released:
+            if not 0 <= index < self.task_count:
+                raise IndexError(f"run {self.run_id} has no task {index}")
+            return self.kept_slots.get(index)
+        return self.slots[index]
+
     def task_results(self) -> list[Any]:
         """What the tasks returned, one entry per task in submission order: a task's
         decoded value, a group's list of member values. None for a task that returned
         nothing, failed or has not finished; chip kernels, nested L3 and remote
         NEXT_LEVEL tasks always give None (only SUB callables send a value back)."""
+        if self.released:
+            out: list[Any] = [None] * self.task_count
+            for index, slot in self.kept_slots.items():
+                out[index] = slot.decoded_result()
+            return out
         return [slot.decoded_result() for slot in self.slots]
 
     def encoded_results(self) -> list[tuple[int, int | None, bytes]]:
         """The non-None values as sent by the children: (task index, member index or
         None for a single task, msgpack bytes), in submission order (no decoding)."""
         out: list[tuple[int, int | None, bytes]] = []
-        for slot in self.slots:
+        for slot in self.kept_slots.values() if self.released else self.slots:
             data = slot.result
             if data is None:
                 continue
@@ -378,6 +426,8 @@ class TaskRef(int):
     ``MAX_RESULT_BYTES``); chip kernels, nested L3 and remote NEXT_LEVEL tasks give None.
     """
 
+    #: The submit path gives every ref of a run the same attribute dict
+    #: (``Orchestrator._refs``): a ref carries ``run`` and nothing else.
     run: Run
 
     def __new__(cls, index: int, run: Run) -> TaskRef:
@@ -400,7 +450,9 @@ class TaskRef(int):
                 f"cannot read the result of task {int(self)} of run {run.run_id}: "
                 f"the run is {run.state.name}"
             )
-        slot = run.slots[self]
+        slot = run.slot(self)
+        if slot is None:  # released: it completed and returned nothing
+            return None
         if slot.state == SlotState.COMPLETED:
             return slot.decoded_result()
         error = run.task_error(slot) or run.error

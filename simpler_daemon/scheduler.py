@@ -1,6 +1,7 @@
 """The Scheduler: the single owner of endpoint progress, as one coroutine.
 
-Each round::
+Each round (the SUB lanes of the run that may dispatch go through the C fast loop of
+``subpump.py``: poll, complete and publish in one call, then bulk bookkeeping)::
 
     progress every busy lane  ->  drain completions  ->  dispatch
                                    (release consumers,    (promote staged of the head run,
@@ -33,20 +34,25 @@ from simpler_daemon.callables import CallableHandle, CallableRegistry
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
 from simpler_daemon.fair import DEFAULT_MAX_ACTIVE_RUNS
 from simpler_daemon.manager import WorkerCompletion, WorkerManager, WorkerThread
-from simpler_daemon.orchestrator import FailureInfo, Run, SlotState, TaskSlot
+from simpler_daemon.orchestrator import FailureInfo, Run, SlotState, TaskKind, TaskSlot
 from simpler_daemon.progress import ProgressLoop
+from simpler_daemon.subpump import SubPump
 
 if TYPE_CHECKING:
     from simpler_daemon.doorbell import Doorbell
     from simpler_daemon.fair import FairAdmission
     from simpler_daemon.heap import Heap
 
-__all__ = ["STALL_WARNING_S", "Scheduler"]
+__all__ = ["STALL_WARNING_S", "SUBMIT_BATCH", "Scheduler"]
 
 log = logging.getLogger("simpler_daemon.scheduler")
 
 #: A group head blocked this long while a reserved target idles with queued singles warns.
 STALL_WARNING_S = 5.0
+#: While an orchestration submits SUB tasks and no SUB worker is idle, a round runs
+#: once per this many submits, not per submit (a one-task run still starts at once):
+#: the rest is dispatched in bulk once the orchestration yields.
+SUBMIT_BATCH = 32
 
 
 class Scheduler(ProgressLoop):
@@ -82,6 +88,14 @@ class Scheduler(ProgressLoop):
         #: Digests of SUB callables being reloaded (count of reloads in progress): their
         #: tasks stay queued until every child runs the new code (``holding``).
         self._held: Counter[bytes] = Counter()
+        #: The SUB fast loop (``subpump.py``): the per-task path of SUB lanes, in C.
+        self._pump = SubPump()
+        self._published: list[TaskSlot] = []
+        #: SUB submits since the last round (``SUBMIT_BATCH``).
+        self._unrounded = 0
+        #: Whether this round's pump may wait for children (not inside a submit: the
+        #: orchestration goes on submitting meanwhile).
+        self._pump_spin = True
 
     @contextlib.contextmanager
     def holding(self, digest: bytes) -> Iterator[None]:
@@ -133,9 +147,28 @@ class Scheduler(ProgressLoop):
             self.enqueue_ready(slot)
             # Dispatch right away when the slot's run may dispatch (the head; under fair,
             # any run): the child starts while the orchestration function still submits.
+            # SUB tasks: while a SUB worker is idle, else once per SUBMIT_BATCH submits (a
+            # round per submit cost more than the task); the rest goes once the orch yields.
             if not self._in_round and (slot.run is self.admission.head or self.fair is not None):
-                self.round()
+                if (
+                    slot.kind is not TaskKind.SUB
+                    or self._unrounded >= SUBMIT_BATCH
+                    or self._sub_idle()
+                ):
+                    self._pump_spin = False
+                    try:
+                        self.round()
+                    finally:
+                        self._pump_spin = True
+                self._unrounded += 1
         self.wake()
+
+    def _sub_idle(self) -> bool:
+        # A loop, not any(<generator>): this runs on every SUB submit.
+        for lane in self.manager.sub:  # noqa: SIM110
+            if lane.active is None and lane.idle():
+                return True
+        return False
 
     # -- lane callbacks -----------------------------------------------------------------------------
 
@@ -175,10 +208,20 @@ class Scheduler(ProgressLoop):
 
     def _round(self) -> bool:
         self.stats["rounds"] += 1
-        for lane in self._lanes:
-            if lane.inflight:
-                lane.progress()
-        progressed = False
+        self._unrounded = 0
+        q = self._pump_queue() if self.subs and not self._held else None
+        if q:
+            pump = self._pump
+            for lane in self._lanes:
+                if lane.inflight and not pump.owns(lane):
+                    lane.progress()
+            pump.select(self.manager.sub)
+            progressed = self._pump_subs(q)
+        else:
+            progressed = False
+            for lane in self._lanes:
+                if lane.inflight:
+                    lane.progress()
         if self.completions:
             progressed = True
             comps, self.completions = self.completions, []
@@ -194,6 +237,69 @@ class Scheduler(ProgressLoop):
         if self._suspect:
             self._check_dead_lanes()
         return progressed
+
+    # -- the SUB fast loop (subpump.py) ------------------------------------------------------
+
+    def _pump_queue(self) -> deque[TaskSlot] | None:
+        """The one SUB queue that may dispatch now: the fifo head's; under fair, that of
+        the only run with SUB work (several compete in fair.py's order, in Python)."""
+        if self.fair is None:
+            head = self.admission.head
+            return None if head is None else self.subs.get(head.run_id)
+        found = None
+        for q in self.subs.values():
+            if q:
+                if found is not None:
+                    return None
+                found = q
+        return found
+
+    def _pump_subs(self, q: deque[TaskSlot]) -> bool:
+        """Run the C per-task loop of the SUB lanes over ``q``, claim what it published
+        and complete what it finished; then the child watch of the lanes it left busy
+        (a frame it left to Python: that lane's progress). True when it did anything."""
+        published = self._published
+        pump = self._pump
+        lanes = pump.pump(q, published, self._pump_spin)
+        did = False
+        if published:
+            did = True
+            self._claim_published(published)
+        # Spin-gate samples only from rounds of a waiting driver: a round inside a submit
+        # sees a task as late as the orchestration's last SUBMIT_BATCH submits took (a
+        # miss that says nothing about the task), and W2's submit phase alone would then
+        # turn spinning off for its wait.
+        now = 0.0 if self._pump_spin else -1.0
+        for rec in lanes:
+            done = rec.take_done()
+            if done:
+                did = True
+                if not now:
+                    now = time.monotonic()
+                if now > 0.0:
+                    self._observe_pumped(rec.done_issued_at, len(done), now)
+                self._complete_pumped(rec.lane, done)
+        for rec in lanes:
+            lane = rec.lane
+            if lane.inflight:
+                if rec.needs_python:
+                    lane.progress()  # a frame that did not end plainly: the Python path
+                else:
+                    pump.watch(lane)
+        return did
+
+    def _observe_pumped(self, issued_at: float, n: int, now: float) -> None:
+        """Feed the spin gate (spingate.py) the ``n`` completions one lane's pump call made:
+        the task in flight before the call (dispatched at ``issued_at``, 0.0: none) took
+        until ``now``; the others were published and completed within the call, i.e.
+        while the pump spun (latency ~0, a hit). Without these samples the gate never
+        learns that pumped SUB tasks are long (W3 would keep spinning)."""
+        gate = self.spin_gate
+        if issued_at:
+            gate.observe(issued_at, now)
+            n -= 1
+        for _ in range(n):
+            gate.observe(now, now)
 
     def _claim(self, slot: TaskSlot) -> bool:
         if slot.state != SlotState.READY:
@@ -286,7 +392,7 @@ class Scheduler(ProgressLoop):
                             lane2 = cand
                             break
                     if lane2 is None:
-                        if self._sub_capacity() == 0:
+                        if self._no_sub_capacity():
                             sq.popleft()
                             self._fail_slot(
                                 slot,
@@ -481,7 +587,7 @@ class Scheduler(ProgressLoop):
         did = False
         idle = [lane for lane in self.manager.sub if lane.active is None and lane.idle()]
         if not idle:
-            if self._sub_capacity() == 0:
+            if self._no_sub_capacity():
                 for q in list(self.subs.values()):
                     did |= self._fail_subs(q)
             return did
@@ -611,6 +717,13 @@ class Scheduler(ProgressLoop):
             # A lane the pool gave up on (``gone``) will never come back.
             return sum(1 for lane in subs if lane.gone is None)
         return sum(1 for lane in subs if not lane.endpoint.poisoned and not lane.stopping)
+
+    def _no_sub_capacity(self) -> bool:
+        """``_sub_capacity() == 0``, answered at the first lane that can run (every round
+        with busy SUB workers asks)."""
+        if self.replaces_dead_subs:
+            return all(lane.gone is not None for lane in self.manager.sub)
+        return all(lane.endpoint.poisoned or lane.stopping for lane in self.manager.sub)
 
     def _no_sub_left(self) -> str:
         """Why no SUB worker can run a task, naming what made the pool give up."""

@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -881,3 +882,232 @@ def test_cross_process_publish_task_wakes_parked_child() -> None:
         code = _reap(pid)
         buf.close()
     assert code == 0
+
+
+# -- sub_pump: the SUB fast loop (issue 14 item 4) ------------------------------------------------
+
+READY = object()
+TASK0 = FRAME  # task frame 0
+
+
+class FakeSlot:
+    """The attributes sub_pump reads from a TaskSlot."""
+
+    __slots__ = (
+        "blobs",
+        "config_bytes",
+        "digest",
+        "group_size",
+        "lease_generation",
+        "lease_slot",
+        "run_id",
+        "slot_id",
+        "state",
+    )
+
+    def __init__(self, slot_id: int, *, state: object = READY, group_size: int = 1) -> None:
+        self.slot_id = slot_id
+        self.run_id = 5
+        self.lease_slot = 1
+        self.lease_generation = 9
+        self.digest = DIGEST
+        self.config_bytes = b"cfg"
+        self.blobs = [make_blob(0, 1)]
+        self.group_size = group_size
+        self.state = state
+
+
+def lane(buf: mmap.mmap, next_did: int = 1) -> list[Any]:
+    return [buf, TASK0, None, 0, next_did, 0, 0, []]
+
+
+def child_done(
+    buf: mmap.mmap,
+    *,
+    error: int = 0,
+    result: bytes = b"",
+    reserved: int | None = None,
+    dispatch_id: int | None = None,
+) -> None:
+    """What a SUB child does at the end of a task (``dispatch_id``: a stale trailer)."""
+    if dispatch_id is not None:
+        mb.store64(buf, TASK0 + mb.OFF_TRAILER + 32, dispatch_id)
+    mb.store32(buf, TASK0 + mb.OFF_ERROR, error)
+    if result:
+        mb.write_bytes(buf, TASK0 + mb.OFF_ARGS, result)
+    mb.store64(buf, TASK0 + mb.OFF_RESERVED, len(result) if reserved is None else reserved)
+    mb.store32(buf, TASK0 + mb.OFF_STATE, mb.STATE_TASK_DONE)
+
+
+@pytest.fixture
+def boxes() -> Iterator[list[mmap.mmap]]:
+    ms = [mmap.mmap(-1, mb.MAILBOX_SIZE) for _ in range(2)]
+    try:
+        yield ms
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_sub_pump_publishes_one_task_per_idle_lane(boxes: list[mmap.mmap]) -> None:
+    from collections import deque
+
+    slots = [FakeSlot(i) for i in range(1, 4)]
+    q: deque[FakeSlot] = deque(slots)
+    lanes = [lane(boxes[0], 10), lane(boxes[1], 20)]
+    published: list[object] = []
+    assert mb.sub_pump(lanes, q, READY, published, 0, 100) == 2
+    assert published == slots[:2] and list(q) == [slots[2]]
+    for box, ln, slot, did in (
+        (boxes[0], lanes[0], slots[0], 10),
+        (boxes[1], lanes[1], slots[1], 20),
+    ):
+        assert ln[2] is slot and ln[3] == did and ln[4] == did + 1 and ln[5] > 0 and ln[6] == 0
+        assert mb.load32(box, TASK0) == mb.STATE_TASK_READY
+        assert mb.read_trailer(box, TASK0) == (0x534C5231, 5, slot.slot_id, 9, did)
+        task = mb.read_task(box, TASK0)
+        assert task[0][:3] == b"cfg" and task[1] == 1 and task[2] == 9 and task[3] == DIGEST
+        assert task[4] == slot.blobs[0]
+
+
+def test_sub_pump_completes_and_publishes_the_next(boxes: list[mmap.mmap]) -> None:
+    from collections import deque
+
+    slots = [FakeSlot(i) for i in range(1, 4)]
+    q: deque[FakeSlot] = deque(slots)
+    lanes = [lane(boxes[0])]
+    published: list[object] = []
+    mb.sub_pump(lanes, q, READY, published, 0, 100)
+    child_done(boxes[0])
+    assert mb.sub_pump(lanes, q, READY, published, 0, 100) == 1
+    assert lanes[0][7] == [slots[0]] and lanes[0][2] is slots[1] and lanes[0][3] == 2
+    assert mb.read_trailer(boxes[0], TASK0)[4] == 2
+    # A value: (slot, bytes) in completion order.
+    child_done(boxes[0], result=b"\x93\x01\x02\x03")
+    mb.sub_pump(lanes, q, READY, published, 0, 100)
+    assert lanes[0][7][1] == (slots[1], b"\x93\x01\x02\x03")
+    child_done(boxes[0])
+    assert mb.sub_pump(lanes, q, READY, published, 0, 100) == 0
+    assert lanes[0][2] is None and mb.load32(boxes[0], TASK0) == mb.STATE_IDLE
+    assert published == slots and len(lanes[0][7]) == 3
+
+
+@pytest.mark.parametrize(
+    "finish",
+    [
+        lambda b: child_done(b, error=1),
+        lambda b: child_done(b, reserved=mb.SUBPUMP_MAX_RESULT + 1),
+        lambda b: child_done(b, dispatch_id=99),
+        lambda b: mb.store32(b, TASK0 + mb.OFF_STATE, mb.STATE_TASK_FAILED),
+    ],
+    ids=["error", "oversized-result", "stale-trailer", "task-failed"],
+)
+def test_sub_pump_leaves_an_unusual_completion_to_python(
+    boxes: list[mmap.mmap], finish: Callable[[mmap.mmap], object]
+) -> None:
+    from collections import deque
+
+    slots = [FakeSlot(1), FakeSlot(2)]
+    q: deque[FakeSlot] = deque(slots)
+    lanes = [lane(boxes[0])]
+    mb.sub_pump(lanes, q, READY, [], 0, 100)
+    finish(boxes[0])
+    state = mb.load32(boxes[0], TASK0)
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 0
+    assert lanes[0][6] == 1 and lanes[0][2] is slots[0] and lanes[0][7] == []
+    assert mb.load32(boxes[0], TASK0) == state  # untouched: the Python path reads it
+    assert list(q) == [slots[1]]
+
+
+def test_sub_pump_stops_at_a_head_it_does_not_take(boxes: list[mmap.mmap]) -> None:
+    from collections import deque
+
+    for head in (FakeSlot(1, state=object()), FakeSlot(1, group_size=2)):
+        q: deque[FakeSlot] = deque([head, FakeSlot(2)])
+        lanes = [lane(boxes[0]), lane(boxes[1])]
+        assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 0
+        assert len(q) == 2 and lanes[0][2] is None and lanes[1][2] is None
+    big = FakeSlot(1)
+    big.blobs = [b"\0" * (mb.MAILBOX_ARGS_CAPACITY + 1)]
+    q = deque([big])
+    assert mb.sub_pump([lane(boxes[0])], q, READY, [], 0, 100) == 0 and len(q) == 1
+
+
+def test_sub_pump_refuses_a_frame_that_is_not_idle(boxes: list[mmap.mmap]) -> None:
+    from collections import deque
+
+    mb.store32(boxes[0], TASK0, mb.STATE_TASK_DONE)
+    q: deque[FakeSlot] = deque([FakeSlot(1)])
+    lanes = [lane(boxes[0])]
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 0
+    assert lanes[0][6] == 2 and len(q) == 1 and lanes[0][2] is None
+
+
+def test_sub_pump_max_publish_and_refcounts(boxes: list[mmap.mmap]) -> None:
+    import sys
+    from collections import deque
+
+    slot = FakeSlot(1)
+    base = sys.getrefcount(slot)
+    for _ in range(200):
+        q: deque[FakeSlot] = deque([slot, slot, slot])
+        lanes = [lane(boxes[0]), lane(boxes[1])]
+        published: list[object] = []
+        assert mb.sub_pump(lanes, q, READY, published, 0, 1) == 1
+        child_done(boxes[0], result=b"\xc0")
+        mb.sub_pump(lanes, q, READY, published, 0, 0)
+        assert lanes[0][7] == [(slot, b"\xc0")]
+        del q, lanes, published
+    assert sys.getrefcount(slot) == base
+
+
+def test_sub_pump_rejects_malformed_lanes(boxes: list[mmap.mmap]) -> None:
+    from collections import deque
+
+    q: deque[FakeSlot] = deque([FakeSlot(1)])
+    with pytest.raises(TypeError, match="lanes and published must be lists"):
+        mb.sub_pump((lane(boxes[0]),), q, READY, [], 0, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="lane 0 must be a list of 8 items"):
+        mb.sub_pump([lane(boxes[0])[:7]], q, READY, [], 0, 1)
+    with pytest.raises(ValueError, match="base frame carries no task"):
+        mb.sub_pump([[boxes[0], 0, None, 0, 1, 0, 0, []]], q, READY, [], 0, 1)
+    with pytest.raises(IndexError):
+        mb.sub_pump([[bytearray(100), TASK0, None, 0, 1, 0, 0, []]], q, READY, [], 0, 1)
+    with pytest.raises(TypeError, match="done must be a list"):
+        mb.sub_pump([[boxes[0], TASK0, None, 0, 1, 0, 0, ()]], q, READY, [], 0, 1)
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        mb.sub_pump([lane(boxes[0])], q, READY, [], -1, 1)
+    with pytest.raises(AttributeError):
+        mb.sub_pump([lane(boxes[0])], deque([object()]), READY, [], 0, 1)
+    assert len(q) == 1 and mb.load32(boxes[0], TASK0) == mb.STATE_IDLE
+
+
+def test_sub_pump_spins_through_a_real_child(boxes: list[mmap.mmap]) -> None:
+    """A forked child serves tasks while the pump spins: one call runs them all."""
+    from collections import deque
+
+    box = boxes[0]
+    n = 50
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            served = 0
+            deadline = time.monotonic() + 20
+            while served < n and time.monotonic() < deadline:
+                if mb.load32(box, TASK0) == mb.STATE_TASK_READY:
+                    child_done(box)
+                    served += 1
+        finally:
+            os._exit(0)
+    try:
+        slots = [FakeSlot(i) for i in range(1, n + 1)]
+        q: deque[FakeSlot] = deque(slots)
+        lanes = [lane(box)]
+        published: list[object] = []
+        deadline = time.monotonic() + 20
+        while (q or lanes[0][2] is not None) and time.monotonic() < deadline:
+            mb.sub_pump(lanes, q, READY, published, 50_000_000, 1000)
+        assert published == slots and lanes[0][7] == slots and lanes[0][6] == 0
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -315,6 +315,36 @@ class LocalMailboxEndpoint:
             self._arm(fr, now)
         self._owned += 1
 
+    def fast_adopt(self, d: WorkerDispatch, published_at: float) -> None:
+        """A task the SUB pump published into task frame 0 at ``published_at`` (a
+        ``time.monotonic()`` value; ``subpump.py``) and that is still in flight: from now
+        on it is the frame's dispatch, with its deadline and child watch, exactly as
+        ``submit_progress`` leaves one."""
+        fr = self._frames[0]
+        fr.dispatch = d
+        fr.staged = False
+        fr.accepted = False
+        fr.activate = False
+        config = d.task_slot.config_bytes
+        if config is not self._config:
+            self._config = config
+            self._config_deadline_ms = _deadline_ms(config)
+        ms = fr.deadline_ms = self._config_deadline_ms
+        if not self._owned:
+            self._watch_at = published_at + STOPPED_POLL_S
+            self._stopped_since = None
+        fr.deadline_at = 0.0
+        if ms:
+            self._arm(fr, published_at)
+        self._owned += 1
+
+    def fast_release(self, d: WorkerDispatch) -> None:
+        """The SUB pump completed ``d`` (adopted before) and left its frame IDLE."""
+        fr = self._frames[0]
+        if fr.dispatch is d:
+            fr.dispatch = None
+            self._owned -= 1
+
     def _arm(self, fr: _Frame, now: float) -> None:
         fr.deadline_at = now + fr.deadline_ms / 1000.0 + DEADLINE_GRACE_S
         self._watch_at = min(self._watch_at, fr.deadline_at)
@@ -367,6 +397,13 @@ class LocalMailboxEndpoint:
                 self.poison(
                     f"invalid state {st} in task frame {fr.index} for dispatch {d.dispatch_id}"
                 )
+        self.watch_progress(out)
+
+    def watch_progress(self, out: list[EndpointEvent]) -> None:
+        """The child's side of ``poll_progress`` (never blocks): while a task is in flight,
+        sample the child's exit, its deadline and its SIGSTOP state; drain a poisoned
+        endpoint. The SUB pump calls it for a lane whose frames it polled itself."""
+        buf = self.buf
         child = self.child
         if self._owned and self.poison_reason is None and child is not None:
             now = time.monotonic()
