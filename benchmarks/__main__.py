@@ -57,6 +57,12 @@ def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return items
 
 
+def _workload_ids(text: str) -> list[str]:
+    """``--only``: workload ids in any case (``w1g`` is ``W1g``), spelled as WORKLOADS does."""
+    canonical = {wid.upper(): wid for wid in WORKLOADS}
+    return [canonical.get(x, x) for x in _csv(text.upper(), tuple(canonical), "workload")]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -65,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny counts, mp + ppe + ours, < 1 min")
     ap.add_argument(
         "--only",
-        type=lambda s: _csv(s.upper(), tuple(WORKLOADS), "workload"),
+        type=_workload_ids,
         help=f"comma-separated workloads of {','.join(WORKLOADS)} (default: all)",
     )
     ap.add_argument(

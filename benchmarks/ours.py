@@ -351,6 +351,18 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             from benchmarks import w11
 
             return w11.measure(p, repeat)
+        if workload == "M1":
+            from benchmarks import memory
+
+            return memory.measure(p, repeat)
+        if workload == "W1g":
+            from benchmarks import gaps
+
+            return gaps.measure(p, repeat)
+        if workload == "W1b":
+            from benchmarks import bimodal
+
+            return bimodal.measure(p, repeat)
         if workload == "S1":
             from benchmarks.staging import run_staging
 

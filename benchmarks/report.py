@@ -144,12 +144,45 @@ def finalize(doc: Doc) -> Doc:
         doc["remote_hop"] = remote_hop(doc)
     if "W1" in doc["workloads"]:
         doc["nested_level"] = nested_level(doc)
+    if "W1g" in doc["workloads"]:
+        doc["idle_gaps"] = idle_gaps(doc)
+    if "W6" in doc["workloads"]:
+        doc["transports"] = transports(doc)
     return doc
+
+
+def idle_gaps(doc: Doc) -> dict[str, Any]:
+    """W1g per gap: ours beside the futex floor (same spins, and park at once), medians
+    over repetitions, and ours ÷ the same-spins floor."""
+    out: dict[str, Any] = {}
+    for gap in ("0.1", "1", "10"):
+        row: dict[str, Any] = {}
+        for variant in ("ours", "ours_floor", "ours_floor_park"):
+            for fig in ("median_us", "p99_us"):
+                row[f"{variant}_{fig}"] = value(doc, "W1g", variant, f"g{gap}_{fig}")
+        row["ratio"] = value(doc, "W1g", "ours", f"g{gap}_ratio")
+        out[gap] = row
+    return out
 
 
 def value(doc: Doc, wid: str, system: str, metric: str) -> float | None:
     res = doc["workloads"].get(wid, {}).get("systems", {}).get(system)
     return res["median"].get(metric) if _ok(res) else None
+
+
+def transports(doc: Doc) -> dict[str, Any]:
+    """W6 per transport: the bare round trip (GetInfo), W1, and W1 minus the round trip
+    (the run path through the daemon), beside in-process W1 of the same invocation."""
+    out: dict[str, Any] = {"w1_in_process_us": value(doc, "W1", "ours", "median_us")}
+    for variant in ("ours_grpc", "ours_fast"):
+        w6 = value(doc, "W6", variant, "median_us")
+        info = value(doc, "W6", variant, "info_us")
+        out[variant] = {
+            "w1_us": w6,
+            "info_us": info,
+            "run_path_us": w6 - info if w6 is not None and info is not None else None,
+        }
+    return out
 
 
 def remote_hop(doc: Doc) -> dict[str, Any]:
@@ -318,7 +351,10 @@ def _row_label(wid: str, metric_label: str, variant: str, variants: tuple[str, .
 def markdown(doc: Doc) -> str:
     notes = _Notes()
     peers = doc["peers"]
-    verdict_of = {(v["workload"], v.get("metric"), v.get("variant")): v for v in doc["targets"]}
+    # Several targets may judge one row (W6 fast W1: at most 60 µs, at most 3 W1): a line each.
+    verdicts_of: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
+    for v in doc["targets"]:
+        verdicts_of.setdefault((v["workload"], v.get("metric"), v.get("variant")), []).append(v)
     head = ["workload", "ours", *(LABELS[p] for p in peers), "ratio vs target peer"]
     head += ["target", "verdict"]
     lines = [
@@ -340,30 +376,38 @@ def markdown(doc: Doc) -> str:
             for variant in spec.ours_variants:
                 if not metric.applies(variant):
                     continue
-                v = verdict_of.get((wid, metric.key, variant))
-                cells = [
+                row = [
                     _row_label(wid, metric.label, variant, spec.ours_variants),
                     _cell(doc, wid, variant, metric.key, notes),
                     *(_cell(doc, wid, p, metric.key, notes) for p in peers),
                 ]
-                if v is None:
-                    cells += ["—", "—", "—"]
-                else:
-                    ratio = (
-                        f"{num(v['ratio'])} {TIMES} {LABELS[v['peer']]}" if "ratio" in v else "—"
-                    )
-                    if "ratio" in v and v.get("offset"):  # W9: (ours - one task) / W1
-                        ratio = f"(ours - {num(v['offset'])}) ÷ W1 = {num(v['ratio'])}"
-                    verdict = v["verdict"]
-                    if v.get("why"):
-                        verdict += f" {notes.ref(v['why'])}"
-                    cells += [ratio, v["target"], verdict]
-                lines.append("| " + " | ".join(cells) + " |")
+                judged = verdicts_of.get((wid, metric.key, variant)) or [None]
+                for v in judged:
+                    cells = list(row)
+                    if v is None:
+                        cells += ["—", "—", "—"]
+                    else:
+                        ratio = (
+                            f"{num(v['ratio'])} {TIMES} {LABELS[v['peer']]}"
+                            if "ratio" in v
+                            else "—"
+                        )
+                        if "ratio" in v and v.get("offset"):  # W9: (ours - one task) / W1
+                            ratio = f"(ours - {num(v['offset'])}) ÷ W1 = {num(v['ratio'])}"
+                        verdict = v["verdict"]
+                        if v.get("why"):
+                            verdict += f" {notes.ref(v['why'])}"
+                        cells += [ratio, v["target"], verdict]
+                    lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_ratio_table(doc)]
     if "nested_level" in doc:
         lines += ["", *_nested_lines(doc)]
+    if "idle_gaps" in doc:
+        lines += ["", *_gap_lines(doc)]
     if "remote_hop" in doc:
         lines += ["", *_remote_lines(doc)]
+    if "transports" in doc:
+        lines += ["", *_transport_lines(doc)]
     lines += ["", *_params(doc)]
     profile = doc.get("profile")
     if profile:
@@ -426,6 +470,50 @@ def _nested_lines(doc: Doc) -> list[str]:
         f"- one level costs {num(n['level_median_us'])} µs at the median, "
         f"{num(n['level_p99_us'])} µs at p99",
     ]
+    return lines
+
+
+def _gap_lines(doc: Doc) -> list[str]:
+    """W1g: one-task runs after an idle gap beside the bare futex ping-pong."""
+    lines = [
+        "Runs after an idle gap (W1g) beside a bare futex ping-pong after the same gap "
+        "(benchmarks/floor.c), median / p99 µs:",
+        "",
+        "| gap | ours (run) | floor, same spins | floor, park at once | ours ÷ floor |",
+        "|---|---|---|---|---|",
+    ]
+    for gap, row in doc["idle_gaps"].items():
+        cells = [
+            f"{num(row[f'{v}_median_us'])} / {num(row[f'{v}_p99_us'])}"
+            for v in ("ours", "ours_floor", "ours_floor_park")
+        ]
+        lines.append(f"| {gap} ms | " + " | ".join(cells) + f" | {num(row['ratio'])} |")
+    return lines
+
+
+def _transport_lines(doc: Doc) -> list[str]:
+    """W6: what each transport costs by itself and what the run path adds."""
+    t = doc["transports"]
+    lines = ["Daemon transports (W6), same invocation:", ""]
+    for variant, name in (("ours_grpc", "gRPC"), ("ours_fast", "fast path")):
+        row = t[variant]
+        if row["w1_us"] is None:
+            continue
+        lines.append(
+            f"- {name}: GetInfo round trip {num(row['info_us'])} µs, W1 {num(row['w1_us'])} µs, "
+            f"so the run path adds {num(row['run_path_us'])} µs"
+        )
+    grpc_row, fast_row = t["ours_grpc"], t["ours_fast"]
+    if grpc_row["info_us"] and fast_row["info_us"] and grpc_row["w1_us"] and fast_row["w1_us"]:
+        lines.append(
+            f"- fast ÷ gRPC: round trip {num(fast_row['info_us'] / grpc_row['info_us'])}, "
+            f"W1 {num(fast_row['w1_us'] / grpc_row['w1_us'])}"
+        )
+    if t["w1_in_process_us"] is not None and fast_row["w1_us"] is not None:
+        lines.append(
+            f"- in-process W1 {num(t['w1_in_process_us'])} µs: fast-path W1 is "
+            f"{num(fast_row['w1_us'] / t['w1_in_process_us'])} {TIMES} it"
+        )
     return lines
 
 

@@ -1,15 +1,18 @@
-"""W6: W1 and W2 submitted through the daemon's gRPC API from a separate client process.
+"""W6: W1 and W2 submitted through the daemon's API from a separate client process,
+over both transports of ``simpler_daemon.client.Client``.
 
 ::
 
-    this process (the client) --gRPC, Unix socket--> simpler-daemon serve (a subprocess)
-                                                        └─ 2 SUB workers (pre-forked)
+    this process (the client) --gRPC, Unix socket ----------> simpler-daemon serve
+                              --fast path, daemon.fast.sock -->   └─ 2 SUB workers
 
 W1: one empty SUB task per run, one ``SubmitRun`` that also waits (``wait_seconds``), ``n1`` times in
 sequence (round trip in µs). W2: one run of ``n2`` empty SUB tasks, submitted
-in one ``SubmitRun`` that waits for it (tasks/s). The targets compare
-with Ray's W1 and our in-process W2 measured in the same invocation (see
-``workloads.TARGETS``).
+in one ``SubmitRun`` that waits for it (tasks/s). GetInfo: ``n1`` bare round trips
+(the transport's own cost, without the run path). Variants ``ours_grpc`` (rows
+"gRPC") and ``ours_fast`` (rows "fast"), measured alternately in each repetition
+against the same daemon. The targets compare with Ray's W1 and our in-process
+W1 and W2 measured in the same invocation (see ``workloads.TARGETS``).
 
 Run inside the suite (``python -m benchmarks --only W1,W2,W6``) or standalone::
 
@@ -117,46 +120,62 @@ def daemon(n2: int, extra: str = "") -> Iterator[tuple[str, int]]:
 
 
 def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
-    """W6 on the engine: ``{"ours": result}``."""
+    """W6 on the engine: ``{"ours_grpc": result, "ours_fast": result}``."""
     from simpler_daemon.client import Client, sub_task
     from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
     n1, n2 = p["n1"], p["n2"]
-    with daemon(n2) as (sock, pid), Client(sock, timeout=None) as c:
-        empty = c.register(EMPTY)
+    transports = {"ours_grpc": "grpc", "ours_fast": "fast"}
+    with contextlib.ExitStack() as stack:
+        sock, pid = stack.enter_context(daemon(n2))
+        clients = {
+            key: stack.enter_context(Client(sock, timeout=None, transport=name))
+            for key, name in transports.items()
+        }
+        empty = clients["ours_grpc"].register(EMPTY)
         one = [sub_task(empty)]
         many = [sub_task(empty)] * n2
         clock = time.perf_counter_ns
 
-        def run_once(tasks: list[Any]) -> None:
-            # SubmitRun with wait_seconds: submit and wait in one gRPC round trip.
+        def run_once(c: Client, tasks: list[Any]) -> None:
+            # SubmitRun with wait_seconds: submit and wait in one round trip.
             status = c.submit_run(tasks, wait_seconds=600.0).status
             if status.state != pb.RUN_STATE_COMPLETED:
                 raise RuntimeError(f"cannot measure W6: run {status.run_id} {status.error.message}")
 
-        for _ in range(WARM_UP_RUNS):
-            run_once(one)
-        run_once(many[: max(1, n2 // 10)])
-        reps = []
+        for c in clients.values():
+            for _ in range(WARM_UP_RUNS):
+                run_once(c, one)
+                c.get_info()
+            run_once(c, many[: max(1, n2 // 10)])
+        reps: dict[str, list[dict[str, Any]]] = {key: [] for key in clients}
         for _ in range(repeat):
-            samples = []
-            for _ in range(n1):
+            for key, c in clients.items():
+                samples = []
+                for _ in range(n1):
+                    t0 = clock()
+                    run_once(c, one)
+                    samples.append(clock() - t0)
+                rep = latency_rep(samples)
+                info = []
+                for _ in range(n1):
+                    t0 = clock()
+                    c.get_info()
+                    info.append(clock() - t0)
+                rep["info_us"] = latency_rep(info)["median_us"]
                 t0 = clock()
-                run_once(one)
-                samples.append(clock() - t0)
-            rep = latency_rep(samples)
-            t0 = clock()
-            run_once(many)
-            rep.update(throughput_rep(n2, clock() - t0))
-            rep["n1"], rep["n2"] = n1, n2
-            reps.append(rep)
+                run_once(c, many)
+                rep.update(throughput_rep(n2, clock() - t0))
+                rep["n1"], rep["n2"] = n1, n2
+                reps[key].append(rep)
     return {
-        "ours": ok(
-            reps,
-            api="simpler_daemon.client.Client: SubmitRun(wait_seconds) over the Unix socket",
+        key: ok(
+            reps[key],
+            api=f"simpler_daemon.client.Client(transport={name!r}): SubmitRun(wait_seconds)",
             daemon_pid=pid,
             sub_workers=NUM_WORKERS,
         )
+        for key, name in transports.items()
     }
 
 

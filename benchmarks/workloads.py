@@ -119,6 +119,47 @@ WORKLOADS: dict[str, Workload] = {
             ours_variants=("ours", "ours_async", "ours_nested"),
         ),
         Workload(
+            "W1g",
+            "one empty task per run after an idle gap of 0.1, 1 and 10 ms, beside a bare "
+            "futex ping-pong after the same gap (benchmarks/gaps.py)",
+            (
+                *(
+                    Metric(f"g{gap}_{key}", f"{gap} ms gap {label}", "µs", higher_is_better=False)
+                    for gap in ("0.1", "1", "10")
+                    for key, label in (("median_us", "median µs"), ("p99_us", "p99 µs"))
+                ),
+                *(
+                    Metric(
+                        f"g{gap}_ratio",
+                        f"{gap} ms gap median ÷ floor's",
+                        "x",
+                        higher_is_better=False,
+                        variants=("ours",),
+                    )
+                    for gap in ("0.1", "1", "10")
+                ),
+            ),
+            full={"n": 1000, "n_slow": 300},
+            smoke={"n": 100, "n_slow": 30},
+            peers=(),
+            na_reason="the floor is a bare futex ping-pong measured in the same cell",
+            ours_variants=("ours", "ours_floor", "ours_floor_park"),
+        ),
+        Workload(
+            "W1b",
+            "W1 in fresh Workers one after another: the worst Worker's median ÷ the best's "
+            "(benchmarks/bimodal.py)",
+            (
+                Metric("spread", "worst median ÷ best", "x", higher_is_better=False),
+                Metric("worst_median_us", "worst median µs", "µs", higher_is_better=False),
+                Metric("best_median_us", "best median µs", "µs", higher_is_better=False),
+            ),
+            full={"workers": 10, "n": 2000},
+            smoke={"workers": 10, "n": 100},
+            peers=(),
+            na_reason="a check of the engine against itself",
+        ),
+        Workload(
             "W2",
             "empty tasks, all submitted then all awaited",
             THROUGHPUT,
@@ -151,16 +192,19 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload(
             "W6",
-            "W1 and W2 through the daemon's gRPC API from a separate client process",
+            "W1 and W2 through the daemon's API from a separate client process, over gRPC "
+            "and over the local fast path; GetInfo is the bare transport round trip",
             (
                 Metric("median_us", "W1 median µs", "µs", higher_is_better=False),
                 Metric("p99_us", "W1 p99 µs", "µs", higher_is_better=False),
                 Metric("tasks_per_s", "W2 tasks/s", "tasks/s", higher_is_better=True),
+                Metric("info_us", "GetInfo median µs", "µs", higher_is_better=False),
             ),
             full={"n1": 2000, "n2": 20000},
             smoke={"n1": 200, "n2": 2000},
             peers=(),
-            na_reason="daemon API; the targets use Ray's W1 and our W2 of this invocation",
+            na_reason="daemon API; the targets use Ray's W1 and our W1/W2 of this invocation",
+            ours_variants=("ours_grpc", "ours_fast"),
         ),
         Workload(
             "W7",
@@ -230,6 +274,23 @@ WORKLOADS: dict[str, Workload] = {
             na_reason="daemon API: one client's big request beside another's W1",
         ),
         Workload(
+            "M1",
+            "daemon memory over its history: runs of empty SUB tasks through the daemon, "
+            "RSS and tracked objects after the first run, a tenth of them and all",
+            (
+                Metric("rss_first_mib", "RSS after run 1 MiB", "MiB", higher_is_better=False),
+                Metric("rss_mid_mib", "RSS after runs/10 MiB", "MiB", higher_is_better=False),
+                Metric("rss_last_mib", "RSS after all runs MiB", "MiB", higher_is_better=False),
+                Metric("growth_mib", "RSS growth MiB", "MiB", higher_is_better=False),
+                Metric("objects_first", "objects after run 1", "", higher_is_better=False),
+                Metric("objects_last", "objects after all runs", "", higher_is_better=False),
+            ),
+            full={"runs": 100, "n": 20000},
+            smoke={"runs": 10, "n": 2000},
+            peers=(),
+            na_reason="daemon API: what the daemon keeps per finished run",
+        ),
+        Workload(
             "S1",
             "chip staging: single-task runs, 5 ms kernel + 5 ms prepare, depth 2 vs depth 1",
             (
@@ -267,8 +328,19 @@ TARGETS: tuple[Target, ...] = (
         f"p99 ≤ 0.2 {TIMES} mp.Pool",
         variants=("ours", "ours_async"),
     ),
-    Target("W2", "tasks_per_s", "ratio", ">=", 3.0, "mp", f"≥ 3 {TIMES} mp.Pool"),
+    Target("W2", "tasks_per_s", "ratio", ">=", 5.0, "mp", f"≥ 5 {TIMES} mp.Pool"),
     Target("W3", "efficiency", "absolute", ">=", 0.90, None, "efficiency ≥ 0.90"),
+    Target(
+        "W1g",
+        "g1_ratio",
+        "absolute",
+        "<=",
+        2.0,
+        None,
+        f"1 ms gap: median ≤ 2 {TIMES} the futex floor's",
+        variants=("ours",),
+    ),
+    Target("W1b", "spread", "absolute", "<=", 1.5, None, f"worst median ≤ 1.5 {TIMES} the best"),
     Target("W4", "tasks_per_s", "ratio", ">=", 30.0, "ray", f"≥ 30 {TIMES} Ray"),
     Target("W5", "ms_per_task", "ratio", "<=", 0.02, "ppe", f"≤ 0.02 {TIMES} ProcessPoolExecutor"),
     Target("W8", "cpu_pct", "absolute", "<=", 1.0, None, "≤ 1 % of a core"),
@@ -303,16 +375,47 @@ TARGETS: tuple[Target, ...] = (
         "ray",
         f"W1 over gRPC ≤ 0.3 {TIMES} Ray's W1",
         ref_workload="W1",
+        variants=("ours_grpc",),
+    ),
+    Target(
+        "W6",
+        "median_us",
+        "absolute",
+        "<=",
+        60.0,
+        None,
+        "W1 over the fast path ≤ 60 µs",
+        variants=("ours_fast",),
+    ),
+    Target(
+        "W6",
+        "median_us",
+        "ratio",
+        "<=",
+        3.0,
+        "ours",
+        f"W1 over the fast path ≤ 3 {TIMES} our in-process W1",
+        ref_workload="W1",
+        variants=("ours_fast",),
     ),
     Target(
         "W6",
         "tasks_per_s",
         "ratio",
         ">=",
-        0.5,
+        0.7,
         "ours",
-        f"W2 over gRPC ≥ 0.5 {TIMES} our in-process W2",
+        f"W2 through the daemon ≥ 0.7 {TIMES} our in-process W2",
         ref_workload="W2",
+    ),
+    Target(
+        "M1",
+        "growth_mib",
+        "absolute",
+        "<=",
+        20.0,
+        None,
+        "daemon RSS after 100 runs of 20,000 tasks ≤ RSS after 1 run + 20 MiB",
     ),
 )
 
@@ -327,6 +430,10 @@ VARIANT_TAGS: dict[str, str] = {
     "ours_x4": "4 workers, run",
     "ours_nested": "W1 nested: L4 → local L3 → SUB, run",
     "ours_fifo": "fifo admission",
+    "ours_floor": "futex floor, same spins",
+    "ours_floor_park": "futex floor, park at once",
+    "ours_grpc": "gRPC",
+    "ours_fast": "fast",
 }
 
 PEER_KEYS: tuple[str, ...] = ("mp", "ppe", "loky", "ray", "dask")
@@ -339,6 +446,10 @@ LABELS: dict[str, str] = {
     "ours_x4": "ours (4 remote workers)",
     "ours_nested": "ours (W1 nested)",
     "ours_fifo": "ours (fifo admission)",
+    "ours_floor": "futex floor (same spins)",
+    "ours_floor_park": "futex floor (park at once)",
+    "ours_grpc": "ours (gRPC)",
+    "ours_fast": "ours (fast path)",
     "mp": "mp.Pool",
     "ppe": "ProcessPoolExecutor",
     "loky": "loky",
