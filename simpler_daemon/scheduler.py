@@ -93,6 +93,7 @@ class Scheduler(ProgressLoop):
         self._published: list[TaskSlot] = []
         #: SUB submits since the last round (``SUBMIT_BATCH``).
         self._unrounded = 0
+        self._round_seen = -1  # the doorbell's completion word when the last round began
         #: Whether this round's pump may wait for children (not inside a submit: the
         #: orchestration goes on submitting meanwhile).
         self._pump_spin = True
@@ -154,6 +155,9 @@ class Scheduler(ProgressLoop):
                     slot.kind is not TaskKind.SUB
                     or self._unrounded >= SUBMIT_BATCH
                     or self._sub_idle()
+                    # a child finished since the last round: its lane is free for the
+                    # next task only once a round has seen that
+                    or self.doorbell.completed() != self._round_seen
                 ):
                     self._pump_spin = False
                     try:
@@ -209,6 +213,7 @@ class Scheduler(ProgressLoop):
     def _round(self) -> bool:
         self.stats["rounds"] += 1
         self._unrounded = 0
+        self._round_seen = self.doorbell.completed()
         q = self._pump_queue() if self.subs and not self._held else None
         if q:
             pump = self._pump

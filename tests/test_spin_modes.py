@@ -185,6 +185,33 @@ def test_the_parents_spin_yields_its_core_between_looks(monkeypatch: pytest.Monk
         w.close()
 
 
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of ``pid`` in clock ticks (/proc/<pid>/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_an_idle_child_spins_only_right_after_work() -> None:
+    """Idle ≤ 1 % of a core also with the longest child spin (issue 14.3): a SUB child
+    that wakes from a timed-out park (every 0.5 s) parks again without spinning. The
+    old loop spun child_spin_us again after every such park: 10 ms every 0.5 s."""
+    w = Worker(level=3, num_sub_workers=1, child_spin_ns=10_000_000)
+    try:
+        h_noop = w.register(noop)
+        w.init()
+        w.run(_one(h_noop))
+        (child,) = w.children
+        before = _cpu_ticks(child.pid)
+        time.sleep(2.6)  # the idle window is what is measured: five timed-out parks
+        spent = _cpu_ticks(child.pid) - before
+        tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+        # After the run: one 10 ms spin, then parks only (the old loop: ~60 ms).
+        assert spent * tick_ms <= 30, f"{spent} ticks of CPU while idle"
+    finally:
+        w.close()
+
+
 # -- configuration ----------------------------------------------------------------------------
 
 

@@ -331,3 +331,28 @@ def test_a_task_event_listener_that_fails_a_pumped_task_fails_it(
         handle.result(timeout=60)
     assert sum(pumped) > 0
     assert handle.run.counts["failed"] >= 1
+
+
+def test_a_slow_orchestration_keeps_the_workers_busy(worker: Worker) -> None:
+    """Without a round per submit, a worker that finished must still get the next task
+    at the next submit (it is busy until a round sees the completion): an orchestration
+    that works between its submits overlaps with its tasks."""
+    h = worker.register(nap)
+    worker.init()
+    n = 20
+    dispatched: list[int] = []
+
+    def orch(o: Orchestrator, args: Any = None, config: Any = None) -> None:
+        before = sched(worker).stats["dispatched"]
+        for _ in range(n):
+            a = TaskArgs()
+            a.add_scalar(2000)  # a 2 ms task
+            o.submit_sub(h, a)
+            end = time.perf_counter() + 0.002  # the orchestration's own work (CPU)
+            while time.perf_counter() < end:
+                pass
+        dispatched.append(sched(worker).stats["dispatched"] - before)
+
+    worker.run(orch)
+    # Before: a finished worker looked busy until the 32nd submit (3 of 20 dispatched).
+    assert dispatched[0] >= n // 2, f"{dispatched[0]} of {n} dispatched during the orchestration"

@@ -160,6 +160,7 @@ class ChipLoop(MailboxLoop):
             *(f.off + OFF_STATE for f in frames),
         )
         parent = self.ctx.parent_pid
+        spin = self.ctx.spin_ns
         import os
 
         try:
@@ -183,9 +184,10 @@ class ChipLoop(MailboxLoop):
                     continue
                 states = tuple(_mb.load32(buf, f.off) for f in frames)
                 timeout = 0.002 if self.active is not None else self.ctx.park_timeout
-                changed = _mb.child_wait(
-                    buf, watch, (bst, 0, seq, *states), self.ctx.spin_ns, timeout
-                )
+                changed = _mb.child_wait(buf, watch, (bst, 0, seq, *states), spin, timeout)
+                # Spin only after something happened: an idle chip child re-parking
+                # after a timed-out park spins no more (as the SUB child, loop.py).
+                spin = 0 if changed < 0 and self.active is None else self.ctx.spin_ns
                 if changed < 0 and parent and os.getppid() != parent:
                     return 0
         finally:

@@ -192,7 +192,7 @@ class MailboxLoop:
         buf = self.buf
         frame = self.frame
         watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
-        spin_ns = self.ctx.spin_ns
+        spin_ns = spin = self.ctx.spin_ns
         park = self.ctx.park_timeout
         parent = self.ctx.parent_pid
         while True:
@@ -206,11 +206,17 @@ class MailboxLoop:
             if bst == CONTROL_REQUEST:
                 self.handle_control()
                 continue
-            idle = _mb.child_wait(buf, watch, (bst, st, 0), spin_ns, park) < 0
+            idle = _mb.child_wait(buf, watch, (bst, st, 0), spin, park) < 0
             if idle:
+                # Spin only right after work: an idle child that re-parks after a
+                # timed-out park must not spin again (with child_spin_us at its maximum
+                # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
+                spin = 0
                 if parent and os.getppid() != parent:
                     return 0
                 self.on_idle()
+            else:
+                spin = spin_ns
         self.shutdown()
         return 0
 
