@@ -129,14 +129,16 @@ def _runs_without_a_park(w: Worker, orch: Callable[..., None], runs: int, gap_s:
 
 
 def test_worker_parks_after_slow_tasks_and_spins_again_after_fast_ones() -> None:
-    w = Worker(level=3, num_sub_workers=1)
+    # A 2 ms spin: "fast" (an empty task) stays well inside it even on a loaded machine,
+    # "slow" (20 ms) well outside, so what is tested is the gate, not the machine.
+    w = Worker(level=3, num_sub_workers=1, scheduler_spin_s=0.002)
     try:
         h_sleep, h_noop = w.register(sleep_ms), w.register(noop)
         w.init()
         sched = w.scheduler
         assert sched is not None
         gate = sched.spin_gate
-        slow, fast = _one(h_sleep, 5), _one(h_noop)
+        slow, fast = _one(h_sleep, 20), _one(h_noop)
         for _ in range(8):
             w.run(slow)
         assert gate.parking_mode, gate.hit_rate
