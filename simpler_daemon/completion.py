@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
@@ -42,6 +42,10 @@ from simpler_daemon.orchestrator import (
     TaskSlot,
 )
 from simpler_daemon.spingate import SpinGate
+
+#: The longest error text an orchestration failure keeps (a run's status carries it to
+#: clients, and the daemon keeps it with the finished run).
+MAX_ORCH_ERROR_CHARS: Final = 65536
 
 if TYPE_CHECKING:
     from simpler_daemon.callables import CallableRegistry
@@ -155,10 +159,11 @@ class RunCompletion(SubmitSink):
         self.wake()
 
     def fail_building(self, run: Run, exc: BaseException) -> None:
-        run.record_error(
-            None,
-            FailureInfo(Outcome.TASK_FAILURE, f"orchestration raised {type(exc).__name__}: {exc}"),
-        )
+        text = f"orchestration raised {type(exc).__name__}: {exc}"
+        if len(text) > MAX_ORCH_ERROR_CHARS:  # as a SUB task's error text is bounded
+            cut = len(text) - MAX_ORCH_ERROR_CHARS
+            text = f"{text[:MAX_ORCH_ERROR_CHARS]}... ({cut} more characters cut)"
+        run.record_error(None, FailureInfo(Outcome.TASK_FAILURE, text))
         self.cancel(run, record=False)
         self.finish_building(run)
 

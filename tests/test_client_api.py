@@ -44,6 +44,7 @@ from simpler_daemon.errors import (
     daemon_error,
 )
 from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.run_record import RESULT_KEPT_OVERHEAD
 from tests.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
@@ -58,7 +59,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 TASKS = "tests.client_api_tasks"
 KEPT = 6  # limits.max_finished_runs_kept
 RUN_RESULTS = 600  # limits.max_run_result_bytes: five big echo results fit, six do not
-FINISHED_RESULTS = 1500  # limits.max_finished_result_bytes: two runs of five fit, three not
+# limits.max_finished_result_bytes: two runs of five results fit, three not (a kept
+# result counts its msgpack bytes + RESULT_FRAMING + RESULT_KEPT_OVERHEAD)
+FINISHED_RESULTS = 1500 + 10 * RESULT_KEPT_OVERHEAD
 BIG = [2**63 + i for i in range(8)]  # eight 9-byte scalars: an echo result of ~90 bytes
 CONFIG: dict[str, dict[str, Any]] = {
     "workers": {"num_sub_workers": 2},
@@ -446,3 +449,15 @@ def test_list_runs_own_runs_newest_first_with_filters_and_eviction(
             c.wait_run(ours[0])
         with pytest.raises(NotFound, match="never submitted"):
             c.wait_run(10**9)
+
+
+def test_a_retry_may_differ_in_how_it_asks_for_the_answer(c: Client) -> None:
+    """wait_seconds and include_results say how to answer, not what to run: a retry with
+    the same idempotency key that differs only in them names the same run."""
+    nothing = c.register(f"{TASKS}:nothing")
+    key = f"retry-answer-{c.transport}-{os.getpid()}"
+    first = c.submit_run(
+        [sub_task(nothing)], idempotency_key=key, wait_seconds=30, include_results=True
+    )
+    again = c.submit([sub_task(nothing)], idempotency_key=key)
+    assert again.deduplicated and again.run_id == first.run_id

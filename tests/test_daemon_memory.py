@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+import sys
 import tracemalloc
 import urllib.request
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -33,6 +34,7 @@ from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.run_record import STATUS_BYTES
 from simpler_daemon.server.runs import RunTable
 from simpler_daemon.server.status import InvalidArgument
+from simpler_daemon.server.status import NotFound as ServerNotFound
 from tests import tasks
 from tests.daemon_harness import (
     EXAMPLES,
@@ -111,6 +113,60 @@ async def test_a_finished_record_keeps_a_status_and_no_run() -> None:
         assert failed.error.outcome == "TASK_FAILURE"
         assert failed.counts.failed >= 1 and failed.counts.total == 10
         assert table.record(rec2.run_id).status().error.message == failed.error.message
+
+
+@pytest.mark.asyncio
+async def test_kept_results_count_what_they_cost_in_memory() -> None:
+    """limits.max_finished_result_bytes bounds memory: a kept result counts its tuple
+    and objects too, not only its msgpack bytes (small results were undercounted ~6 x)."""
+    w = Worker(num_sub_workers=2)
+    h = w.register(answer)
+    async with w:
+        table = _table(w)
+        rec, _ref = await _launch(table, 500, h)
+        await table.wait(rec, 60)
+        kept = rec._results
+        assert len(kept) == 500
+        actual = sys.getsizeof(kept) + sum(
+            sys.getsizeof(t) + sys.getsizeof(t[0]) + sys.getsizeof(t[2]) for t in kept
+        )
+        assert rec.result_bytes >= actual, (rec.result_bytes, actual)
+
+
+def test_the_byte_limit_evicts_from_the_client_holding_the_most_bytes() -> None:
+    """One client's huge status must not evict another client's runs: past
+    limits.max_finished_run_bytes the victim is the client holding the most bytes."""
+    table = RunTable(cast(Any, None), LimitsConfig(max_finished_run_bytes=100_000), None)
+
+    def finished(run_id: int, client: str, size: int) -> Any:
+        rec = table.new_record(label=f"r{run_id}", client=client, key="", total=None)
+        rec.run_id, rec.status_bytes = run_id, size
+        table._runs[run_id] = rec
+        table._highest_id = run_id
+        table._remember_finished(rec)
+        return rec
+
+    small = [finished(i, "tcp:a", 3_000).run_id for i in range(1, 6)]
+    huge = finished(6, "uid:0", 200_000)
+    for run_id in small:
+        assert table.record(run_id).label == f"r{run_id}"
+    with pytest.raises(ServerNotFound, match=r"max_finished_run_bytes = 100000"):
+        table.record(huge.run_id)
+
+
+def test_an_orchestration_error_text_is_bounded() -> None:
+    from simpler_daemon.completion import MAX_ORCH_ERROR_CHARS
+
+    def orch(o: Any, _a: Any, _c: Any) -> None:
+        raise ValueError("x" * (MAX_ORCH_ERROR_CHARS * 4))
+
+    with Worker(num_sub_workers=1) as w:
+        h = w.submit(orch)
+        with pytest.raises(ValueError):  # in-process: the orchestration's own exception
+            h.result(timeout=30)
+        # What the run keeps (and the daemon's status carries) is bounded.
+        text = str(h.run.error)
+    assert len(text) < MAX_ORCH_ERROR_CHARS + 1000 and "more characters cut" in text
 
 
 @pytest.mark.asyncio

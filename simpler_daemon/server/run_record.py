@@ -51,6 +51,10 @@ _BIG_REQUEST: Final = 1 << 16
 _STATUS_OVERHEAD: Final = 4096
 #: Bytes one TaskResult adds to a reply beside its value (indexes, tags, lengths).
 RESULT_FRAMING: Final = 16
+#: Bytes one result kept by a finished run costs in memory beside its value and its
+#: RESULT_FRAMING: the (task, member, bytes) tuple, the bytes and int objects, the list
+#: slot (sys.getsizeof: 64 + 33 + 28 + 8), for limits.max_finished_result_bytes.
+RESULT_KEPT_OVERHEAD: Final = 120
 #: What a finished run's record holds beside its strings (the record, its event, its
 #: terminal RunEvent, timestamps), measured with tracemalloc (tests/test_daemon_memory.py):
 #: the unit of limits.max_finished_run_bytes.
@@ -506,6 +510,8 @@ class RunRecord:
         self._was_cancelled = cancelled
         if self.result_bytes:
             self._results = run.encoded_results()
+            # From now on it counts what it costs in memory, not what it adds to a reply.
+            self.result_bytes += len(self._results) * RESULT_KEPT_OVERHEAD
         run.release()
         self.run = None
         self.handle = None

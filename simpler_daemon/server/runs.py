@@ -95,8 +95,10 @@ class RunTable:
         # the oldest of the client holding the most, so one client cannot evict another's).
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._finished_by_client: dict[str, OrderedDict[int, None]] = {}
-        # Bytes the finished runs' statuses are counted for (RunRecord.status_bytes).
+        # Bytes the finished runs' statuses are counted for (RunRecord.status_bytes), in
+        # all and per client (the byte limit evicts from the client holding the most bytes).
         self._finished_status_bytes = 0
+        self._status_bytes_by_client: Counter[str] = Counter()
         # Recently evicted runs -> the limit that evicted them (for NotFound's text).
         self._evicted: OrderedDict[int, str] = OrderedDict()
         # Finished runs whose results are still kept, oldest first, and their bytes.
@@ -325,6 +327,7 @@ class RunTable:
             self._with_results[rec.run_id] = None
             self._finished_result_bytes += rec.result_bytes
         self._finished_status_bytes += rec.status_bytes
+        self._status_bytes_by_client[rec.client] += rec.status_bytes
         self._trim()
 
     def _trim(self) -> None:
@@ -336,7 +339,7 @@ class RunTable:
         while self._finished_status_bytes > self._limits.max_finished_run_bytes and (
             len(self._finished) > 1
         ):
-            self._evict(self._eviction_victim(), self._bytes_limit())
+            self._evict(self._eviction_victim(by_bytes=True), self._bytes_limit())
         limit = self._limits.max_finished_result_bytes
         while self._finished_result_bytes > limit and self._with_results:
             old, _ = self._with_results.popitem(last=False)
@@ -351,13 +354,16 @@ class RunTable:
                     limit,
                 )
 
-    def _eviction_victim(self) -> int:
+    def _eviction_victim(self, *, by_bytes: bool = False) -> int:
         """The finished run to forget: the oldest of the client holding the most finished
-        runs (ties: the client whose oldest is oldest)."""
+        runs, or (``by_bytes``, for limits.max_finished_run_bytes) the most bytes of
+        them, so one client's big statuses never evict another client's runs (ties: the
+        client whose oldest is oldest)."""
         best: OrderedDict[int, None] | None = None
         best_key: tuple[int, int] = (0, 0)
-        for runs in self._finished_by_client.values():
-            key = (len(runs), -next(iter(runs)))
+        weight = self._status_bytes_by_client
+        for client, runs in self._finished_by_client.items():
+            key = (weight[client] if by_bytes else len(runs), -next(iter(runs)))
             if best is None or key > best_key:
                 best, best_key = runs, key
         assert best is not None  # _finished is not empty, so neither is this
@@ -378,6 +384,11 @@ class RunTable:
         if len(self._evicted) > _EVICTIONS_REMEMBERED:
             self._evicted.popitem(last=False)
         self._finished_status_bytes -= gone.status_bytes
+        left = self._status_bytes_by_client[gone.client] - gone.status_bytes
+        if left > 0:
+            self._status_bytes_by_client[gone.client] = left
+        else:
+            del self._status_bytes_by_client[gone.client]
         own = self._finished_by_client.get(gone.client)
         if own is not None:
             own.pop(old, None)

@@ -46,11 +46,13 @@ class RunsRpc(ServiceBase):
         wait = timeout_field(request, "wait_seconds") if request.HasField("wait_seconds") else None
         key = request.idempotency_key
         key_print = b""
+        results = request.include_results
         if key:
             runs.check_key(key)
-            request.ClearField("wait_seconds")  # how to answer, not what to run
+            # How to answer, not what to run: a retry may wait or ask for results or not.
+            request.ClearField("wait_seconds")
+            request.ClearField("include_results")
             key_print = await fingerprint("SubmitRun", request)
-        results = request.include_results
         who = self._who(context)
         if key:
             async with runs.claim_key(who.owner, key, key_print) as run_id:
