@@ -11,8 +11,10 @@ answers exactly what gRPC would; a refusal is the same
   caller's own) never share a connection mid-call; a call that times out, or a
   stream left before its end, closes its connection (its handler is then cancelled
   by the daemon).
+  A forked child that uses its parent's transport gets a pool of its own.
 * :class:`AsyncFastTransport`: one connection multiplexed by call id, read by one
-  task; a cancelled or timed-out call sends ``Cancel`` for its handler.
+  task; a cancelled or timed-out call sends ``Cancel`` for its handler. Not usable
+  after fork() (like grpc.aio): a call in a child raises ``Unavailable``.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def pick_fast_socket(choice: str, unix_path: str | None, address: str) -> str | 
     gRPC). ``unix_path``: the target's socket path (None: not a Unix socket).
 
     ``auto`` (or ``$SIMPLER_DAEMON_TRANSPORT``): the fast socket beside a Unix target
-    when it exists; ``fast``: it must (``Unavailable`` naming it otherwise)."""
+    when it exists and accepts a connection (probed once); ``fast``: it must exist
+    (``Unavailable`` naming it otherwise, or at the first call when nobody listens)."""
     if choice == "auto":
         choice = os.environ.get(ENV_TRANSPORT, "") or "auto"
     if choice not in TRANSPORTS:
@@ -145,13 +148,31 @@ def pick_fast_socket(choice: str, unix_path: str | None, address: str) -> str | 
     path = fast_socket_path(unix_path) if unix_path is not None else None
     if path is not None and os.path.exists(path):
         check_socket_path(path)  # the same trust rule as the gRPC socket
-        return path
+        # A socket file a killed (or since reconfigured) daemon left behind must not
+        # make every auto client fail while gRPC serves: probe it once.
+        if choice == "fast" or _listening(path):
+            return path
+        return None
     if choice == "fast":
         where = path or f"{address} (the fast transport needs a local Unix socket target)"
         raise Unavailable(
             grpc.StatusCode.UNAVAILABLE, f"cannot use the fast transport: no fast socket at {where}"
         )
     return None
+
+
+def _listening(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket ``path`` (refused,
+    missing or reset: a stale socket file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 # --------------------------------------------------------------------------- blocking
@@ -301,8 +322,23 @@ class FastTransport:
         self._busy: set[_Conn] = set()  # closed by close() too, as a channel's calls are
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a child forked from the process that made this transport: the pooled
+        sockets (and their call ids) are the parent's, and so may be the lock's state.
+        Start afresh: close the inherited descriptors here only (no shutdown(), which
+        would cut the parent's connections too)."""
+        inherited = [*self._idle, *self._busy]
+        self._idle, self._busy = [], set()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        for conn in inherited:
+            conn.sock.close()
 
     def _take(self) -> _Conn:
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             if self._closed:
                 raise Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
@@ -338,6 +374,8 @@ class FastTransport:
     def close(self) -> None:
         """Close every connection, also those of calls and streams still open (they
         fail with UNAVAILABLE; the daemon cancels their handlers)."""
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             self._closed = True
             conns = [*self._idle, *self._busy]
@@ -445,8 +483,16 @@ class AsyncFastTransport:
         self._waiters: dict[int, asyncio.Future[Any]] = {}
         self._queues: dict[int, asyncio.Queue[Any]] = {}
         self._closed = False
+        self._pid = os.getpid()
 
     async def _connection(self) -> _AsyncProtocol:
+        if self._pid != os.getpid():
+            # Its connection and event loop belong to the parent (as with grpc.aio).
+            raise Unavailable(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot call: an AsyncClient is not usable after fork(); open a new one "
+                "in the child",
+            )
         proto = self._proto
         if proto is not None:
             return proto

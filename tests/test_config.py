@@ -143,7 +143,12 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "python_path": ["/tmp"],
     },
     "metrics": {"listen": "127.0.0.1:9464", "token_file": "/etc/simpler/metrics-token"},
-    "fast": {"enabled": False, "unix_socket": "/srv/simpler/d.fast.sock"},
+    "fast": {
+        "enabled": False,
+        "unix_socket": "/srv/simpler/d.fast.sock",
+        "max_connections": 64,
+        "frame_timeout": 5.0,
+    },
     "security": {
         "admin_uids": [1001, 1002],
         "admin_groups": ["simpler-admins", "1003"],

@@ -63,7 +63,10 @@ STREAMS = 2  # limits.max_streams_per_client: quota sharing shows with few strea
 CONFIG: dict[str, dict[str, Any]] = {
     "limits": {"max_message_bytes": MAX_MESSAGE, "max_streams_per_client": STREAMS},
     "callables": {"allowed_modules": ["simpler_daemon.examples", "tests"]},
+    # Few connections and a short frame timeout, so their tests need no second daemon.
+    "fast": {"max_connections": 32, "frame_timeout": 3.0},
 }
+MAX_CONNECTIONS = 32
 
 # --------------------------------------------------------------------------- codec
 
@@ -102,7 +105,8 @@ def test_codec_reassembles_frames_split_anywhere_and_several_per_read() -> None:
 def test_codec_refuses_an_oversize_length_before_buffering_it() -> None:
     dec = FrameDecoder(SERVER_FRAMES, frame_limit(1024))
     with pytest.raises(ProtocolError, match="exceed the limit"):
-        dec.feed(LENGTH.pack(frame_limit(1024) + 1))  # the header alone is enough
+        # no call id in its first bytes: nothing to answer, the head is enough
+        dec.feed(LENGTH.pack(frame_limit(1024) + 1) + b"\xc1" * 96)
     assert dec.buffered == 0
     with pytest.raises(ProtocolError):  # failed for good: never resynchronised
         dec.feed(encode(Hello(1)))
@@ -195,7 +199,7 @@ def test_garbage_and_oversize_frames_close_only_that_connection(
     assert garbage.closed_by_daemon()
     garbage.close()
     big = Raw(daemon)
-    big.sock.sendall(LENGTH.pack(frame_limit(MAX_MESSAGE) + 1))  # no body follows
+    big.sock.sendall(LENGTH.pack(frame_limit(MAX_MESSAGE) + 1) + b"\xc1" * 96)  # no call id
     assert big.closed_by_daemon()
     big.close()
     assert c.get_info().limits.max_message_bytes == MAX_MESSAGE  # still serving
@@ -486,3 +490,318 @@ def test_a_pooled_connection_the_daemon_closed_is_replaced(tmp_path: Path) -> No
     finally:
         transport.close()
         listener.close()
+
+
+def _stale_socket(path: Path) -> None:
+    """A socket file nobody listens on (what a SIGKILLed daemon leaves)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+
+
+@pytest.mark.timeout(30)
+def test_auto_falls_back_to_grpc_past_a_stale_fast_socket_and_fast_names_it(
+    tmp_path: Path,
+) -> None:
+    lone = tmp_path / "daemon.sock"
+    _stale_socket(tmp_path / "daemon.fast.sock")
+    with Client(str(lone)) as auto:
+        assert auto.transport == "grpc"
+    fast = Client(str(lone), transport="fast", timeout=5)
+    try:
+        with pytest.raises(Unavailable, match=str(tmp_path / "daemon.fast.sock")):
+            fast.get_info()
+    finally:
+        fast.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_daemon_without_the_fast_path_removes_only_a_stale_fast_socket(
+    tmp_path: Path,
+) -> None:
+    from simpler_daemon.server.config import DaemonConfig, resolve
+    from simpler_daemon.server.daemon import Daemon
+
+    run = tmp_path / "run"
+    config = resolve(
+        DaemonConfig(daemon=msgspec.structs.replace(DaemonConfig().daemon, runtime_dir=str(run)))
+    )
+    config = msgspec.structs.replace(
+        config, fast=msgspec.structs.replace(config.fast, enabled=False)
+    )
+    fast = config.fast.unix_socket
+    run.mkdir(mode=0o750)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        live.bind(fast)
+        live.listen(1)
+        Daemon(config)._prepare_paths()
+        assert os.path.exists(fast)  # live: never touched
+    finally:
+        live.close()
+    Daemon(config)._prepare_paths()
+    assert not os.path.exists(fast)
+
+
+@pytest.mark.timeout(30)
+def test_codec_skips_an_oversize_frame_after_reading_its_call_id() -> None:
+    from simpler_daemon.fastwire import Oversize
+
+    limit = frame_limit(1024)
+    big = Call(9, "SubmitRun", b"z" * (limit + 100))
+    stream = encode(big) + encode(Cancel(3))
+    dec = FrameDecoder(SERVER_FRAMES, limit)
+    got: list[Any] = []
+    for i in range(0, len(stream), 7):  # never buffers the body, whatever the split
+        got += dec.feed(stream[i : i + 7])
+        assert dec.buffered <= 256
+    assert got == [Oversize(1, 9, limit + 100), Cancel(3)]
+    assert FrameDecoder(SERVER_FRAMES, limit).feed(stream) == got
+    item = encode(Item(4, b"q" * (limit + 1)))
+    assert FrameDecoder(SERVER_FRAMES, limit).feed(item) == [Oversize(3, 4, limit + 1)]
+    hello = encode(Hello(1, "x" * 200))  # no call id to answer: still a protocol error
+    with pytest.raises(ProtocolError, match="exceed the limit"):
+        FrameDecoder(SERVER_FRAMES, 64).feed(hello)
+
+
+@pytest.mark.timeout(60)
+def test_an_oversize_request_is_resource_exhausted_as_over_grpc_and_keeps_the_connection(
+    daemon: DaemonProcess, c: Client
+) -> None:
+    request = pb.GetInfoRequest()
+    too_big = b"\x00" * (MAX_MESSAGE + 1)
+    details = {}
+    for transport in ("fast", "grpc"):
+        with daemon.client(timeout=30, transport=transport) as client:
+            e = client.register(f"{TASKS}:nothing")
+            with pytest.raises(ResourceExhausted) as exc:
+                client.submit([sub_task(e, scalars=list(range(8))) for _ in range(20000)])
+            details[transport] = exc.value.details()
+    assert details["fast"] == details["grpc"]
+    assert "Received message larger than max (" in details["fast"]
+    raw = Raw(daemon)
+    try:
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        raw.send(Hello(1, "raw"), Call(1, "GetInfo", too_big))  # under the frame cap
+        first = raw.frame()
+        assert (first.id, first.code) == (1, code)
+        assert first.details.endswith(f"({MAX_MESSAGE + 1} vs. {MAX_MESSAGE})")
+        raw.send(Call(2, "GetInfo", b"\x00" * (frame_limit(MAX_MESSAGE) + 10)))  # over it
+        second = raw.frame()
+        assert (second.id, second.code) == (2, code)
+        raw.send(Call(3, "WriteBuffer", b"", None, True), Item(3, too_big), End(3))
+        third = raw.frame()
+        assert (third.id, third.code) == (3, code)
+        raw.send(Call(4, "GetInfo", request.SerializeToString()))
+        fourth = raw.frame()
+        assert (fourth.id, fourth.code) == (4, 0)  # the same connection still serves
+    finally:
+        raw.close()
+
+
+_FORK_SCRIPT = """
+import os, sys
+from simpler_daemon.client import Client
+from simpler_daemon.errors import Unavailable
+c = Client(sys.argv[1], transport="fast", timeout=30)
+c.get_info()
+inherited = list(c._fast._idle)
+pid = os.fork()
+if pid == 0:
+    conn = c._fast._take()
+    fresh = conn not in inherited
+    c._fast._give(conn)
+    ok = sum(1 for _ in range(100) if c.list_buffers() is not None)
+    print("child", fresh, ok, flush=True)
+    os._exit(0)
+ok = sum(1 for _ in range(100) if c.get_info().pid > 0)
+_, status = os.waitpid(pid, 0)
+print("parent", ok, status, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_child_gets_its_own_fast_connections(daemon: DaemonProcess) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(Path(__file__).resolve().parent.parent),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "child True 100" in out.stdout and "parent 100 0" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(30)
+def test_an_async_client_refuses_use_after_fork(daemon: DaemonProcess) -> None:
+    from simpler_daemon.client_fast import AsyncFastTransport
+
+    transport = AsyncFastTransport(fast_socket_path(daemon.socket), "t")
+    transport._pid -= 1  # as if made in the parent of this process
+
+    async def go() -> None:
+        with pytest.raises(Unavailable, match="fork"):
+            await transport.unary("GetInfo", pb.GetInfoRequest(), 10)
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+def test_connections_past_max_connections_are_closed_with_one_warning(
+    daemon: DaemonProcess,
+) -> None:
+    raws: list[Raw] = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 16):
+            raws.append(Raw(daemon))
+        served = refused = 0
+        for raw in raws:
+            try:
+                raw.send(Hello(1, "many"), Call(1, "GetInfo", b""))
+                raw.frame()
+            except (AssertionError, OSError):
+                refused += 1
+            else:
+                served += 1
+        assert served <= MAX_CONNECTIONS and refused >= 16
+    finally:
+        for raw in raws:
+            raw.close()
+    wait_until(lambda: "max_connections" in daemon.stderr(), 10, "no warning")
+    assert daemon.stderr().count("fast.max_connections") == 1
+    with daemon.client(timeout=30, transport="fast") as client:
+        wait_until(lambda: client.get_info().pid > 0, 10, "the daemon stopped serving")
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_left_incomplete_past_frame_timeout_drops_its_connection(
+    daemon: DaemonProcess,
+) -> None:
+    idle, stuck = Raw(daemon), Raw(daemon)
+    try:
+        idle.send(Hello(1, "idle"))
+        stuck.sock.sendall(encode(Hello(1, "stuck")) + LENGTH.pack(100) + b"x")
+        assert stuck.closed_by_daemon()  # after frame_timeout (3 s), not the 30 s recv
+        wait_until(lambda: "incomplete frame" in daemon.stderr(), 10, "no warning")
+        idle.send(Call(1, "GetInfo", b""))  # an idle connection holds no frame: kept
+        assert idle.frame().code == 0
+    finally:
+        idle.close()
+        stuck.close()
+
+
+@pytest.mark.timeout(30)
+def test_fast_limits_are_validated() -> None:
+    from simpler_daemon.errors import ConfigError
+    from simpler_daemon.server.config import load
+
+    for key, value in (
+        ("max_connections", 0),
+        ("max_connections", 65537),
+        ("frame_timeout", 0.0),
+        ("frame_timeout", float("inf")),
+    ):
+        with pytest.raises(ConfigError, match=f"fast.{key}"):
+            load(None, env={}, overrides={f"fast.{key}": value})
+
+
+class _Service:
+    """A real FastServer's handlers for the backpressure tests: GetInfo answers 32 KiB,
+    WaitRun waits until released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def GetInfo(self, request: Any, context: Any) -> Any:
+        return pb.GetInfoResponse(version="v" * (32 << 10))
+
+    async def WaitRun(self, request: Any, context: Any) -> Any:
+        await self.release.wait()
+        return pb.WaitRunResponse()
+
+
+async def _poll(predicate: Any, what: str, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+def _in_process_server(tmp_path: Path, test: Any) -> None:
+    from simpler_daemon.server.fastpath import FastServer
+
+    async def go() -> None:
+        server = FastServer(_Service(), str(tmp_path / "f.sock"), MAX_MESSAGE)
+        await server.start()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(tmp_path / "f.sock"))
+            sock.setblocking(False)
+            await _poll(lambda: len(server.connections) == 1, "no connection")
+            await test(server, next(iter(server.connections)), sock)
+        finally:
+            sock.close()
+            await server.close(0)
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_never_reads_stops_the_daemon_reading(tmp_path: Path) -> None:
+    from simpler_daemon.server.fastpath import _HIGH_WATER
+
+    padded = b"\x7a\xfa\x01" + b"p" * 250  # an unknown field: more than the kernel buffers
+    calls = b"".join(encode(Call(i, "GetInfo", padded)) for i in range(1, 3001))
+
+    async def test(server: Any, conn: Any, sock: socket.socket) -> None:
+        sent = 0
+        blocked_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while sent < len(calls):  # pipeline every call, never read a reply
+            try:
+                sent += sock.send(calls[sent:])
+                blocked_since = None
+            except BlockingIOError:
+                blocked_since = blocked_since or loop.time()
+                if loop.time() - blocked_since > 2.0 and conn._transport_paused:
+                    break  # the daemon stopped reading: the kernel buffers are full
+            await asyncio.sleep(0.005)
+        assert sent < len(calls), "the daemon read every call and buffered every reply"
+        buffered = conn._transport.get_write_buffer_size()
+        assert buffered <= _HIGH_WATER + 256 * (40 << 10)
+
+    _in_process_server(tmp_path, test)
+
+
+@pytest.mark.timeout(60)
+def test_calls_in_flight_per_connection_are_capped(tmp_path: Path) -> None:
+    from simpler_daemon.server.fastpath import MAX_CALLS
+
+    request = pb.WaitRunRequest().SerializeToString()
+    n = MAX_CALLS + 40
+
+    async def test(server: Any, conn: Any, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(
+            sock, b"".join(encode(Call(i, "WaitRun", request)) for i in range(1, n + 1))
+        )
+        await _poll(lambda: len(conn._calls) >= MAX_CALLS, "the calls did not start")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(conn._calls) == MAX_CALLS
+        next(iter(server.table.values()))  # the server is the real one
+        server.table["WaitRun"][1].__self__.release.set()
+        dec = FrameDecoder(CLIENT_FRAMES, 1 << 30)
+        got: set[int] = set()
+        while len(got) < n:  # every call, held ones too, is answered
+            data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 20)
+            assert data
+            got |= {f.id for f in dec.feed(data)}
+        assert got == set(range(1, n + 1))
+
+    _in_process_server(tmp_path, test)

@@ -162,6 +162,8 @@ python_path = []            # directories your own modules are imported from
 [fast]
 enabled = true              # the local fast path for Python clients (docs/operations.md)
 unix_socket = ""            # "" = beside grpc.unix_socket: <dir>/<stem>.fast.sock
+max_connections = 1024      # connections at once (1..65536); more are closed at once
+frame_timeout = 30.0        # seconds a partly received frame is waited for
 
 [metrics]
 listen = ""
@@ -329,6 +331,10 @@ def _check(config: DaemonConfig) -> None:
     if not 0 <= grpc.socket_mode <= 0o777:
         raise Invalid("grpc.socket_mode", f": {grpc.socket_mode:#o} is outside 0o000..0o777")
     fast = config.fast
+    if not 1 <= fast.max_connections <= 65536:
+        raise Invalid("fast.max_connections", f": {fast.max_connections} is outside 1..65536")
+    if not (math.isfinite(fast.frame_timeout) and fast.frame_timeout > 0):
+        raise Invalid("fast.frame_timeout", f": must be > 0, got {fast.frame_timeout}")
     if fast.enabled:
         check_path("fast.unix_socket", fast.unix_socket)
         if len(os.fsencode(fast.unix_socket)) > _UNIX_PATH_MAX:

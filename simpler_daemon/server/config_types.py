@@ -271,6 +271,10 @@ class FastConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     unix_socket: str = ""
     """"" = beside ``grpc.unix_socket``: ``<dir>/<stem>.fast.sock``, where clients look.
     It gets ``grpc.socket_mode`` and ``grpc.socket_group``."""
+    max_connections: int = 1024
+    """Connections served at once (1..65536); past it a new one is closed at once."""
+    frame_timeout: float = 30.0
+    """Seconds a connection may hold a partly received frame before it is dropped."""
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -647,7 +647,13 @@ class Daemon:
 
         cfg = self.config
         path = self.fast_socket_path
-        self._fast = FastServer(service, path, cfg.limits.max_message_bytes)
+        self._fast = FastServer(
+            service,
+            path,
+            cfg.limits.max_message_bytes,
+            max_connections=cfg.fast.max_connections,
+            frame_timeout=cfg.fast.frame_timeout,
+        )
         await publish_fast(self._fast, path, cfg.grpc.socket_mode, self._gid)
         self._fast_bound = True
 

@@ -23,7 +23,12 @@ One task per call: a client disconnecting cancels its calls' handlers, a
 ``Cancel`` frame cancels one, a call's deadline (``Call.timeout``) answers
 DEADLINE_EXCEEDED. A malformed frame closes its connection with a logged reason.
 Backpressure is per connection: a server stream waits while the socket's write
-buffer is full, and reading pauses while a client stream's unread chunks pile up.
+buffer is full, and reading pauses while that buffer is above its high-water mark,
+while a client stream's unread chunks pile up, or while MAX_CALLS calls are in
+flight (later Calls are held until one finishes). At most ``[fast] max_connections``
+connections are served; one holding a partly received frame for longer than
+``[fast] frame_timeout`` is dropped. A request message above
+``limits.max_message_bytes`` fails RESOURCE_EXHAUSTED with gRPC's words.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from simpler_daemon.fastwire import (
     FrameDecoder,
     Hello,
     Item,
+    Oversize,
     Reply,
     encode,
     frame_limit,
@@ -67,8 +73,17 @@ _CODE_NUMBER: Final[dict[grpc.StatusCode, int]] = {c: c.value[0] for c in grpc.S
 _HIGH_WATER: Final = 4 << 20
 #: Unread client-stream bytes of one connection before it stops reading.
 _READ_HIGH: Final = 8 << 20
+#: Calls in flight on one connection: later Calls are held (and reading paused) until
+#: one finishes, so a client that pipelines without reading cannot pile up handlers.
+MAX_CALLS: Final = 256
 #: Seconds between checks of the calls' deadlines.
 DEADLINE_TICK: Final = 0.05
+
+
+def _too_large_details(size: int, limit: int) -> str:
+    """gRPC's own words for a request message above its receive limit (so both
+    transports refuse it alike)."""
+    return f"SERVER: Received message larger than max ({size} vs. {limit})"
 
 
 class FastAbort(grpc.aio.AbortError):  # type: ignore[misc]  # grpc is untyped
@@ -125,13 +140,15 @@ class FastContext:
 class _Call:
     """One call in flight on a connection."""
 
-    __slots__ = ("deadline", "expired", "id", "inbound", "task")
+    __slots__ = ("deadline", "expired", "id", "inbound", "rejected", "task")
 
     def __init__(self, call_id: int) -> None:
         self.id = call_id
         self.task: asyncio.Task[None] | None = None
         self.deadline: float | None = None  # loop.time() past which the call is expired
         self.expired = False
+        #: Cancelled for an oversize request message: answered when the task is done.
+        self.rejected = False
         self.inbound: _Inbound | None = None
 
     def cancel(self) -> None:
@@ -196,7 +213,17 @@ class _Connection(asyncio.Protocol):
         self._closed = False
         self._writable: asyncio.Future[None] | None = None
         self._unread = 0
-        self._reading_paused = False
+        #: Why reading is paused ("unread": client-stream chunks pile up, "write": the
+        #: write buffer is above its high-water mark, "calls": MAX_CALLS in flight):
+        #: reading resumes when no reason is left.
+        self._paused_for: set[str] = set()
+        self._transport_paused = False
+        #: Frames read past MAX_CALLS calls in flight (a held Call and what follows
+        #: it for held calls), started in order as calls finish.
+        self._held: collections.deque[Any] = collections.deque()
+        self._releasing = False
+        #: loop.time() since which a partly received frame is held (None: none).
+        self.partial_since: float | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -208,6 +235,10 @@ class _Connection(asyncio.Protocol):
             log.warning(
                 "refused a fast-path client on %s: no peer credentials: %s", self._server.path, exc
             )
+            self._closed = True
+            transport.close()
+            return
+        if not self._server.admit():
             self._closed = True
             transport.close()
             return
@@ -224,32 +255,84 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as exc:
             self.drop(str(exc))
             return
+        if not self._decoder.incomplete:
+            self.partial_since = None
+        elif frames or self.partial_since is None:  # a new frame began: its clock starts
+            self.partial_since = self._loop.time()
+            self._server.watch_deadlines()
+        held = self._held
         for frame in frames:
-            kind = type(frame)
-            if kind is Call:
-                self._start(frame)
-            elif kind is Item:
-                call = self._calls.get(frame.id)
-                if call is not None and call.inbound is not None and not call.inbound.ended:
-                    call.inbound.put(frame.data)
-            elif kind is End:
-                call = self._calls.get(frame.id)
-                if call is not None and call.inbound is not None:
-                    call.inbound.end()
-            elif kind is Cancel:
-                call = self._calls.get(frame.id)
-                if call is not None:
-                    call.cancel()
-            elif kind is Hello:
-                if frame.version != PROTOCOL_VERSION:
-                    self.drop(
-                        f"cannot serve protocol version {frame.version} (this daemon speaks "
-                        f"{PROTOCOL_VERSION})"
-                    )
-                elif self._ctx is not None:
-                    self._ctx.set_label(frame.label)
+            if (held or (type(frame) is Call and self._full())) and not self._now(frame):
+                held.append(frame)
+                continue
+            self._handle(frame)
             if self._closed:
                 return
+        self._check_held()
+
+    def _full(self) -> bool:
+        """Whether a Call read now waits: MAX_CALLS calls are in flight, or the replies
+        already written wait for the client to read them (it pipelines, never reads)."""
+        return len(self._calls) >= MAX_CALLS or "write" in self._paused_for
+
+    def _now(self, frame: Any) -> bool:
+        """Whether ``frame``, read while Calls are held, is handled now rather than
+        after them: frames of calls in flight (their handlers may be waiting for them)."""
+        kind = type(frame)
+        return kind is Hello or (kind is not Call and frame.id in self._calls)
+
+    def _handle(self, frame: Any) -> None:
+        kind = type(frame)
+        if kind is Call:
+            self._start(frame)
+        elif kind is Item:
+            call = self._calls.get(frame.id)
+            if call is not None and call.inbound is not None and not call.inbound.ended:
+                if len(frame.data) > self._server.max_message_bytes:
+                    self._too_large(frame.id, len(frame.data), True)
+                else:
+                    call.inbound.put(frame.data)
+        elif kind is End:
+            call = self._calls.get(frame.id)
+            if call is not None and call.inbound is not None:
+                call.inbound.end()
+        elif kind is Oversize:
+            self._too_large(frame.id, frame.size, frame.tag == Item.__struct_config__.tag)
+        elif kind is Cancel:
+            call = self._calls.get(frame.id)
+            if call is not None:
+                call.cancel()
+        elif kind is Hello:
+            if frame.version != PROTOCOL_VERSION:
+                self.drop(
+                    f"cannot serve protocol version {frame.version} (this daemon speaks "
+                    f"{PROTOCOL_VERSION})"
+                )
+            elif self._ctx is not None:
+                self._ctx.set_label(frame.label)
+
+    def _check_held(self) -> None:
+        """Pause reading while Calls are held, unless a call in flight still waits for
+        its client stream's messages (they may be behind): then only when the held
+        frames themselves pile up."""
+        held = self._held
+        if not held:
+            if "calls" in self._paused_for:
+                self._pause("calls", False)
+            return
+        waiting = any(c.inbound is not None and not c.inbound.ended for c in self._calls.values())
+        self._pause("calls", len(held) > MAX_CALLS or not waiting)
+
+    def _release(self) -> None:
+        """Calls finished: start held frames while below MAX_CALLS."""
+        self._releasing = False
+        held = self._held
+        while held and not self._closed:
+            if type(held[0]) is Call and self._full():
+                break
+            self._handle(held.popleft())
+        if not self._closed:
+            self._check_held()
 
     def eof_received(self) -> bool | None:
         return None  # close: a client that stops sending has given up on its calls
@@ -270,9 +353,13 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._writable is None:
             self._writable = asyncio.get_running_loop().create_future()
+        # Replies pile up unread: read no more calls until the client catches up.
+        self._pause("write", True)
 
     def resume_writing(self) -> None:
         self._wake_writer()
+        self._pause("write", False)
+        self._schedule_release()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -308,19 +395,60 @@ class _Connection(asyncio.Protocol):
         """Client-stream bytes received but not yet read by a handler: past the high
         water mark the connection stops reading until the handlers catch up."""
         self._unread += delta
+        if self._unread > _READ_HIGH:
+            self._pause("unread", True)
+        elif self._unread <= _READ_HIGH // 2:
+            self._pause("unread", False)
+
+    def _pause(self, reason: str, on: bool) -> None:
+        """Set or clear one reason to pause reading; the transport reads while none is set."""
+        if on:
+            self._paused_for.add(reason)
+        else:
+            self._paused_for.discard(reason)
         transport = self._transport
         if transport is None or self._closed:
             return
-        if not self._reading_paused and self._unread > _READ_HIGH:
-            self._reading_paused = True
-            transport.pause_reading()
-        elif self._reading_paused and self._unread <= _READ_HIGH // 2:
-            self._reading_paused = False
-            transport.resume_reading()
+        want = bool(self._paused_for)
+        if want != self._transport_paused:
+            self._transport_paused = want
+            if want:
+                transport.pause_reading()
+            else:
+                transport.resume_reading()
 
     def _send(self, data: bytes) -> None:
         if not self._closed:
             self._transport.write(data)
+
+    def _too_large(self, call_id: int, size: int, item: bool) -> None:
+        """A request message of call ``call_id`` exceeds limits.max_message_bytes: the
+        call fails RESOURCE_EXHAUSTED with gRPC's words, the connection lives on. A
+        client stream's call (``item``) already running is cancelled and answered
+        when its handler has stopped."""
+        details = _too_large_details(size, self._server.max_message_bytes)
+        reply = encode(Reply(call_id, _CODE_NUMBER[Code.RESOURCE_EXHAUSTED], details))
+        call = self._calls.get(call_id)
+        if call is None:
+            if not item:  # an oversize Call: never started
+                self._send(reply)
+            return  # an Item of a call already over: nobody to answer
+        if call.inbound is not None:
+            call.inbound.end()
+        call.expired = False
+        task = call.task
+        if task is None or task.done():
+            self._finish(call)
+            self._send(reply)
+            return
+
+        def answer(_: asyncio.Task[None]) -> None:
+            self._finish(call)
+            self._send(reply)
+
+        call.rejected = True
+        task.add_done_callback(answer)
+        task.cancel()
 
     def _start(self, frame: Call) -> None:
         call_id = frame.id
@@ -328,6 +456,9 @@ class _Connection(asyncio.Protocol):
             self.drop(f"call id {call_id} reused while that call is in flight")
             return
         server = self._server
+        if len(frame.data) > server.max_message_bytes:
+            self._too_large(call_id, len(frame.data), False)
+            return
         entry = server.table.get(frame.method)
         if entry is None:
             self._send(
@@ -374,9 +505,23 @@ class _Connection(asyncio.Protocol):
         call.task = loop.create_task(coro)
 
     def expire(self, now: float) -> None:
-        """Cancel the calls whose deadline passed: they answer DEADLINE_EXCEEDED."""
+        """Cancel the calls whose deadline passed: they answer DEADLINE_EXCEEDED. Drop
+        the connection when it held a partly received frame past ``frame_timeout``."""
+        since = self.partial_since
+        timeout = self._server.frame_timeout
+        if since is not None and now - since > timeout:
+            self.partial_since = None
+            self.drop(
+                f"an incomplete frame was held for more than fast.frame_timeout = {timeout} s"
+            )
+            return
         for call in list(self._calls.values()):
-            if call.deadline is not None and call.deadline <= now and call.task is not None:
+            if (
+                call.deadline is not None
+                and call.deadline <= now
+                and call.task is not None
+                and not call.rejected
+            ):
                 call.expired = True
                 call.task.cancel()
 
@@ -384,6 +529,12 @@ class _Connection(asyncio.Protocol):
         self._calls.pop(call.id, None)
         if call.inbound is not None:
             call.inbound.discard()
+        self._schedule_release()
+
+    def _schedule_release(self) -> None:
+        if self._held and not self._releasing and not self._closed:
+            self._releasing = True  # not from inside a handler's task: on the loop
+            self._loop.call_soon(self._release)
 
     async def _run_unary(self, call: _Call, name: str, handler: Any, request: Any) -> None:
         try:
@@ -452,9 +603,22 @@ class FastServer:
     calls in flight ``grace`` seconds, cancels the rest and closes every connection.
     The caller removes the socket file (the daemon renames it into place)."""
 
-    def __init__(self, service: Any, path: str, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        service: Any,
+        path: str,
+        max_message_bytes: int,
+        *,
+        max_connections: int = 1024,
+        frame_timeout: float = 30.0,
+    ) -> None:
         self.path = path
         self.max_message_bytes = max_message_bytes
+        #: ``[fast] max_connections``: past it a new connection is closed at once.
+        self.max_connections = max_connections
+        #: ``[fast] frame_timeout``: seconds a partly received frame is waited for.
+        self.frame_timeout = frame_timeout
+        self._refusing = False  # warned about max_connections; again once below it
         self.max_frame = frame_limit(max_message_bytes)
         #: Every served method: its description, the servicer's handler, its parser
         #: (one lookup per call).
@@ -469,10 +633,27 @@ class FastServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
+    def admit(self) -> bool:
+        """Whether one more connection may be served (``[fast] max_connections``); the
+        first refusal of a burst is logged, not each (a flood would flood the log)."""
+        if len(self.connections) < self.max_connections:
+            self._refusing = False
+            return True
+        if not self._refusing:
+            self._refusing = True
+            log.warning(
+                "refusing fast-path clients on %s: %d connections reached "
+                "fast.max_connections (further refusals are not logged until below it)",
+                self.path,
+                self.max_connections,
+            )
+        return False
+
     def watch_deadlines(self) -> None:
-        """Check calls' deadlines every DEADLINE_TICK seconds while some are in flight:
-        one timer for the server rather than one per call (the client enforces its
-        deadline to the microsecond itself; this only stops the handler)."""
+        """Check calls' deadlines, and connections holding a partly received frame
+        (``frame_timeout``), every DEADLINE_TICK seconds while there are some: one
+        timer for the server rather than one per call or connection (the client
+        enforces its deadline to the microsecond itself; this only stops the handler)."""
         if self._sweeper is None:
             loop = asyncio.get_running_loop()
             self._sweeper = loop.call_later(DEADLINE_TICK, self._sweep)
@@ -482,7 +663,7 @@ class FastServer:
         now = asyncio.get_running_loop().time()
         for conn in list(self.connections):
             conn.expire(now)
-        if any(conn.has_deadlines() for conn in self.connections):
+        if any(conn.has_deadlines() or conn.partial_since is not None for conn in self.connections):
             self.watch_deadlines()
 
     async def start(self) -> None:

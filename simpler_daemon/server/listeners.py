@@ -46,6 +46,7 @@ __all__ = [
     "private_socket_of",
     "publish_fast",
     "publish_relay",
+    "remove_stale_socket",
 ]
 
 # The daemon's logger: these lines are part of its start-up story.
@@ -89,6 +90,32 @@ def prepare_socket_paths(cfg: DaemonConfig, path: str, private_path: str, fast_p
     claim_socket_path(path)
     if fast_path:
         claim_socket_path(fast_path)
+    elif cfg.fast.unix_socket:
+        # Fast path off: auto clients probe the fast socket, but a stale one would
+        # still cost each of them a probe; clear it (never a live one).
+        remove_stale_socket(cfg.fast.unix_socket)
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove ``path`` if it is a socket nobody serves on (a fast socket a daemon with
+    the fast path left behind, now ``[fast] enabled = false``); a live socket or
+    anything else is left alone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        log.info("removing stale socket %s", path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    finally:
+        probe.close()
 
 
 def claim_socket_path(path: str) -> None:
