@@ -113,6 +113,18 @@ def leaked_shm(before: set[str]) -> set[str]:
     return {n for n in shm_files() - before if not foreign_heap(n)}
 
 
+def settled_shm_leaks(before: set[str], timeout: float = 5.0) -> set[str]:
+    """``leaked_shm`` once it stops shrinking, at most ``timeout`` seconds: a heap whose
+    creator just exited while it is being removed (another test process's daemon
+    stopping beside this one) looks like ours for a moment; a real leak stays."""
+    deadline = time.monotonic() + timeout
+    leaked = leaked_shm(before)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = leaked_shm(before)
+    return leaked
+
+
 def self_signed_cert(directory: Path, name: str = "cert") -> tuple[Path, Path] | None:
     """A one-day self-signed EC certificate for ``localhost`` and ``127.0.0.1`` and its
     key, as ``(directory/name.crt, directory/name.key)``; None without the openssl CLI."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from simpler_daemon.testing import child_pids, leaked_shm, shm_files
+from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def no_leaked_children() -> Iterator[None]:
     from simpler_daemon.testing import poll_for
 
     poll_for(lambda: not child_pids(), timeout=10.0, message="child processes outlived the test")
-    leaked = leaked_shm(shm_before)
+    leaked = settled_shm_leaks(shm_before)
     assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from simpler_daemon.client import Client
-from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
+from simpler_daemon.testing import child_pids, poll_for, settled_shm_leaks, shm_files
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = "simpler_daemon.examples.tasks"
@@ -260,7 +260,7 @@ def module_leak_guard(kept: Callable[[], set[int]]) -> Iterator[None]:
         timeout=5.0,
         message=f"threads outlived the test: {threading.enumerate()}",
     )
-    leaked = leaked_shm(shm_before)
+    leaked = settled_shm_leaks(shm_before)
     assert not leaked, f"files left in /dev/shm: {sorted(leaked)}"
 
 
@@ -279,7 +279,7 @@ def module_daemon(
         yield daemon
         if kept is not None:
             kept.discard(daemon.pid)
-    assert not leaked_shm(shm_before)
+    assert not settled_shm_leaks(shm_before)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, message: str = "") -> Any:
