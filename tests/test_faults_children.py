@@ -440,3 +440,48 @@ def test_the_shared_constants_are_the_contracts() -> None:
     assert local.DEADLINE_GRACE_S == 0.25 and local.STOPPED_GRACE_S == 2.0
     assert local.CONTROL_TIMEOUT_S == 30.0
     assert forkserver_mod.FORKSERVER_RESTARTS == 5 and forkserver_mod.FORKSERVER_WINDOW_S == 60
+
+
+def test_a_reaped_childs_pidfd_is_unwatched_before_it_is_closed() -> None:
+    """A child reaped by a progress round before the event loop saw its pidfd: whoever
+    watched the pidfd stops before it is closed. Otherwise the next descriptor opened
+    under that number (a client's socket on the daemon) fired the stale watch, and a
+    live worker's endpoint was poisoned: "endpoint failure ... child sub worker 0
+    (pid N) running" (seen with many fast-path connections)."""
+    from simpler_daemon.children.process import ChildProcess
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os._exit(0)
+    child = ChildProcess(pid, "probe")
+    fd = child.pidfd
+    assert fd is not None
+    seen: list[tuple[int, bool]] = []
+
+    def hook(n: int) -> None:
+        try:
+            os.fstat(n)
+            still_open = True
+        except OSError:
+            still_open = False
+        seen.append((n, still_open))
+
+    child.close_hooks.append(hook)
+    poll_for(child.poll, timeout=10, message="the probe child never exited")
+    assert seen == [(fd, True)] and child.pidfd is None
+
+
+@pytest.mark.asyncio
+async def test_a_bound_loop_stops_watching_a_replaced_childs_pidfd() -> None:
+    w = Worker(num_sub_workers=1)
+    async with w:
+        (child,) = w.children
+        hooks = list(child.close_hooks)
+        assert hooks, "nothing would unwatch the pidfd before it is closed"
+        loop = asyncio.get_running_loop()
+        fd = child.pidfd
+        assert fd is not None
+        os.kill(child.pid, signal.SIGKILL)
+        poll_for(lambda: child.poll() or (True and child.pidfd is None), timeout=10)
+        # The loop no longer watches the number: a socket opened under it is its own.
+        assert not loop.remove_reader(fd)
