@@ -28,6 +28,7 @@ import contextlib
 import os
 import re
 import secrets
+import socket
 import stat
 from collections.abc import Collection, Iterator
 from typing import Final
@@ -36,6 +37,7 @@ from simpler_daemon.errors import SimplerError
 
 __all__ = [
     "UntrustedPathError",
+    "bind_private_listener",
     "check_directory",
     "check_socket_path",
     "ensure_private_dir",
@@ -54,6 +56,25 @@ _STAGING_RE: Final = re.compile(r"^\.[0-9a-f]{8}$")
 
 class UntrustedPathError(SimplerError, PermissionError):
     """A path someone other than the daemon's user or root could have prepared."""
+
+
+def bind_private_listener(path: str, backlog: int = 128) -> socket.socket:
+    """A non-blocking listening Unix socket bound at ``path`` with mode 0600 (the umask
+    is tightened around bind, so it is never world-accessible, not even for an
+    instant); the caller chmods it to its configured mode before publishing it.
+    ``OSError`` naming the path when it cannot be bound."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the Unix socket {path}: {exc}") from exc
+    finally:
+        os.umask(old_umask)
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
 
 
 def _describe(st: os.stat_result) -> str:

@@ -37,8 +37,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final, NoReturn
 
@@ -60,6 +58,7 @@ from simpler_daemon.fastwire import (
     encode,
     frame_limit,
 )
+from simpler_daemon.localtrust import bind_private_listener
 from simpler_daemon.server.peers import CLIENT_LABEL_KEY, PeerCredentials, peer_credentials
 from simpler_daemon.server.wire import tolerant
 
@@ -667,17 +666,7 @@ class FastServer:
             self.watch_deadlines()
 
     async def start(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
-        try:
-            sock.bind(self.path)
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"cannot bind the Unix socket {self.path}: {exc}") from exc
-        finally:
-            os.umask(old_umask)
-        sock.listen(128)
-        sock.setblocking(False)
+        sock = bind_private_listener(self.path)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
 

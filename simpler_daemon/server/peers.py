@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
+from simpler_daemon.localtrust import bind_private_listener
+
 __all__ = [
     "CLIENT_LABEL_KEY",
     "DAEMON_OWNER",
@@ -149,17 +151,7 @@ class UnixRelay:
 
     async def start(self) -> None:
         """Bind the public socket (mode 0600 until the caller chmods it) and serve."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
-        try:
-            sock.bind(self.public_path)
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"cannot bind the Unix socket {self.public_path}: {exc}") from exc
-        finally:
-            os.umask(old_umask)
-        sock.listen(128)
-        sock.setblocking(False)
+        sock = bind_private_listener(self.public_path)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._accepted, sock=sock)
 
