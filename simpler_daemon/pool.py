@@ -350,15 +350,8 @@ class ChildPool:
             self._driver.unwatch(fd)  # a pidfd stays readable: report the exit once
             sched.child_exited(child)
 
-        def reaped(_fd: int) -> None:
-            # Reaped elsewhere before the watch fired: stop watching before the pidfd
-            # is closed, and still report the exit (from the driver, not from inside
-            # whatever reaped it).
-            self._driver.unwatch(fd)
-            self._driver.call_soon(lambda: sched.child_exited(child))
-
         self._driver.watch(fd, exited)
-        child.close_hooks.append(reaped)
+        child.close_hooks.append(self._driver.unwatch)  # reaped elsewhere: stop first
 
     # -- the fork servers ----------------------------------------------------------------------------
 
@@ -374,12 +367,8 @@ class ChildPool:
             self._driver.unwatch(fd)
             self._forkserver_died(proc)
 
-        def reaped(_fd: int) -> None:
-            self._driver.unwatch(fd)
-            self._driver.call_soon(lambda: self._forkserver_died(proc))
-
         self._driver.watch(fd, died)
-        proc.close_hooks.append(reaped)
+        proc.close_hooks.append(self._driver.unwatch)
 
     def _forkserver_died(self, proc: ChildProcess) -> None:
         """A fork server died: have the survivor fork a successor (bounded by

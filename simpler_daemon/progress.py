@@ -75,20 +75,9 @@ class ProgressLoop(RunCompletion):
 
     def _watch_pidfd(self, loop: asyncio.AbstractEventLoop, child: Any) -> None:
         loop.add_reader(child.pidfd, self._on_child_exit, child)
-
         # Reaped by a progress round before the loop saw the pidfd: stop watching it
         # before it is closed (its number is reused by the next socket opened).
-        def reaped(fd: int) -> None:
-            if not loop.is_closed():
-                loop.remove_reader(fd)
-                loop.call_soon(self._reaped_child_exited, child)  # still report the exit
-
-        child.close_hooks.append(reaped)
-
-    def _reaped_child_exited(self, child: Any) -> None:
-        if self._loop is not None:
-            self.child_exited(child)
-            self.wake()
+        child.close_hooks.append(lambda fd: None if loop.is_closed() else loop.remove_reader(fd))
 
     def detach(self) -> None:
         loop = self._loop
