@@ -351,7 +351,6 @@ class ChildPool:
             sched.child_exited(child)
 
         self._driver.watch(fd, exited)
-        child.close_hooks.append(self._driver.unwatch)  # reaped elsewhere: stop first
 
     # -- the fork servers ----------------------------------------------------------------------------
 
@@ -368,7 +367,6 @@ class ChildPool:
             self._forkserver_died(proc)
 
         self._driver.watch(fd, died)
-        proc.close_hooks.append(self._driver.unwatch)
 
     def _forkserver_died(self, proc: ChildProcess) -> None:
         """A fork server died: have the survivor fork a successor (bounded by

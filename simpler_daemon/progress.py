@@ -70,14 +70,8 @@ class ProgressLoop(RunCompletion):
         for lane in self._lanes:
             child = getattr(lane.endpoint, "child", None)
             if child is not None and child.pidfd is not None:
-                self._watch_pidfd(loop, child)
+                loop.add_reader(child.pidfd, self._on_child_exit, child)
         self._task = loop.create_task(self.run(), name="simpler-scheduler")
-
-    def _watch_pidfd(self, loop: asyncio.AbstractEventLoop, child: Any) -> None:
-        loop.add_reader(child.pidfd, self._on_child_exit, child)
-        # Reaped by a progress round before the loop saw the pidfd: stop watching it
-        # before it is closed (its number is reused by the next socket opened).
-        child.close_hooks.append(lambda fd: None if loop.is_closed() else loop.remove_reader(fd))
 
     def detach(self) -> None:
         loop = self._loop
@@ -103,7 +97,7 @@ class ProgressLoop(RunCompletion):
     def watch_child(self, child: Any) -> None:
         """Observe a (replacement) child's exit through its pidfd on the bound loop."""
         if self._loop is not None and child.pidfd is not None:
-            self._watch_pidfd(self._loop, child)
+            self._loop.add_reader(child.pidfd, self._on_child_exit, child)
 
     def child_exited(self, child: Any) -> None:
         """A child died: poison its endpoint now, so an idle dead lane is never dispatched to."""

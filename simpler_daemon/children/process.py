@@ -118,16 +118,7 @@ def describe_status(status: int) -> str:
 class ChildProcess:
     """A forked child as its parent sees it."""
 
-    __slots__ = (
-        "_next_sample",
-        "close_hooks",
-        "fault",
-        "foreign",
-        "label",
-        "pid",
-        "pidfd",
-        "status",
-    )
+    __slots__ = ("_next_sample", "fault", "foreign", "label", "pid", "pidfd", "status")
 
     def __init__(self, pid: int, label: str, *, foreign: bool = False) -> None:
         self.pid = pid
@@ -139,10 +130,6 @@ class ChildProcess:
         #: The faulthandler dump it left when it crashed ("" otherwise); set when reaped.
         self.fault = ""
         self._next_sample = 0.0
-        #: Called with the pidfd just before it is closed: whoever watches it (an event
-        #: loop, the driver's poll) must stop first, or a descriptor opened later under
-        #: the same number (a client's socket) would fire the stale watch.
-        self.close_hooks: list[Callable[[int], None]] = []
         try:
             self.pidfd: int | None = os.pidfd_open(pid)
         except OSError:  # pragma: no cover - kernels before 5.3
@@ -250,12 +237,8 @@ class ChildProcess:
         return f"{text} ({summary})" if summary else text
 
     def _close_pidfd(self) -> None:
-        fd = self.pidfd
-        if fd is not None:
-            for hook in self.close_hooks:
-                hook(fd)
-            self.close_hooks.clear()
-            os.close(fd)
+        if self.pidfd is not None:
+            os.close(self.pidfd)
             self.pidfd = None
 
     def close(self) -> None:
