@@ -53,6 +53,9 @@ STALL_WARNING_S = 5.0
 #: once per this many submits, not per submit (a one-task run still starts at once):
 #: the rest is dispatched in bulk once the orchestration yields.
 SUBMIT_BATCH = 32
+#: A SUB submit that sees a finished child runs a round only this long after the last
+#: one: a slow orchestration keeps its workers busy, a fast one is not slowed.
+ROUND_GAP_S = 0.0002
 
 
 class Scheduler(ProgressLoop):
@@ -94,6 +97,7 @@ class Scheduler(ProgressLoop):
         #: SUB submits since the last round (``SUBMIT_BATCH``).
         self._unrounded = 0
         self._round_seen = -1  # the doorbell's completion word when the last round began
+        self._round_at = 0.0  # and when (time.monotonic())
         #: Whether this round's pump may wait for children (not inside a submit: the
         #: orchestration goes on submitting meanwhile).
         self._pump_spin = True
@@ -155,9 +159,13 @@ class Scheduler(ProgressLoop):
                     slot.kind is not TaskKind.SUB
                     or self._unrounded >= SUBMIT_BATCH
                     or self._sub_idle()
-                    # a child finished since the last round: its lane is free for the
-                    # next task only once a round has seen that
-                    or self.doorbell.completed() != self._round_seen
+                    # a child finished since the last round (its lane is free for the
+                    # next task only once a round has seen that), and the last round is
+                    # not so recent that fast submits would pay one round each again
+                    or (
+                        self.doorbell.completed() != self._round_seen
+                        and time.monotonic() - self._round_at > ROUND_GAP_S
+                    )
                 ):
                     self._pump_spin = False
                     try:
@@ -214,6 +222,7 @@ class Scheduler(ProgressLoop):
         self.stats["rounds"] += 1
         self._unrounded = 0
         self._round_seen = self.doorbell.completed()
+        self._round_at = time.monotonic()
         q = self._pump_queue() if self.subs and not self._held else None
         if q:
             pump = self._pump
