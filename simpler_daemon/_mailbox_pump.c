@@ -20,7 +20,9 @@
  * child), until nothing is in flight, `max_publish` slots were published, or no lane
  * progressed for `spin_ns` (0: one pass over the lanes, so that a task it published is
  * never completed by the same call).  It decides no policy: the Scheduler chose the queue and
- * the lanes; the pump stops at anything unusual and leaves it to the Python path.
+ * the lanes; the pump stops at anything unusual and leaves it to the Python path: a
+ * completion that needs it ends the call after the current pass, with nothing more
+ * published in that pass.
  *
  * Each lane is a list [buf, frame_off, slot, dispatch_id, next_dispatch_id,
  * published_ns, stop, done] (SUBPUMP_* indices below), read at entry and
@@ -366,7 +368,7 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (!failed) {
-        int queue_open = 1;
+        int queue_open = 1, unusual = 0;
         int64_t last = monotonic_ns();
         for (;;) {
             int progress = 0, inflight = 0;
@@ -386,6 +388,11 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
                         continue;
                     }
                     if (r < 0) {
+                        /* Leave it to the Python path at once, and publish nothing more:
+                         * a failure must be seen before later tasks start (the first
+                         * failure fails the run; the tasks after it are skipped). */
+                        unusual = 1;
+                        queue_open = 0;
                         continue;
                     }
                     progress = 1;
@@ -406,7 +413,7 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
                     }
                 }
             }
-            if (failed || !inflight || spin_ns == 0) {
+            if (failed || unusual || !inflight || spin_ns == 0) {
                 break; /* spin_ns 0: one pass, never a completion of what it published */
             }
             int64_t now = monotonic_ns();

@@ -93,7 +93,6 @@ class Scheduler(ProgressLoop):
         self._held: Counter[bytes] = Counter()
         #: The SUB fast loop (``subpump.py``): the per-task path of SUB lanes, in C.
         self._pump = SubPump()
-        self._published: list[TaskSlot] = []
         #: SUB submits since the last round (``SUBMIT_BATCH``).
         self._unrounded = 0
         self._round_seen = -1  # the doorbell's completion word when the last round began
@@ -230,7 +229,7 @@ class Scheduler(ProgressLoop):
                 if lane.inflight and not pump.owns(lane):
                     lane.progress()
             pump.select(self.manager.sub)
-            progressed = self._pump_subs(q)
+            progressed = pump.round(self, q, self._pump_spin)
         else:
             progressed = False
             for lane in self._lanes:
@@ -267,53 +266,6 @@ class Scheduler(ProgressLoop):
                     return None
                 found = q
         return found
-
-    def _pump_subs(self, q: deque[TaskSlot]) -> bool:
-        """Run the C per-task loop of the SUB lanes over ``q``, claim what it published
-        and complete what it finished; then the child watch of the lanes it left busy
-        (a frame it left to Python: that lane's progress). True when it did anything."""
-        published = self._published
-        pump = self._pump
-        lanes = pump.pump(q, published, self._pump_spin)
-        did = False
-        if published:
-            did = True
-            self._claim_published(published)
-        # Spin-gate samples only from rounds of a waiting driver: a round inside a submit
-        # sees a task as late as the orchestration's last SUBMIT_BATCH submits took (a
-        # miss that says nothing about the task), and W2's submit phase alone would then
-        # turn spinning off for its wait.
-        now = 0.0 if self._pump_spin else -1.0
-        for rec in lanes:
-            done = rec.take_done()
-            if done:
-                did = True
-                if not now:
-                    now = time.monotonic()
-                if now > 0.0:
-                    self._observe_pumped(rec.done_issued_at, len(done), now)
-                self._complete_pumped(rec.lane, done)
-        for rec in lanes:
-            lane = rec.lane
-            if lane.inflight:
-                if rec.needs_python:
-                    lane.progress()  # a frame that did not end plainly: the Python path
-                else:
-                    pump.watch(lane)
-        return did
-
-    def _observe_pumped(self, issued_at: float, n: int, now: float) -> None:
-        """Feed the spin gate (spingate.py) the ``n`` completions one lane's pump call made:
-        the task in flight before the call (dispatched at ``issued_at``, 0.0: none) took
-        until ``now``; the others were published and completed within the call, i.e.
-        while the pump spun (latency ~0, a hit). Without these samples the gate never
-        learns that pumped SUB tasks are long (W3 would keep spinning)."""
-        gate = self.spin_gate
-        if issued_at:
-            gate.observe(issued_at, now)
-            n -= 1
-        for _ in range(n):
-            gate.observe(now, now)
 
     def _claim(self, slot: TaskSlot) -> bool:
         if slot.state != SlotState.READY:

@@ -25,6 +25,7 @@ the usual state.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
@@ -35,8 +36,10 @@ from simpler_daemon.mailbox import TASK_FRAMES
 from simpler_daemon.runmodel import SlotState
 
 if TYPE_CHECKING:
+    from simpler_daemon.completion import RunCompletion
     from simpler_daemon.manager import WorkerThread
     from simpler_daemon.runmodel import TaskSlot
+    from simpler_daemon.spingate import SpinGate
 
 __all__ = ["PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "SubPump"]
 
@@ -100,10 +103,12 @@ class _Lane:
 class SubPump:
     """Runs ``_mailbox.sub_pump`` over the SUB lanes and mirrors its effect on them."""
 
-    __slots__ = ("_calls", "_events", "_lanes", "_states", "_work", "hit_rate")
+    __slots__ = ("_calls", "_events", "_lanes", "_published", "_states", "_work", "hit_rate")
 
     def __init__(self) -> None:
         self._lanes: dict[int, _Lane] = {}
+        #: What the current call published, in order (claimed, then cleared).
+        self._published: list[TaskSlot] = []
         #: The lanes of the current call (reused).
         self._work: list[_Lane] = []
         self._states: list[list[Any]] = []
@@ -199,6 +204,62 @@ class SubPump:
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         return work
 
+    def round(self, sched: RunCompletion, q: deque[TaskSlot], spin: bool) -> bool:
+        """The Scheduler round's part for the lanes ``select`` picked: run the C loop over
+        ``q``, claim what it published and complete what it finished (in bulk, on
+        ``sched``); then the child watch of the lanes it left busy, and the Python
+        ``progress`` of a frame it left to Python. True when it did anything.
+
+        ``spin``: the round belongs to a waiting driver, so the C loop may wait for the
+        children, and what it completes feeds the spin gate. A round inside a submit
+        sees a task as late as the orchestration's last submits took (a miss that says
+        nothing about the task), and W2's submit phase alone would then turn spinning
+        off for its wait."""
+        published = self._published
+        lanes = self.pump(q, published, spin)
+        did = False
+        if published:
+            did = True
+            sched._claim_published(published)
+        now = 0.0 if spin else -1.0
+        for rec in lanes:
+            done = rec.take_done()
+            if done:
+                did = True
+                if not now:
+                    now = time.monotonic()
+                if now > 0.0:
+                    self._observe(sched.spin_gate, rec.done_issued_at, len(done), now)
+                sched._complete_pumped(rec.lane, done)
+        stuck: list[_Lane] = []
+        for rec in lanes:
+            lane = rec.lane
+            if lane.inflight:
+                if rec.needs_python:
+                    stuck.append(rec)
+                else:
+                    self.watch(lane)
+        if len(stuck) > 1:
+            # Frames that did not end plainly (failures) reach the run in the order their
+            # tasks were dispatched, so the first failure is the one the run reports.
+            stuck.sort(key=_issued_at)
+        for rec in stuck:
+            rec.lane.progress()
+        return did
+
+    @staticmethod
+    def _observe(gate: SpinGate, issued_at: float, n: int, now: float) -> None:
+        """Feed the spin gate (spingate.py) the ``n`` completions one lane's pump call made:
+        the task in flight before the call (dispatched at ``issued_at``, 0.0: none) took
+        until ``now``; the others were published and completed within the call, i.e.
+        while the pump spun (latency ~0, a hit). Without these samples the gate never
+        learns that pumped SUB tasks are long (W3 would keep spinning)."""
+        if issued_at:
+            gate.observe(issued_at, now)
+            n -= 1
+        for _ in range(n):
+            gate.observe(now, now)
+
     def watch(self, lane: WorkerThread) -> None:
         """The rest of ``lane.progress`` for a lane the pump polled: the child's watch.
         Its events (a poisoned endpoint's completions) go to the lane as usual."""
@@ -243,3 +304,8 @@ class SubPump:
     def forget(self) -> None:
         """Drop every lane record (the lanes were replaced or stopped)."""
         self._lanes.clear()
+
+
+def _issued_at(rec: _Lane) -> float:
+    active = rec.lane.active
+    return active.issued_at if active is not None else 0.0

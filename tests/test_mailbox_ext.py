@@ -1019,6 +1019,27 @@ def test_sub_pump_leaves_an_unusual_completion_to_python(
     assert list(q) == [slots[1]]
 
 
+def test_sub_pump_publishes_nothing_after_a_completion_it_leaves_to_python(
+    boxes: list[mmap.mmap],
+) -> None:
+    """A failure must reach the run before later tasks start: once a lane's completion
+    needs the Python path, the call publishes nothing more, not even on a lane that
+    freed up in the same pass."""
+    from collections import deque
+
+    slots = [FakeSlot(i) for i in range(1, 5)]
+    q: deque[FakeSlot] = deque(slots)
+    lanes = [lane(boxes[0]), lane(boxes[1])]
+    published: list[object] = []
+    assert mb.sub_pump(lanes, q, READY, published, 0, 100) == 2
+    child_done(boxes[0], error=1)
+    child_done(boxes[1])
+    assert mb.sub_pump(lanes, q, READY, published, 10**9, 100) == 0
+    assert lanes[0][6] == 1 and lanes[0][2] is slots[0]
+    assert lanes[1][7] == [slots[1]] and lanes[1][2] is None and lanes[1][6] == 0
+    assert list(q) == slots[2:] and mb.load32(boxes[1], TASK0) == mb.STATE_IDLE
+
+
 def test_sub_pump_stops_at_a_head_it_does_not_take(boxes: list[mmap.mmap]) -> None:
     from collections import deque
 
