@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import socket
 import ssl
 import struct
@@ -519,6 +520,25 @@ def test_command_eof_fails_the_task(h: Harness) -> None:
         ev.message == f"remote worker {WID} (127.0.0.1:{h.port}) failed: command connection closed"
     )
     assert ep.poisoned
+
+
+def test_a_session_ending_on_a_truncated_completion_names_the_truncation(h: Harness) -> None:
+    """The runner's end closes both lanes: when the health lane's EOF is read, what is
+    already on the command lane (here half a completion, then EOF) names the cause."""
+    ep = h.endpoint()
+    ep.submit_progress(dispatch())
+    h.peer.recv_frame()
+    h.peer.beating.clear()
+    data = encode_frame(FrameType.COMPLETION, SID, WID, 1, Completion(0, "", ""))
+    h.peer.cmd.sendall(data[: len(data) // 2])
+    h.peer.cmd.shutdown(socket.SHUT_WR)
+    h.peer.health.shutdown(socket.SHUT_WR)
+    # Both lanes are readable before the endpoint reads either.
+    socks = [h.session.command, h.session.health]
+    poll_for(lambda: len(select.select(socks, [], [], 0)[0]) == 2, timeout=5)
+    ev = final(events_until(ep, completed))
+    assert ev.outcome is Outcome.ENDPOINT_FAILURE
+    assert "truncated frame at EOF" in ev.message, ev.message
 
 
 def test_closed_health_lane_while_idle_refuses_the_next_submit(h: Harness) -> None:

@@ -394,7 +394,12 @@ class RemoteL3Endpoint:
     def _read_health(self) -> None:
         for chunk in self._chunks(self._health, self._health_ssl, "health lane"):
             if not chunk:
-                self._fail("health lane closed")
+                # A session that ends closes both lanes: what is already on the command
+                # lane (its last replies, or the EOF or protocol error that ended the
+                # session) is read first, so the failure names the cause, not the effect.
+                self._read_command()
+                if self.failure is None:
+                    self._fail("health lane closed")
                 return
             try:
                 frames = self._health_dec.feed(chunk)
