@@ -348,9 +348,11 @@ class ChildPool:
 
         def exited() -> None:
             self._driver.unwatch(fd)  # a pidfd stays readable: report the exit once
+            child.unwatched()  # closes a reaped child's pidfd: no watch names it now
             sched.child_exited(child)
 
         self._driver.watch(fd, exited)
+        child.watched = True  # a reap elsewhere leaves the fd open until ``exited``
 
     # -- the fork servers ----------------------------------------------------------------------------
 
@@ -364,9 +366,11 @@ class ChildPool:
 
         def died() -> None:
             self._driver.unwatch(fd)
+            proc.unwatched()
             self._forkserver_died(proc)
 
         self._driver.watch(fd, died)
+        proc.watched = True
 
     def _forkserver_died(self, proc: ChildProcess) -> None:
         """A fork server died: have the survivor fork a successor (bounded by
@@ -613,6 +617,10 @@ class ChildPool:
         for msg in reap_all(self.children, max(0.5, deadline - time.monotonic())):
             log.warning("%s: %s", what, msg)
         if self.forkserver is not None:
+            for proc in self.forkserver.processes:
+                if proc.watched and proc.pidfd is not None:
+                    self._driver.unwatch(proc.pidfd)  # before close frees its number
+                    proc.unwatched()
             for msg in self.forkserver.close(max(0.5, deadline - time.monotonic())):
                 log.warning("%s: %s", what, msg)
 

@@ -440,3 +440,35 @@ def test_the_shared_constants_are_the_contracts() -> None:
     assert local.DEADLINE_GRACE_S == 0.25 and local.STOPPED_GRACE_S == 2.0
     assert local.CONTROL_TIMEOUT_S == 30.0
     assert forkserver_mod.FORKSERVER_RESTARTS == 5 and forkserver_mod.FORKSERVER_WINDOW_S == 60
+
+
+# -- a child reaped before its exit watch fired ---------------------------------------------------
+
+
+def _fd_target(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def test_a_child_reaped_before_its_watch_fires_keeps_its_pidfd_until_reported() -> None:
+    """A dead child reaped outside its exit watch (a control, a progress sample) keeps
+    its pidfd open while the driver still watches that fd: its number cannot go to a
+    socket or to another child's pidfd, whose readiness the stale watch would take for
+    this death (and whose loop reader its unwatch would drop). The watch then reports
+    the exit, closes the fd, and the child is replaced."""
+    with Worker(num_sub_workers=1) as w:
+        probe = w.register(record_pid)
+        assert w.manager is not None
+        ep = w.manager.sub[0].endpoint
+        assert isinstance(ep, LocalMailboxEndpoint) and ep.child is not None
+        child = ep.child
+        fd = child.pidfd
+        assert fd is not None and child.watched
+        os.kill(child.pid, signal.SIGKILL)
+        poll_for(child.peek, timeout=10, message="the child never died")
+        assert child.poll()  # reaped here, not by the watch
+        assert child.pidfd == fd and _fd_target(fd) == "anon_inode:[pidfd]"
+        poll_for(lambda: _replaced(w, "sub", 1), timeout=30, message="not replaced")
+        assert child.pidfd is None and not child.watched
+        out = w.alloc((2,), "int64")
+        _one(w, probe, out, CallConfig()).wait(30)
+        assert out[0] not in (0, child.pid)

@@ -118,7 +118,7 @@ def describe_status(status: int) -> str:
 class ChildProcess:
     """A forked child as its parent sees it."""
 
-    __slots__ = ("_next_sample", "fault", "foreign", "label", "pid", "pidfd", "status")
+    __slots__ = ("_next_sample", "fault", "foreign", "label", "pid", "pidfd", "status", "watched")
 
     def __init__(self, pid: int, label: str, *, foreign: bool = False) -> None:
         self.pid = pid
@@ -130,6 +130,10 @@ class ChildProcess:
         #: The faulthandler dump it left when it crashed ("" otherwise); set when reaped.
         self.fault = ""
         self._next_sample = 0.0
+        #: A driver watches the pidfd (``Driver.watch``): reaping leaves it open, so its
+        #: number cannot be reused (by a socket, another child's pidfd) while the watch
+        #: still names it; ``unwatched`` closes it once the watch is gone.
+        self.watched = False
         try:
             self.pidfd: int | None = os.pidfd_open(pid)
         except OSError:  # pragma: no cover - kernels before 5.3
@@ -150,7 +154,7 @@ class ChildProcess:
             fd = self.pidfd
             if fd is None or select.select([fd], [], [], 0)[0]:
                 self.status = -1  # exited; its status belongs to the process that reaps it
-                self._close_pidfd()
+                self._reaped_pidfd()
             return self.status is not None
         if self.status is None:
             try:
@@ -160,11 +164,11 @@ class ChildProcess:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
                 self.status = 0
-                self._close_pidfd()
+                self._reaped_pidfd()
                 return True
             if pid == self.pid:
                 self.status = status
-                self._close_pidfd()
+                self._reaped_pidfd()
                 self._collect_fault()
         return self.status is not None
 
@@ -236,12 +240,24 @@ class ChildProcess:
         summary = fault_summary(self.fault)
         return f"{text} ({summary})" if summary else text
 
+    def _reaped_pidfd(self) -> None:
+        if not self.watched:
+            self._close_pidfd()
+
+    def unwatched(self) -> None:
+        """The driver no longer watches the pidfd: close it if the child was reaped."""
+        self.watched = False
+        if self.status is not None:
+            self._close_pidfd()
+
     def _close_pidfd(self) -> None:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
 
     def close(self) -> None:
+        """Close the pidfd (unwatch it first: see ``watched``)."""
+        self.watched = False
         self._close_pidfd()
 
 
