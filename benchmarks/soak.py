@@ -415,7 +415,7 @@ class Load:
             elif by_kill:
                 self.tally.add("kill")
             else:
-                self.tally.add("unexpected", f"{who}: {state} {text[:300]}")
+                self.tally.add("unexpected", f"{who}: {state} {text[:1000]}")
             return
         if state == "COMPLETED":
             self.tally.add("wrong", f"{who}: COMPLETED, expected {p.expect}")
@@ -427,7 +427,7 @@ class Load:
         elif by_kill:
             self.tally.add("kill")
         else:
-            self.tally.add("unexpected", f"{who}: {state} {text[:300]}, expected {p.expect}")
+            self.tally.add("unexpected", f"{who}: {state} {text[:1000]}, expected {p.expect}")
 
     def loop(self, until: float, errors: list[str]) -> None:
         try:

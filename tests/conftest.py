@@ -8,12 +8,20 @@ import gc
 import logging
 import os
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files
+
+# A shell without job control starts background commands with SIGINT ignored (``make
+# test &`` in a script, nohup), and Python then never raises KeyboardInterrupt; exec'd
+# processes inherit an ignored signal, but not a handler. The Ctrl-C tests (a Worker's
+# init interrupted, simplerctl interrupted while it follows a run) need the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

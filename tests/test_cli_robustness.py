@@ -255,6 +255,9 @@ def test_ctrl_c_in_submit_watch(daemon: DaemonProcess, tmp_path: Path, how: str)
         try:
             _, err = proc.communicate(timeout=30)
         finally:
+            if proc.poll() is None:  # it did not exit: do not leave it to the next tests
+                proc.kill()
+                proc.communicate()
             for fd in (master, slave):
                 if fd >= 0:
                     os.close(fd)
