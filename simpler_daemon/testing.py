@@ -46,7 +46,7 @@ def child_pids(pid: int | None = None) -> set[int]:
     out: set[int] = set()
     try:
         tasks = os.listdir(f"/proc/{parent}/task")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return out
     for tid in tasks:
         try:
