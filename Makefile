@@ -29,7 +29,7 @@ $(BENCH_STAMP): $(VENV)/bin/python pyproject.toml setup.py
 install: $(STAMP)
 
 # Rebuild the C extension in place whenever its source changed.
-simpler_daemon/_mailbox%.so: $(wildcard simpler_daemon/_mailbox*.c simpler_daemon/_mailbox.h)
+simpler_daemon/mailbox/_mailbox%.so: $(wildcard simpler_daemon/mailbox/_mailbox*.c simpler_daemon/mailbox/_mailbox.h)
 	$(PY) setup.py -q build_ext --inplace
 
 build: $(STAMP)
@@ -69,7 +69,7 @@ soak: $(STAMP) build
 	$(PY) -m benchmarks.soak --seconds 300 $(SOAK_ARGS)
 
 proto: $(TEST_STAMP)
-	$(PY) -m simpler_daemon.server.gen_proto
+	$(PY) -m simpler_daemon.protocol.gen_proto
 
 clean:
-	rm -rf build *.egg-info simpler_daemon/*.so
+	rm -rf build *.egg-info simpler_daemon/mailbox/*.so

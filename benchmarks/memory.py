@@ -70,7 +70,7 @@ def checkpoints(runs: int) -> tuple[int, int, int]:
 def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
     """M1 on one fresh daemon per repetition: ``{"ours": result}``."""
     from simpler_daemon.client import Client, sub_task
-    from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+    from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
     runs, n = p["runs"], p["n"]
     first, mid, last = checkpoints(runs)

@@ -24,16 +24,16 @@ import statistics
 import time
 from typing import Any
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import DEFAULT_CONFIG, encode_args
 from simpler_daemon.callables import spec_for_import
-from simpler_daemon.children.loop import ChildContext, run_child
 from simpler_daemon.children.process import fork_child, reap_all
-from simpler_daemon.doorbell import Doorbell
+from simpler_daemon.children.sub import ChildContext, run_child
 from simpler_daemon.endpoints.base import EventKind, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.heap import Heap
-from simpler_daemon.mailbox import Mailbox, MailboxState
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.doorbell import Doorbell
+from simpler_daemon.mailbox.layout import Mailbox, MailboxState
 
 
 class _Slot:

@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 
 from simpler_daemon.client import Client
-from simpler_daemon.client_requests import task, tensor
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.client.requests import task, tensor
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import alive, child_pids, descendants, shm_files
 
 EX = "simpler_daemon.examples.tasks"

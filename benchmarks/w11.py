@@ -93,7 +93,7 @@ def _during_big_call(big: Any, probe: Any, request: list[Any], w1: Any) -> _Wind
 def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
     """W11 on the engine: ``{"ours": result}``."""
     from simpler_daemon.client import Client, make_args, sub_task, task, tensor
-    from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+    from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
     n_big = p["n_big"]
     clock = time.perf_counter_ns

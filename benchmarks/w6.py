@@ -122,7 +122,7 @@ def daemon(n2: int, extra: str = "") -> Iterator[tuple[str, int]]:
 def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
     """W6 on the engine: ``{"ours_grpc": result, "ours_fast": result}``."""
     from simpler_daemon.client import Client, sub_task
-    from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+    from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
     n1, n2 = p["n1"], p["n2"]
     transports = {"ours_grpc": "grpc", "ours_fast": "fast"}

@@ -199,7 +199,7 @@ def remote_worker_service() -> Iterator[Service]:
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # never talk to a systemd that started the suite
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
-        cmd = [sys.executable, "-m", "simpler_daemon.remote.service", "serve"]
+        cmd = [sys.executable, "-m", "simpler_daemon.remote_worker.service", "serve"]
         cmd += ["--listen", "127.0.0.1:0", "--set", ALLOWED_MODULES]
         # Its output goes to a file, never a pipe nobody reads (a full pipe blocks it).
         with open(log_path, "wb") as log:

@@ -54,7 +54,7 @@ admission = "{admission}"
 
 def _probe(small: Any, one: list[Any]) -> int:
     """B's one-task run: submit and wait in one round trip; nanoseconds."""
-    from simpler_daemon.client_types import RunPhase, run_result
+    from simpler_daemon.client.results import RunPhase, run_result
 
     t0 = time.perf_counter_ns()
     status = run_result(small.submit_run(one, wait_seconds=WAIT_S).status)

@@ -23,22 +23,51 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from simpler_daemon.mailbox import CONFIG_SIZE, MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
 MAX_NDIM: Final = 8
+#: The bytes of a mailbox frame that carry the args blob, and a descriptor's size. The
+#: frame geometry is the C extension's (``mailbox/_mailbox.h``); these copies let the
+#: vocabulary load without it, and ``mailbox/layout.py`` refuses to load when the
+#: extension disagrees with them.
+MAILBOX_ARGS_CAPACITY: Final = 64080
+TENSOR_DESC_SIZE: Final = 168
 MAX_TENSORS: Final = (MAILBOX_ARGS_CAPACITY - 8) // TENSOR_DESC_SIZE
 MAX_OUTPUT_PREFIX: Final = 1024
 U64_MASK: Final = (1 << 64) - 1
 #: Upper bound of ``CallConfig.deadline_ms`` (one week): anything larger is a unit
 #: mistake, and would overflow the timers that enforce it.
 MAX_DEADLINE_MS: Final = 7 * 24 * 3600 * 1000
+#: Run priorities are 1 (the default) to MAX_PRIORITY: a run's share of the workers
+#: under ``fair`` admission is proportional to it; larger weights would only starve
+#: everything else.
+MAX_PRIORITY: Final = 1000
 #: The descriptor's location byte (see the module docstring).
 LOCATION_LOCAL: Final = 0
 LOCATION_REMOTE: Final = 1
 LOCATION_PARENT: Final = 2
+
+
+def check_priority(priority: object, what: str = "submit a run") -> int:
+    """``priority`` as an int in ``[1, MAX_PRIORITY]``; a clear error otherwise."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(
+            f"cannot {what}: priority must be an integer from 1 to {MAX_PRIORITY}, "
+            f"got {type(priority).__name__} {priority!r}"
+        )
+    if not 1 <= priority <= MAX_PRIORITY:
+        raise ValueError(
+            f"cannot {what}: priority {priority} is out of range (1 to {MAX_PRIORITY})"
+        )
+    return priority
+
+
+class TensorRef:
+    """A tensor that is not an array of this process: the engine resolves it when the
+    task is submitted (``RemoteTensorRef``, a buffer in a remote worker's heap)."""
+
+    __slots__ = ()
 
 
 class Tag(IntEnum):
@@ -250,14 +279,11 @@ class TaskArgs:
 
     def add_tensor(self, array: Any, tag: Tag = Tag.INPUT) -> TaskArgs:
         """Add an array from ``Worker.alloc`` or a ``RemoteTensorRef`` from ``alloc_remote``."""
-        if not isinstance(array, np.ndarray):
-            from simpler_daemon.remote.spec import RemoteTensorRef
-
-            if not isinstance(array, RemoteTensorRef):
-                raise TypeError(
-                    "cannot add tensor: expected a NumPy array from Worker.alloc or a "
-                    f"RemoteTensorRef from Worker.alloc_remote, got {type(array).__name__}"
-                )
+        if not isinstance(array, (np.ndarray, TensorRef)):
+            raise TypeError(
+                "cannot add tensor: expected a NumPy array from Worker.alloc or a "
+                f"RemoteTensorRef from Worker.alloc_remote, got {type(array).__name__}"
+            )
         if len(self.tensors) >= MAX_TENSORS:
             raise ValueError(f"cannot add tensor: a task takes at most {MAX_TENSORS} tensors")
         t = Tag(tag)  # validate before appending: a failed add leaves the args unchanged
@@ -337,7 +363,8 @@ class CallConfig:
         return cls(deadline, threads, bool(flags & 1), bool(flags & 2), prefix.decode())
 
 
-assert _CONFIG.size + MAX_OUTPUT_PREFIX <= CONFIG_SIZE
+#: What a CallConfig takes of the frame's config field (``mailbox/layout.py`` checks it fits).
+CONFIG_BYTES: Final = _CONFIG.size + MAX_OUTPUT_PREFIX
 
 
 DEFAULT_CONFIG: Final = CallConfig()

@@ -85,8 +85,8 @@ def frame_state(args: Any, config: Any) -> None:
     Runs on the device thread, i.e. after the launch boundary: what it sees is
     the state the chip child published before launching.
     """
-    from simpler_daemon import _mailbox as _mb
-    from simpler_daemon.mailbox import TASK_FRAMES
+    from simpler_daemon.mailbox import _mailbox as _mb
+    from simpler_daemon.mailbox.layout import TASK_FRAMES
 
     args.tensors[0][0] = _mb.load32(OBSERVED_MAILBOX.buf, TASK_FRAMES[args.scalars[0]])
 

@@ -21,16 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, Tag, encode_args
 from simpler_daemon.callables import CallableSpec
-from simpler_daemon.children.loop import ChildContext, run_child
 from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
-from simpler_daemon.doorbell import Doorbell
+from simpler_daemon.children.sub import ChildContext, run_child
 from simpler_daemon.endpoints.base import EndpointEvent, EventKind, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.heap import Heap
-from simpler_daemon.mailbox import BASE_FRAME, OFF_CHILD_PARKED, Mailbox, MailboxState
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.doorbell import Doorbell
+from simpler_daemon.mailbox.layout import BASE_FRAME, OFF_CHILD_PARKED, Mailbox, MailboxState
 from simpler_daemon.testing import poll_for
 
 EMPTY_BLOB = encode_args([], [])

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from simpler_daemon.remote.netns import TestHosts
 from simpler_daemon.testing import poll_for, shm_files
+from simpler_daemon.testing.netns import TestHosts
 
 log = logging.getLogger("tests.remote_harness")
 
@@ -46,9 +46,9 @@ MARK_ENV = "SIMPLER_E2E_MARK"
 #: Unique to this test process: tells our processes from any other test run's.
 MARK = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 #: Command lines that belong to the remote side.
-REMOTE_CMDLINES = ("simpler_daemon.remote.session", "simpler-remote-worker")
+REMOTE_CMDLINES = ("simpler_daemon.remote_worker.session", "simpler-remote-worker")
 SERVICE_CMDLINE = "simpler-remote-worker"
-RUNNER_CMDLINE = "simpler_daemon.remote.session"
+RUNNER_CMDLINE = "simpler_daemon.remote_worker.session"
 
 
 def worker_command() -> list[str]:
@@ -56,7 +56,7 @@ def worker_command() -> list[str]:
     script = Path(sys.executable).parent / "simpler-remote-worker"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "simpler_daemon.remote.service"]
+    return [sys.executable, "-m", "simpler_daemon.remote_worker.service"]
 
 
 def marked_env() -> dict[str, str]:

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import (
     MAX_DEADLINE_MS,
     MAX_NDIM,
@@ -27,7 +26,13 @@ from simpler_daemon.args import (
     encode_args,
 )
 from simpler_daemon.heap import Heap
-from simpler_daemon.mailbox import CONFIG_SIZE, MAILBOX_ARGS_CAPACITY, TASK_FRAMES, TENSOR_DESC_SIZE
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
+    CONFIG_SIZE,
+    MAILBOX_ARGS_CAPACITY,
+    TASK_FRAMES,
+    TENSOR_DESC_SIZE,
+)
 
 U64 = (1 << 64) - 1
 DTYPES = (

@@ -25,7 +25,7 @@ import pytest
 
 from simpler_daemon import CallConfig, RunCancelled, Tag, TaskError, Worker
 from simpler_daemon.endpoints.base import Outcome
-from simpler_daemon.orchestrator import Orchestrator, RunState
+from simpler_daemon.engine.orchestrator import Orchestrator, RunState
 from simpler_daemon.testing import alive, poll_for
 from tests import tasks
 from tests.tasks import targs

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import CallConfig, TensorDesc, encode_args
 from simpler_daemon.callables import spec_for_import, spec_for_object
-from simpler_daemon.children.loop import format_exception
 from simpler_daemon.children.process import describe_status, fork_child, reap_all
+from simpler_daemon.children.sub import format_exception
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import StartupError
 from simpler_daemon.heap import Heap
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     CTRL_OFF_ARG_LEN,
     ERR_BAD_ARGS,
@@ -367,7 +367,7 @@ def test_describe_status() -> None:
 
 
 def _assert_rolled_back(w: Any, shm_before: set[str]) -> None:
-    from simpler_daemon.worker import WorkerState
+    from simpler_daemon.engine.worker import WorkerState
 
     assert w.state is WorkerState.FAILED
     assert w.children == [] and w.endpoints == [] and w.mailboxes == [] and w.doorbell is None
@@ -379,7 +379,7 @@ def _assert_rolled_back(w: Any, shm_before: set[str]) -> None:
 
 
 def test_worker_init_failed_names_the_worker_and_rolls_back() -> None:
-    from simpler_daemon.worker import Worker
+    from simpler_daemon.engine.worker import Worker
 
     shm_before = shm_files()
     w = Worker(num_sub_workers=2, heap_bytes=1 << 20, startup_timeout=20.0)
@@ -398,7 +398,7 @@ def test_worker_init_failed_names_the_worker_and_rolls_back() -> None:
 
 
 def test_worker_child_exit_during_init_names_the_worker_and_status() -> None:
-    from simpler_daemon.worker import Worker
+    from simpler_daemon.engine.worker import Worker
 
     shm_before = shm_files()
     w = Worker(num_sub_workers=2, heap_bytes=1 << 20, startup_timeout=20.0)
@@ -415,8 +415,8 @@ def test_worker_init_deadline_terminates_the_starting_child(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rollback: the ready child gets SHUTDOWN (exits 0), the one still starting SIGTERM."""
-    import simpler_daemon.pool as pool_mod
-    import simpler_daemon.worker as worker_mod
+    import simpler_daemon.engine.pool as pool_mod
+    import simpler_daemon.engine.worker as worker_mod
 
     reaped: dict[str, str] = {}
     real_reap_all = pool_mod.reap_all

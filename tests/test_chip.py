@@ -29,12 +29,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle, spec_for_chip
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
+from simpler_daemon.engine.orchestrator import Orchestrator, TaskSlot
+from simpler_daemon.engine.worker import RunHandle, Worker
 from simpler_daemon.errors import TaskError
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     OFF_ACCEPTED,
     OFF_DISPOSITION,
@@ -43,10 +45,8 @@ from simpler_daemon.mailbox import (
     Disposition,
     MailboxState,
 )
-from simpler_daemon.manager import WorkerCompletion
-from simpler_daemon.orchestrator import Orchestrator, TaskSlot
+from simpler_daemon.scheduler.lanes import WorkerCompletion
 from simpler_daemon.testing import poll_for
-from simpler_daemon.worker import RunHandle, Worker
 
 pytestmark = pytest.mark.integration
 

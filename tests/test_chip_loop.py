@@ -21,16 +21,16 @@ from typing import Any
 import pytest
 
 import tests.chip_kernels as chip_kernels
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import DEFAULT_CONFIG, CallConfig
 from simpler_daemon.callables import CallableSpec, spec_for_chip
 from simpler_daemon.children.chip import ChipContext, run_chip_child
 from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
-from simpler_daemon.doorbell import Doorbell
 from simpler_daemon.endpoints.base import EndpointEvent, EventKind, Outcome, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.heap import Heap
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.doorbell import Doorbell
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     ERR_STALE,
     OFF_ACCEPTED,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from simpler_daemon import cli
-from simpler_daemon.cli_spec import SPEC_FORMAT, SpecError, decode_spec, load_spec
+from simpler_daemon.cli import simplerctl as cli
+from simpler_daemon.cli.runspec import SPEC_FORMAT, SpecError, decode_spec, load_spec
 from tests.daemon_harness import REPO
 
 EXAMPLES = "simpler_daemon.examples.tasks"

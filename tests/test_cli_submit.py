@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from simpler_daemon import cli
+from simpler_daemon.cli import simplerctl as cli
 from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_daemon, module_leak_guard
 from tests.test_simplerctl import Ctl
 

@@ -29,21 +29,19 @@ from simpler_daemon.client import (
     sub_task,
     tensor,
 )
-from simpler_daemon.client_types import TaskResultValue
-from simpler_daemon.errors import (
-    FIELD_METADATA,
+from simpler_daemon.client.errors import (
     DaemonError,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    RunCancelled,
-    SimplerError,
-    TaskError,
     daemon_error,
 )
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.client.results import TaskResultValue
+from simpler_daemon.errors import RunCancelled, SimplerError, TaskError
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol.metadata import FIELD_METADATA
 from simpler_daemon.server.run_record import RESULT_KEPT_OVERHEAD
 from tests.daemon_harness import (
     EXAMPLES,

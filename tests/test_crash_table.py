@@ -59,9 +59,9 @@ import pytest
 
 from simpler_daemon import CallConfig, RunCancelled, RunState, Tag, TaskArgs, TaskError, Worker
 from simpler_daemon.callables import CallableHandle, spec_for_object
+from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.errors import RegistrationError
 from simpler_daemon.testing import alive, child_pids, descendants, poll_for, stopped
-from simpler_daemon.worker import RunHandle
 from tests import tasks
 from tests.tasks import targs
 

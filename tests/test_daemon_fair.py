@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from simpler_daemon.client import Client, RunFuture, RunPhase, RunResult, sub_task
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from tests.daemon_harness import (
     DaemonProcess,
     module_daemon,

@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from simpler_daemon.callables import CallableHandle
-from simpler_daemon.cli_output import worker_header, worker_rows
-from simpler_daemon.client_requests import task
+from simpler_daemon.cli.output import worker_header, worker_rows
+from simpler_daemon.client.requests import task
 from simpler_daemon.errors import ConfigError
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import config as cfg
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.workers import worker_info
 from simpler_daemon.testing import poll_for

@@ -26,9 +26,10 @@ import pytest
 
 from simpler_daemon import Worker
 from simpler_daemon.client import Client, RunPhase, sub_task
-from simpler_daemon.errors import NotFound, TaskError
-from simpler_daemon.orchestrator import Run, TaskRef
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.client.errors import NotFound
+from simpler_daemon.engine.orchestrator import Run, TaskRef
+from simpler_daemon.errors import TaskError
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.run_record import STATUS_BYTES
@@ -155,7 +156,7 @@ def test_the_byte_limit_evicts_from_the_client_holding_the_most_bytes() -> None:
 
 
 def test_an_orchestration_error_text_is_bounded() -> None:
-    from simpler_daemon.completion import MAX_ORCH_ERROR_CHARS
+    from simpler_daemon.scheduler.completion import MAX_ORCH_ERROR_CHARS
 
     def orch(o: Any, _a: Any, _c: Any) -> None:
         raise ValueError("x" * (MAX_ORCH_ERROR_CHARS * 4))

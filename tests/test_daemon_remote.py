@@ -22,13 +22,13 @@ from typing import Any
 import grpc
 import pytest
 
-from simpler_daemon.cli_output import remote_header, remote_row
+from simpler_daemon.cli.output import remote_header, remote_row
 from simpler_daemon.client import Client
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.engine.worker import Worker
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.workers import worker_info
 from simpler_daemon.testing import poll_for
-from simpler_daemon.worker import Worker
 from tests.daemon_harness import (
     EXAMPLES,
     REPO,
@@ -300,7 +300,7 @@ class RemoteWorkerProcess:
     def __init__(self, directory: Path) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
-        cmd = [sys.executable, "-m", "simpler_daemon.remote.service", "serve"]
+        cmd = [sys.executable, "-m", "simpler_daemon.remote_worker.service", "serve"]
         cmd += ["--listen", "127.0.0.1:0"]
         self.stderr_path = directory / "remote-worker.stderr"
         self._err = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in stop()

@@ -16,13 +16,13 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import CallConfig
 from simpler_daemon.callables import spec_for_import, spec_for_object
 from simpler_daemon.endpoints.base import EndpointEvent, EventKind, Outcome, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import ControlError, EndpointError
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     ERR_NOT_REGISTERED,
     ERR_TASK,
@@ -617,7 +617,7 @@ def test_task_pending_at_shutdown_is_endpoint_failure(rig: Rig) -> None:
 
 
 def test_endpoint_validation() -> None:
-    from simpler_daemon.mailbox import Mailbox
+    from simpler_daemon.mailbox.layout import Mailbox
 
     mb = Mailbox()
     try:

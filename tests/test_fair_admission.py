@@ -25,11 +25,12 @@ import pytest
 import tests.test_chip as tc
 import tests.test_scheduler as ts
 from simpler_daemon import CallableHandle, Tag, TaskArgs, Worker
+from simpler_daemon.args import MAX_PRIORITY, check_priority
 from simpler_daemon.endpoints.base import WorkerDispatch
-from simpler_daemon.fair import MAX_PRIORITY, FairAdmission, check_priority
-from simpler_daemon.orchestrator import Orchestrator, Run, RunState
-from simpler_daemon.scheduler import Scheduler
-from simpler_daemon.worker import RunHandle
+from simpler_daemon.engine.orchestrator import Orchestrator, Run, RunState
+from simpler_daemon.engine.worker import RunHandle
+from simpler_daemon.scheduler.dispatch import Scheduler
+from simpler_daemon.scheduler.fair import FairAdmission
 from tests import tasks
 from tests.tasks import targs
 

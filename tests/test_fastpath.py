@@ -24,17 +24,16 @@ import numpy as np
 import pytest
 
 from simpler_daemon.client import AsyncClient, Client, sub_task
-from simpler_daemon.discovery import fast_socket_path
-from simpler_daemon.errors import (
+from simpler_daemon.client.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
-    ProtocolError,
     ResourceExhausted,
-    RunCancelled,
     Unavailable,
 )
-from simpler_daemon.fastwire import (
+from simpler_daemon.errors import ProtocolError, RunCancelled
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol.fastwire import (
     CLIENT_FRAMES,
     LENGTH,
     SERVER_FRAMES,
@@ -48,7 +47,7 @@ from simpler_daemon.fastwire import (
     encode,
     frame_limit,
 )
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.system.runtimedir import fast_socket_path
 from tests.daemon_harness import (
     DaemonProcess,
     module_daemon,
@@ -469,7 +468,7 @@ def test_buffers_stream_both_ways_in_chunks_of_the_message_limit(c: Client) -> N
 
 @pytest.mark.timeout(30)
 def test_a_pooled_connection_the_daemon_closed_is_replaced(tmp_path: Path) -> None:
-    from simpler_daemon.client_fast import FastTransport
+    from simpler_daemon.client.fastpath import FastTransport
 
     path = str(tmp_path / "d.fast.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -545,7 +544,7 @@ def test_a_daemon_without_the_fast_path_removes_only_a_stale_fast_socket(
 
 @pytest.mark.timeout(30)
 def test_codec_skips_an_oversize_frame_after_reading_its_call_id() -> None:
-    from simpler_daemon.fastwire import Oversize
+    from simpler_daemon.protocol.fastwire import Oversize
 
     limit = frame_limit(1024)
     big = Call(9, "SubmitRun", b"z" * (limit + 100))
@@ -602,7 +601,7 @@ def test_an_oversize_request_is_resource_exhausted_as_over_grpc_and_keeps_the_co
 _FORK_SCRIPT = """
 import os, sys
 from simpler_daemon.client import Client
-from simpler_daemon.errors import Unavailable
+from simpler_daemon.client.errors import Unavailable
 c = Client(sys.argv[1], transport="fast", timeout=30)
 c.get_info()
 inherited = list(c._fast._idle)
@@ -638,7 +637,7 @@ def test_a_forked_child_gets_its_own_fast_connections(daemon: DaemonProcess) -> 
 
 @pytest.mark.timeout(30)
 def test_an_async_client_refuses_use_after_fork(daemon: DaemonProcess) -> None:
-    from simpler_daemon.client_fast import AsyncFastTransport
+    from simpler_daemon.client.fastpath import AsyncFastTransport
 
     transport = AsyncFastTransport(fast_socket_path(daemon.socket), "t")
     transport._pid -= 1  # as if made in the parent of this process

@@ -31,7 +31,7 @@ from simpler_daemon import CallConfig, Tag, TaskArgs, TaskError, Worker
 from simpler_daemon.endpoints.base import EventKind, Outcome
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import EndpointError
-from simpler_daemon.mailbox import ControlOp
+from simpler_daemon.mailbox.layout import ControlOp
 from simpler_daemon.testing import alive, poll_for
 from tests.test_chip_loop import SPECS as CHIP_SPECS
 from tests.test_chip_loop import ChipRig

@@ -24,7 +24,7 @@ from simpler_daemon import (
     Tag,
     Worker,
 )
-from simpler_daemon import registration as registration_mod
+from simpler_daemon.engine import registration as registration_mod
 from simpler_daemon.errors import EndpointError, RunCancelled
 from simpler_daemon.testing import alive, poll_for
 from tests import tasks

@@ -1,4 +1,4 @@
-"""Tests for the ``simpler_daemon._mailbox`` C extension (offsets, atomics, futex, bulk helpers)."""
+"""Tests for the ``simpler_daemon.mailbox._mailbox`` C extension (offsets, atomics, futex, bulk helpers)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from simpler_daemon import _mailbox as mb
+from simpler_daemon.mailbox import _mailbox as mb
 
 FRAME = mb.MAILBOX_FRAME_SIZE
 DIGEST = bytes(range(32))

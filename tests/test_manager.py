@@ -21,7 +21,7 @@ from simpler_daemon.endpoints.base import (
     WorkerDispatch,
 )
 from simpler_daemon.errors import EndpointError
-from simpler_daemon.manager import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
+from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.testing import poll_for
 from tests import helpers_engine as H
 from tests.engine_helpers import Gate, Rig, Slot, blob_for

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from simpler_daemon import __version__
-from simpler_daemon.client_requests import sub_task, tensor
+from simpler_daemon.client.requests import sub_task, tensor
 from simpler_daemon.server.metrics import Metrics, child_usage
 from tests.daemon_harness import EXAMPLES, running_daemon, wait_until
 

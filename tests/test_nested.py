@@ -28,10 +28,10 @@ import pytest
 
 from simpler_daemon import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle, spec_for_object
+from simpler_daemon.engine.worker import Worker, WorkerState
 from simpler_daemon.errors import RegistrationError, StartupError, TaskError, WorkerClosedError
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import alive, child_pids, poll_for
-from simpler_daemon.worker import Worker, WorkerState
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from simpler_daemon.server.notify import SystemdNotifier
+from simpler_daemon.system.notify import SystemdNotifier
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import pytest
 
 from simpler_daemon.server import preflight
 from simpler_daemon.server.config import load
-from simpler_daemon.server.main import EXIT_CONFIG, EXIT_OK, main
+from simpler_daemon.server.main import main
+from simpler_daemon.system.exitcodes import EXIT_CONFIG, EXIT_OK
 
 
 def check(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from simpler_daemon import client, discovery
+from simpler_daemon import client
+from simpler_daemon.client import discovery
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

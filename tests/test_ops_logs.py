@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from simpler_daemon.client import sub_task, tensor
-from simpler_daemon.client_requests import TERMINAL_STATES
-from simpler_daemon.client_types import RunPhase
-from simpler_daemon.logsetup import JournalFormatter, syslog_priority
+from simpler_daemon.client.requests import TERMINAL_STATES
+from simpler_daemon.client.results import RunPhase
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.system.logsetup import JournalFormatter, syslog_priority
 from tests.daemon_harness import EXAMPLES, running_daemon
 
 OPS = "tests.ops_tasks"

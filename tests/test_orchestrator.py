@@ -11,9 +11,7 @@ import pytest
 from simpler_daemon.args import Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle, spec_for_chip, spec_for_import
 from simpler_daemon.endpoints.base import Outcome
-from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
-from simpler_daemon.heap import Heap
-from simpler_daemon.orchestrator import (
+from simpler_daemon.engine.orchestrator import (
     Admission,
     FailureInfo,
     Orchestrator,
@@ -25,6 +23,8 @@ from simpler_daemon.orchestrator import (
     TaskSlot,
     TensorMap,
 )
+from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
+from simpler_daemon.heap import Heap
 
 SUB = spec_for_import("tests.tasks:fill").handle
 CHIP = spec_for_chip("tests.tasks:kernel").handle

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("grpc_tools", reason="grpcio-tools (a test dependency) is not installed")
 
-from simpler_daemon.server import gen_proto
+from simpler_daemon.protocol import gen_proto
 
 EXPECTED_METHODS = {
     # name: (client streaming, server streaming)
@@ -40,7 +40,7 @@ EXPECTED_METHODS = {
 def test_committed_stubs_are_current() -> None:
     problems = gen_proto.check()
     assert not problems, "\n".join(
-        ["stubs are stale; run: python -m simpler_daemon.server.gen_proto", *problems]
+        ["stubs are stale; run: python -m simpler_daemon.protocol.gen_proto", *problems]
     )
 
 
@@ -60,7 +60,7 @@ def test_check_detects_stale_and_missing_files(tmp_path: Path) -> None:
 
 
 def test_stubs_import_from_the_package() -> None:
-    from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2, daemon_pb2_grpc
+    from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2, daemon_pb2_grpc
 
     service = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"]
     assert service.full_name == "simpler.daemon.v1.Daemon"
@@ -72,7 +72,7 @@ def test_stubs_import_from_the_package() -> None:
 
 
 def test_messages_round_trip() -> None:
-    from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+    from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
     request = pb.SubmitRunRequest(
         idempotency_key="k-1",
@@ -105,7 +105,7 @@ def test_messages_round_trip() -> None:
     assert decoded == request
     assert decoded.tasks[0].members[0].scalars[1] == 2**64 - 1
     # Messages carry the package module name, so they pickle (multiprocessing, caches).
-    assert type(decoded).__module__ == "simpler_daemon.server._proto.simpler.daemon.v1.daemon_pb2"
+    assert type(decoded).__module__ == "simpler_daemon.protocol._proto.simpler.daemon.v1.daemon_pb2"
     assert pickle.loads(pickle.dumps(decoded)) == decoded
 
     event = pb.RunEvent(run_id=3, type=pb.RUN_EVENT_TYPE_SNAPSHOT, state=pb.RUN_STATE_EXECUTING)

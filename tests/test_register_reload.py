@@ -22,7 +22,7 @@ import pytest
 
 from simpler_daemon import Tag, Worker
 from simpler_daemon.callables import import_policy, restrict_imports
-from simpler_daemon.client_requests import make_args, register_request, task, tensor
+from simpler_daemon.client.requests import make_args, register_request, task, tensor
 from simpler_daemon.errors import ConfigError, RegistrationError, TaskError
 from simpler_daemon.server import config as cfg
 from tests.daemon_harness import running_daemon
@@ -375,7 +375,7 @@ async def test_a_reload_control_waits_for_busy_children_instead_of_killing_them(
     control deadline: the reload waits for the tasks (which end with the old code),
     holds a task of the callable queued meanwhile (it runs the new code), and no child is
     killed or replaced."""
-    from simpler_daemon import registration
+    from simpler_daemon.engine import registration
 
     short = 2.0
     monkeypatch.setattr(registration, "CONTROL_TIMEOUT_S", short)

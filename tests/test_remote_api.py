@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from simpler_daemon import Tag, TaskArgs, TaskError, Worker
-from simpler_daemon.remote.netns import TestHosts
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for
+from simpler_daemon.testing.netns import TestHosts
 from tests.remote_harness import (
     RemoteWorkerProcess,
     our_shm_files,

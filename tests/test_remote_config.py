@@ -21,8 +21,6 @@ import pytest
 
 from simpler_daemon.callables import spec_for_chip, spec_for_import
 from simpler_daemon.errors import ConfigError, ProtocolError
-from simpler_daemon.remote import config as cfg
-from simpler_daemon.remote.config import RemoteWorkerConfig
 from simpler_daemon.remote.manifest import (
     MAX_MANIFEST_BYTES,
     HandshakeReply,
@@ -41,6 +39,8 @@ from simpler_daemon.remote.manifest import (
     read_lp_sock,
     validate_manifest,
 )
+from simpler_daemon.remote_worker import config as cfg
+from simpler_daemon.remote_worker.config import RemoteWorkerConfig
 from simpler_daemon.testing import self_signed_cert
 
 pytestmark = pytest.mark.timeout(60)

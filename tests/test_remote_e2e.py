@@ -31,10 +31,10 @@ import numpy as np
 import pytest
 
 from simpler_daemon import CallConfig, Tag, TaskArgs
+from simpler_daemon.engine.worker import Worker, WorkerState
 from simpler_daemon.errors import StartupError, TaskError
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for
-from simpler_daemon.worker import Worker, WorkerState
 from tests.remote_harness import (
     REPO,
     SEEN_PIDS,
@@ -393,7 +393,7 @@ L4_SCRIPT = r"""
 import json, sys
 from simpler_daemon import CallConfig, TaskArgs
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
-from simpler_daemon.worker import Worker
+from simpler_daemon.engine.worker import Worker
 
 endpoints, timeout, target, ms = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 w4 = Worker(level=4)

@@ -35,11 +35,11 @@ import pytest
 
 from simpler_daemon import CallConfig, TaskArgs
 from simpler_daemon.callables import CallableHandle
+from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import EndpointError, StartupError, TaskError
-from simpler_daemon.remote.session_proxy import ProxiedSession, SessionProxy
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for, shm_files
-from simpler_daemon.worker import Worker
+from simpler_daemon.testing.session_proxy import ProxiedSession, SessionProxy
 
 pytestmark = pytest.mark.timeout(60)
 

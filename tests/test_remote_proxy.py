@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from simpler_daemon.errors import ProtocolError
-from simpler_daemon.remote.netns import TestHosts, netns_available, sweep_stale
-from simpler_daemon.remote.proxy import ChaosProxy
 from simpler_daemon.remote.wire import (
     HEADER_SIZE,
     Control,
@@ -29,6 +27,8 @@ from simpler_daemon.remote.wire import (
     encode_frame,
 )
 from simpler_daemon.testing import poll_for
+from simpler_daemon.testing.chaos_proxy import ChaosProxy
+from simpler_daemon.testing.netns import TestHosts, netns_available, sweep_stale
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """The remote L3 session runner, driven as its parent would: a real subprocess, raw sockets.
 
-Each test spawns ``python -m simpler_daemon.remote.session --spec F --ready-fd N``,
+Each test spawns ``python -m simpler_daemon.remote_worker.session --spec F --ready-fd N``,
 reads the ready line, attaches both lanes with the 40 attach bytes and speaks
 frames through the wire codec. The runner's inner children are recorded while it
 lives and must all be gone once it exited. ``SessionControls`` is also unit
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from simpler_daemon.callables import spec_for_import
-from simpler_daemon.remote.controls import BadTaskArgs, ControlFailure, SessionControls
+from simpler_daemon.engine.worker import Worker
 from simpler_daemon.remote.wire import (
     E_BAD_ARGS,
     E_CONTROL_FAILED,
@@ -62,8 +62,8 @@ from simpler_daemon.remote.wire import (
     encode_frame,
     encode_payload,
 )
+from simpler_daemon.remote_worker.controls import BadTaskArgs, ControlFailure, SessionControls
 from simpler_daemon.testing import child_pids, poll_for, self_signed_cert
-from simpler_daemon.worker import Worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -159,7 +159,7 @@ class Runner:
         cmd = [
             sys.executable,
             "-m",
-            "simpler_daemon.remote.session",
+            "simpler_daemon.remote_worker.session",
             "--spec",
             str(self.spec_path),
             "--ready-fd",

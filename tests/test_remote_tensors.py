@@ -11,9 +11,9 @@ import pytest
 
 from simpler_daemon.args import Tag, TaskArgs, decode_descs
 from simpler_daemon.callables import spec_for_chip
+from simpler_daemon.engine.orchestrator import Orchestrator, Run, SlotState
+from simpler_daemon.engine.remote_l3 import RemoteFleet, _Buffer, _Install
 from simpler_daemon.heap import Heap
-from simpler_daemon.orchestrator import Orchestrator, Run, SlotState
-from simpler_daemon.remote.fleet import RemoteFleet, _Buffer, _Install
 from simpler_daemon.remote.spec import (
     RemoteCallable,
     RemoteTensorRef,

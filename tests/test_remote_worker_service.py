@@ -4,7 +4,7 @@ failures reclaimed with their process group, SIGTERM, sd_notify, the CLI's exit 
 
 Runner failure modes come from a stand-in runner (the documented test hook
 ``SIMPLER_REMOTE_RUNNER_ARGV``) whose behaviour is picked by the manifest's worker id;
-the success path also runs the real ``simpler_daemon.remote.session`` runner.
+the success path also runs the real ``simpler_daemon.remote_worker.session`` runner.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class RunningWorker:
 def _worker_cmd() -> list[str]:
     if WORKER_BIN.exists():
         return [str(WORKER_BIN)]
-    return [sys.executable, "-m", "simpler_daemon.remote.service"]
+    return [sys.executable, "-m", "simpler_daemon.remote_worker.service"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -27,7 +27,7 @@ from simpler_daemon import (
     TaskError,
     Worker,
 )
-from simpler_daemon import worker as worker_module
+from simpler_daemon.engine import worker as worker_module
 from simpler_daemon.testing import poll_for
 from tests import tasks
 from tests.tasks import targs
@@ -101,7 +101,7 @@ def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
 
 
 def test_run_handle_lives_in_its_own_module_and_is_re_exported() -> None:
-    from simpler_daemon.handle import RunHandle as FromHandle
+    from simpler_daemon.engine.handle import RunHandle as FromHandle
 
     assert RunHandle is FromHandle is worker_module.RunHandle
 

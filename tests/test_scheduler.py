@@ -23,10 +23,9 @@ from typing import Any
 
 import pytest
 
-import simpler_daemon.scheduler as scheduler_mod
+import simpler_daemon.scheduler.dispatch as scheduler_mod
 from simpler_daemon.args import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableRegistry, spec_for_chip, spec_for_import
-from simpler_daemon.doorbell import Doorbell
 from simpler_daemon.endpoints.base import (
     EndpointCaps,
     EndpointEvent,
@@ -34,11 +33,12 @@ from simpler_daemon.endpoints.base import (
     Outcome,
     WorkerDispatch,
 )
+from simpler_daemon.engine.orchestrator import Orchestrator, Run, RunState, SlotState, TaskSlot
 from simpler_daemon.errors import EndpointError, RunCancelled, TaskError
 from simpler_daemon.heap import Heap
-from simpler_daemon.manager import WorkerManager
-from simpler_daemon.orchestrator import Orchestrator, Run, RunState, SlotState, TaskSlot
-from simpler_daemon.scheduler import Scheduler
+from simpler_daemon.mailbox.doorbell import Doorbell
+from simpler_daemon.scheduler.dispatch import Scheduler
+from simpler_daemon.scheduler.lanes import WorkerManager
 
 Row = tuple[list[str], dict[str, list[str]]]
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from simpler_daemon.client import Client, sub_task, tensor
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import leaked_shm, shm_files
 from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_leak_guard, running_daemon
 from tests.users import User, throwaway_user
@@ -53,7 +53,7 @@ _PEER = textwrap.dedent(
     import grpc, numpy as np
     from google.protobuf.json_format import MessageToDict
     from google.protobuf.message import Message
-    from simpler_daemon import cli
+    from simpler_daemon.cli import simplerctl as cli
     from simpler_daemon.client import Client, RunPhase, sub_task, tensor
 
     uid, gid, target = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

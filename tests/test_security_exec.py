@@ -30,7 +30,7 @@ from simpler_daemon.callables import (
 )
 from simpler_daemon.client import sub_task, tensor
 from simpler_daemon.errors import TaskError
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from tests.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
@@ -128,7 +128,7 @@ def test_process_policy_applies_to_what_children_load(no_policy: None) -> None:
 
 
 def test_remote_worker_refuses_the_bypass() -> None:
-    from simpler_daemon.remote.controls import InstallError, check_target
+    from simpler_daemon.remote_worker.controls import InstallError, check_target
 
     path = BYPASSES[1]
     hashid = spec_for_import(path, "sub").handle.hashid

@@ -24,20 +24,20 @@ import msgspec
 import pytest
 
 from simpler_daemon import Worker
-from simpler_daemon.authguard import (
+from simpler_daemon.callables import SlotTable
+from simpler_daemon.client import Client, sub_task, tensor
+from simpler_daemon.errors import ConfigError, RegistrationError
+from simpler_daemon.remote_worker import config as remote_cfg
+from simpler_daemon.server import config as cfg
+from simpler_daemon.server.daemon import Daemon
+from simpler_daemon.server.metrics import MAX_CONNECTIONS, Metrics
+from simpler_daemon.server.status import bound_text, status_of
+from simpler_daemon.system.authguard import (
     MIN_TOKEN_BYTES,
     FailedAuthLimiter,
     peer_host,
     read_token_file,
 )
-from simpler_daemon.callables import SlotTable
-from simpler_daemon.client import Client, sub_task, tensor
-from simpler_daemon.errors import ConfigError, RegistrationError
-from simpler_daemon.remote import config as remote_cfg
-from simpler_daemon.server import config as cfg
-from simpler_daemon.server.daemon import Daemon
-from simpler_daemon.server.metrics import MAX_CONNECTIONS, Metrics
-from simpler_daemon.server.status import bound_text, status_of
 from simpler_daemon.testing import leaked_shm, poll_for, self_signed_cert, shm_files
 from tests.daemon_harness import EXAMPLES, DaemonProcess, module_leak_guard, wait_until
 from tests.test_remote_worker_service import (  # noqa: F401  (fixtures)

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon import cli
-from simpler_daemon.cli_output import Out
-from simpler_daemon.cli_runs import watch_run
+from simpler_daemon.cli import simplerctl as cli
+from simpler_daemon.cli.output import Out
+from simpler_daemon.cli.runs import watch_run
 from simpler_daemon.client import Client
 from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_daemon, module_leak_guard
 

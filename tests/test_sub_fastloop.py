@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon import RunCancelled, Tag, TaskArgs, TaskError, Worker, _mailbox
-from simpler_daemon.orchestrator import Orchestrator
-from simpler_daemon.runmodel import SlotState
-from simpler_daemon.scheduler import SUBMIT_BATCH, Scheduler
+from simpler_daemon import RunCancelled, Tag, TaskArgs, TaskError, Worker
+from simpler_daemon.engine.orchestrator import Orchestrator
+from simpler_daemon.mailbox import _mailbox
+from simpler_daemon.scheduler.dispatch import SUBMIT_BATCH, Scheduler
+from simpler_daemon.scheduler.runmodel import SlotState
 from tests.tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
@@ -330,7 +331,7 @@ def test_a_task_event_listener_that_fails_a_pumped_task_fails_it(
     Scheduler's task-event listener: a task the C loop completed must honour that
     exactly like one the Python path completed (it was counted a success before)."""
     from simpler_daemon.endpoints.base import Outcome
-    from simpler_daemon.runmodel import FailureInfo
+    from simpler_daemon.scheduler.runmodel import FailureInfo
 
     h = worker.register(index_of)
     worker.init()

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from simpler_daemon import Tag, TaskError, Worker
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import encode_args
-from simpler_daemon.mailbox import MAX_RESULT_BYTES, OFF_ARGS, OFF_RESERVED, TASK_FRAMES
-from simpler_daemon.orchestrator import Orchestrator, TaskRef
+from simpler_daemon.engine.orchestrator import Orchestrator, TaskRef
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import MAX_RESULT_BYTES, OFF_ARGS, OFF_RESERVED, TASK_FRAMES
 from tests import tasks
 from tests.tasks import targs
 

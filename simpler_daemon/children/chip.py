@@ -23,12 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import CallConfig, decode_args
-from simpler_daemon.backends.base import BackendError
-from simpler_daemon.backends.sim_chip import SimChipBackend, SimToken
 from simpler_daemon.callables import load_spec, not_registered_message
-from simpler_daemon.children.loop import (
+from simpler_daemon.children.backends.base import BackendError
+from simpler_daemon.children.backends.sim_chip import SimChipBackend, SimToken
+from simpler_daemon.children.sub import (
     CONTROL_REQUEST,
     SHUTDOWN,
     TASK_DONE,
@@ -39,7 +38,8 @@ from simpler_daemon.children.loop import (
     format_exception,
     write_failure,
 )
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     CONTROL_REQUEST_OPS_MUTATING,
     DIGEST_SIZE,

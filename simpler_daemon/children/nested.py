@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.args import CallConfig, TaskArgs, decode_descs
 from simpler_daemon.callables import (
     CallableHandle,
@@ -43,7 +42,7 @@ from simpler_daemon.callables import (
     load_spec,
     not_registered_message,
 )
-from simpler_daemon.children.loop import (
+from simpler_daemon.children.sub import (
     TASK_DONE,
     ChildContext,
     MailboxLoop,
@@ -51,7 +50,8 @@ from simpler_daemon.children.loop import (
     write_failure,
 )
 from simpler_daemon.errors import RegistrationError, StartupError, TaskError
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     ERR_BAD_ARGS,
     ERR_DEADLINE,
@@ -65,7 +65,7 @@ from simpler_daemon.mailbox import (
 )
 
 if TYPE_CHECKING:
-    from simpler_daemon.worker import Worker
+    from simpler_daemon.engine.worker import Worker
 
 #: Share of the remaining root startup budget kept back from the inner init, so the
 #: inner Worker reports its own failure (and reaps its subtree) before the L4 gives up.

@@ -31,8 +31,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.errors import StartupError
+from simpler_daemon.mailbox import _mailbox as _mb
 
 log = logging.getLogger("simpler_daemon.children")
 

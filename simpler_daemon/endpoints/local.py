@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from simpler_daemon import _mailbox as _mb
 from simpler_daemon.endpoints.base import (
     EndpointCaps,
     EndpointEvent,
@@ -59,7 +58,8 @@ from simpler_daemon.endpoints.base import (
     WorkerDispatch,
 )
 from simpler_daemon.errors import ControlError, EndpointError
-from simpler_daemon.mailbox import (
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     CTRL_OFF_ARG_LEN,
     CTRL_OFF_RESULT0,

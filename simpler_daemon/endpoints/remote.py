@@ -14,7 +14,7 @@ write is kept and resumed by the next ``submit_progress`` / ``poll_progress`` /
 ``on_readable``, a partial read stays in the lane's ``FrameDecoder``. The
 Scheduler watches :meth:`wake_fds` and calls :meth:`on_readable`; the endpoint
 owns no thread. Turning a dispatch into frame bytes is
-:class:`~simpler_daemon.remote.taskcodec.TaskCodec`'s job; this module only
+:class:`~simpler_daemon.endpoints.taskcodec.TaskCodec`'s job; this module only
 queues, moves and matches them.
 
 A failure is sticky (``poisoned``): health silence past ``session_timeout_s``
@@ -48,9 +48,9 @@ from simpler_daemon.endpoints.base import (
     Outcome,
     WorkerDispatch,
 )
+from simpler_daemon.endpoints.taskcodec import TaskCodec
 from simpler_daemon.errors import ControlError, EndpointError, ProtocolError
 from simpler_daemon.remote.manifest import format_host_port
-from simpler_daemon.remote.taskcodec import TaskCodec
 from simpler_daemon.remote.wire import (
     E_OK,
     Completion,

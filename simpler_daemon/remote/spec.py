@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from simpler_daemon.args import MAX_NDIM, dtype_code
+from simpler_daemon.args import MAX_NDIM, TensorRef, dtype_code
 from simpler_daemon.callables import parse_import_path
 
 DEFAULT_PORT = 19073
@@ -136,7 +136,7 @@ class RemoteCallable:
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteTensorRef:
+class RemoteTensorRef(TensorRef):
     """A C-contiguous buffer in remote worker ``owner``'s heap (``Worker.alloc_remote``).
 
     Add it to ``TaskArgs`` like an array; the remote worker sees it as a NumPy view

@@ -40,7 +40,7 @@ import msgspec
 
 from simpler_daemon.args import _DTYPES
 from simpler_daemon.errors import ProtocolError
-from simpler_daemon.framestream import StreamDecoder
+from simpler_daemon.protocol.framestream import StreamDecoder
 
 __all__ = [
     "CONTROL_BODIES",

@@ -22,10 +22,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Final, NamedTuple
 
-from simpler_daemon.authguard import read_token_file
 from simpler_daemon.server.config import LimitsConfig
 from simpler_daemon.server.peers import DAEMON_OWNER, Identity
 from simpler_daemon.server.status import LimitExceeded, PermissionDenied
+from simpler_daemon.system.authguard import read_token_file
 
 __all__ = ["OWNED_BY_OTHER", "Owners", "read_admin_token", "require_admin"]
 

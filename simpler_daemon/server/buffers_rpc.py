@@ -11,12 +11,12 @@ import numpy as np
 
 from simpler_daemon.args import MAX_NDIM
 from simpler_daemon.heap import Buffer
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.decoding import BadRequest
 from simpler_daemon.server.plan import check_label
 from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary
 from simpler_daemon.server.status import InvalidArgument, LimitExceeded
-from simpler_daemon.server.wire import BadRequest
 
 __all__ = ["READ_CHUNK", "BuffersRpc"]
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from simpler_daemon.callables import CallableHandle, resolve_import
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.peers import Identity
 from simpler_daemon.server.plan import REGISTER_KINDS
 from simpler_daemon.server.rpc_base import ServiceBase, unary

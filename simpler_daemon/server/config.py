@@ -14,7 +14,7 @@ Layers, later wins::
 Every failure is a ``ConfigError`` whose ``key`` is the dotted setting and whose
 message names the file (and where a value came from when it was not the file).
 Loading has no side effects: nothing is created, bound or imported here. The layering
-itself is :mod:`simpler_daemon.configfile`; the structs are
+itself is :mod:`simpler_daemon.system.configfile`; the structs are
 :mod:`simpler_daemon.server.config_types` (re-exported here); this module holds the
 default file, the rules, loading and dumping.
 """
@@ -23,21 +23,11 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from collections.abc import Mapping
 from typing import Final
 
 import msgspec
 
-from simpler_daemon.configfile import (
-    ConfigSchema,
-    Invalid,
-    check_host_port,
-    check_module_names,
-    check_path,
-    is_dotted,
-    parse_host_port,
-)
 from simpler_daemon.server.config_types import (
     DEFAULT_RUN_RESULT_BYTES,
     GIB,
@@ -58,6 +48,16 @@ from simpler_daemon.server.config_types import (
 )
 from simpler_daemon.server.config_types import KIB as KIB
 from simpler_daemon.server.config_types import FastConfig as FastConfig
+from simpler_daemon.system.configfile import (
+    ConfigSchema,
+    Invalid,
+    check_host_port,
+    check_module_names,
+    check_path,
+    is_dotted,
+    parse_host_port,
+)
+from simpler_daemon.system.runtimedir import SOCKET_NAME, default_runtime_dir, fast_socket_path
 
 __all__ = [
     "DEFAULT_CONFIG_TOML",
@@ -204,31 +204,6 @@ def _split_import_path(text: str) -> tuple[str, str]:
     return module, qualname
 
 
-def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
-    """Where the daemon keeps its sockets when ``daemon.runtime_dir`` is not set.
-
-    ``$XDG_RUNTIME_DIR/simpler-daemon`` when that is set; else
-    ``/run/user/<uid>/simpler-daemon`` when ``/run/user/<uid>`` is a real directory of
-    this user that nobody else can write; else, for root, ``/run/simpler-daemon``; else
-    ``/tmp/simpler-daemon-<uid>``. A fixed name (not a random one) so that clients find
-    the socket; the daemon creates it exclusively and refuses an existing one that is
-    not its own private directory (another user may have planted it in ``/tmp``).
-    """
-    env = os.environ if env is None else env
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if xdg and os.path.isabs(xdg):
-        return os.path.join(xdg, "simpler-daemon")
-    uid = os.geteuid()
-    for base in (f"/run/user/{uid}", "/run") if uid == 0 else (f"/run/user/{uid}",):
-        try:
-            st = os.lstat(base)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
-            return os.path.join(base, "simpler-daemon")
-    return f"/tmp/simpler-daemon-{uid}"
-
-
 def _available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -244,7 +219,7 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
         service = replace(service, runtime_dir=default_runtime_dir(env))
     grpc = config.grpc
     if not grpc.unix_socket:
-        grpc = replace(grpc, unix_socket=os.path.join(service.runtime_dir, "daemon.sock"))
+        grpc = replace(grpc, unix_socket=os.path.join(service.runtime_dir, SOCKET_NAME))
     workers = config.workers
     if workers.num_sub_workers == 0 and service.level == 3:
         workers = replace(workers, num_sub_workers=_available_cpus())
@@ -252,8 +227,6 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
         workers = replace(workers, num_chips=2 if service.level == 3 else 0)
     fast = config.fast
     if not fast.unix_socket:
-        from simpler_daemon.discovery import fast_socket_path
-
         fast = replace(fast, unix_socket=fast_socket_path(grpc.unix_socket))
     return replace(config, daemon=service, grpc=grpc, workers=workers, fast=fast)
 

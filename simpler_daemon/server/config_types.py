@@ -12,7 +12,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from simpler_daemon.configfile import default_allowed_modules
+from simpler_daemon.system.configfile import default_allowed_modules
 
 __all__ = [
     "DEFAULT_RUN_RESULT_BYTES",

@@ -42,13 +42,12 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from simpler_daemon.args import MAX_TENSORS
-from simpler_daemon.authguard import check_private_file, read_token_file
 from simpler_daemon.callables import extend_import_path, restrict_imports
 from simpler_daemon.endpoints.local import set_max_task_seconds
+from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
-from simpler_daemon.logsetup import JsonFormatter, configure_logging
-from simpler_daemon.mailbox import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
+from simpler_daemon.mailbox.layout import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
 from simpler_daemon.remote.spec import RemoteWorkerSpec
 from simpler_daemon.server.config import (
     DaemonConfig,
@@ -63,18 +62,17 @@ from simpler_daemon.server.listeners import (
     publish_fast,
     publish_relay,
 )
-from simpler_daemon.server.notify import SystemdNotifier
 from simpler_daemon.server.tcpauth import is_loopback, token_interceptor
-from simpler_daemon.worker import Worker
+from simpler_daemon.system.authguard import check_private_file, read_token_file
+from simpler_daemon.system.exitcodes import EXIT_QUIT
+from simpler_daemon.system.notify import SystemdNotifier
 
 __all__ = [
     "EXIT_FORCED",
     "MAX_SCALARS",
     "SERVICE_NAME",
     "Daemon",
-    "JsonFormatter",
     "check_limits",
-    "configure_logging",
     "local_worker_of",
     "remote_spec_of",
 ]
@@ -87,8 +85,6 @@ SERVICE_NAME: Final = "simpler.daemon.v1.Daemon"
 MAX_SCALARS: Final = 128
 #: Exit status of a second SIGINT (128 + SIGINT, as a shell reports it).
 EXIT_FORCED: Final = 128 + signal.SIGINT
-#: Exit status after SIGQUIT (128 + SIGQUIT).
-EXIT_QUIT: Final = 128 + signal.SIGQUIT
 #: Signals whose default action would end the daemon without its cleanup: logged and
 #: ignored while it serves.
 IGNORED_SIGNALS: Final = (signal.SIGUSR1, signal.SIGUSR2)
@@ -531,11 +527,11 @@ class Daemon:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
 
-        from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2
+        from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2
+        from simpler_daemon.server.decoding import add_daemon_servicer
         from simpler_daemon.server.metrics import Metrics
         from simpler_daemon.server.peers import UnixRelay
         from simpler_daemon.server.service import DaemonService
-        from simpler_daemon.server.wire import add_daemon_servicer
 
         cfg = self.config
         worker = self.worker

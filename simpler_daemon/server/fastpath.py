@@ -3,7 +3,7 @@
 gRPC costs local clients hundreds of microseconds per call whatever the channel
 options; most of it is grpcio's own machinery, not the daemon. Local clients
 (``simpler_daemon.client``, hence simplerctl) therefore call the same servicer over
-a second Unix socket speaking the frames of :mod:`simpler_daemon.fastwire`::
+a second Unix socket speaking the frames of :mod:`simpler_daemon.protocol.fastwire`::
 
     client --unix--> <dir>/daemon.fast.sock (grpc.socket_mode, grpc.socket_group)
                         |  FastServer: SO_PEERCRED at accept -> FastContext
@@ -42,8 +42,8 @@ from typing import Any, Final, NoReturn
 
 import grpc
 
-from simpler_daemon.errors import FIELD_METADATA, ProtocolError
-from simpler_daemon.fastwire import (
+from simpler_daemon.errors import ProtocolError
+from simpler_daemon.protocol.fastwire import (
     METHODS,
     PROTOCOL_VERSION,
     SERVER_FRAMES,
@@ -58,9 +58,10 @@ from simpler_daemon.fastwire import (
     encode,
     frame_limit,
 )
-from simpler_daemon.localtrust import bind_private_listener
-from simpler_daemon.server.peers import CLIENT_LABEL_KEY, PeerCredentials, peer_credentials
-from simpler_daemon.server.wire import tolerant
+from simpler_daemon.protocol.metadata import CLIENT_ID_METADATA, FIELD_METADATA
+from simpler_daemon.server.decoding import tolerant
+from simpler_daemon.server.peers import PeerCredentials, peer_credentials
+from simpler_daemon.system.localtrust import bind_private_listener
 
 __all__ = ["FastAbort", "FastContext", "FastServer"]
 
@@ -111,7 +112,7 @@ class FastContext:
         self.identity: tuple[Any, Any] | None = None
 
     def set_label(self, label: str) -> None:
-        self._metadata = ((CLIENT_LABEL_KEY, label),) if label else ()
+        self._metadata = ((CLIENT_ID_METADATA, label),) if label else ()
 
     async def abort(
         self,

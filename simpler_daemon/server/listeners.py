@@ -26,14 +26,14 @@ import stat
 from typing import TYPE_CHECKING, Any
 
 from simpler_daemon.errors import StartupError
-from simpler_daemon.localtrust import (
+from simpler_daemon.server.config import DaemonConfig
+from simpler_daemon.system.localtrust import (
     UntrustedPathError,
     ensure_private_dir,
     publish_socket,
     staged_socket_path,
     sweep_staging_dirs,
 )
-from simpler_daemon.server.config import DaemonConfig
 
 if TYPE_CHECKING:  # the daemon imports these only when it serves (fastpath loads grpc)
     from simpler_daemon.server.fastpath import FastServer

@@ -6,9 +6,8 @@
     simpler-daemon check-config FILE
     simpler-daemon --version
 
-Exit status: 0 clean stop, 2 configuration error, 3 start-up failure (systemd's
-``RestartPreventExitStatus=3`` keeps a daemon that cannot start from looping),
-130 after a second SIGINT, 131 after SIGQUIT.
+Exit status: the table of ``system/exitcodes.py`` (0 clean stop, 2 configuration
+error, 3 start-up failure, 130 after a second SIGINT, 131 after SIGQUIT).
 
 ``check-config`` loads and validates the file, then checks what ``serve`` meets only
 on the host (server/preflight.py): heap sizes against /dev/shm and MemAvailable, the
@@ -28,15 +27,11 @@ from types import FrameType
 from typing import Final
 
 from simpler_daemon import __version__
-from simpler_daemon.configfile import add_set_option, overrides_from_set
 from simpler_daemon.errors import ConfigError, StartupError
+from simpler_daemon.system.configfile import add_set_option, overrides_from_set
+from simpler_daemon.system.exitcodes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_STARTUP
 
-__all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_STARTUP", "main"]
-
-EXIT_OK: Final = 0
-EXIT_CONFIG: Final = 2
-EXIT_STARTUP: Final = 3
-EXIT_INTERRUPTED: Final = 130
+__all__ = ["main"]
 
 log = logging.getLogger("simpler_daemon.main")
 
@@ -96,7 +91,7 @@ def _err(text: str) -> None:
     if _json_errors:
         log.error("%s", text)
         return
-    from simpler_daemon.logsetup import journal_stream
+    from simpler_daemon.system.logsetup import journal_stream
 
     # journald reads "<3>" as the line's priority (err); a terminal gets the bare text.
     prefix = "<3>" if journal_stream(sys.stderr) else ""
@@ -125,10 +120,10 @@ def _check_config(path: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     global _json_errors
-    from simpler_daemon.logsetup import announcer, configure_logging
     from simpler_daemon.server.config import DaemonConfig, load
     from simpler_daemon.server.daemon import Daemon
-    from simpler_daemon.server.notify import SystemdNotifier
+    from simpler_daemon.system.logsetup import announcer, configure_logging
+    from simpler_daemon.system.notify import SystemdNotifier
 
     def reload_config() -> DaemonConfig:
         # The same layers as at start: the file, the environment, the --set overrides.
@@ -141,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _err(str(exc))
         return EXIT_CONFIG
-    configure_logging(config.daemon)
+    configure_logging(config.daemon.log_format, config.daemon.log_level)
     _json_errors = config.daemon.log_format == "json"
     announcer(config.daemon.log_format)(
         f"simpler-daemon {__version__}: socket {config.grpc.unix_socket}"

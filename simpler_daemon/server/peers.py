@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from simpler_daemon.localtrust import bind_private_listener
+from simpler_daemon.protocol.metadata import CLIENT_ID_METADATA
+from simpler_daemon.system.localtrust import bind_private_listener
 
 __all__ = [
-    "CLIENT_LABEL_KEY",
     "DAEMON_OWNER",
     "AdminPolicy",
     "Identity",
@@ -57,7 +57,6 @@ log = logging.getLogger("simpler_daemon.daemon")
 
 _UCRED: Final = struct.Struct("3i")
 #: The metadata a client names itself with: shown in logs, never counted by.
-CLIENT_LABEL_KEY: Final = "x-simpler-client"
 _MAX_LABEL: Final = 64
 #: Bytes a relay direction buffers before it stops reading the other side.
 _HIGH_WATER: Final = 4 << 20
@@ -236,7 +235,7 @@ class UnixRelay:
 def client_label(context: Any) -> str:
     """The label the client chose for itself ("" when none): for display only."""
     for key, value in context.invocation_metadata() or ():
-        if key == CLIENT_LABEL_KEY:
+        if key == CLIENT_ID_METADATA:
             return str(value)[:_MAX_LABEL]
     return ""
 

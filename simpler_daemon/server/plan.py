@@ -29,6 +29,7 @@ import numpy as np
 from simpler_daemon.args import (
     MAX_NDIM,
     MAX_OUTPUT_PREFIX,
+    MAX_PRIORITY,
     CallConfig,
     Tag,
     TaskArgs,
@@ -38,12 +39,12 @@ from simpler_daemon.args import (
     dtype_code,
 )
 from simpler_daemon.callables import CallableHandle, digest_of, parse_import_path
+from simpler_daemon.engine.orchestrator import Run
+from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import RegistrationError, SimplerError
-from simpler_daemon.fair import MAX_PRIORITY
 from simpler_daemon.heap import Buffer
-from simpler_daemon.orchestrator import Run
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.status import (
     InvalidArgument,
@@ -52,7 +53,6 @@ from simpler_daemon.server.status import (
     PermissionDenied,
     error_text,
 )
-from simpler_daemon.worker import Worker
 
 __all__ = [
     "MAX_KEY",

@@ -26,8 +26,8 @@ import msgspec
 from simpler_daemon.callables import restrict_imports
 from simpler_daemon.endpoints.local import set_max_task_seconds
 from simpler_daemon.errors import ConfigError
-from simpler_daemon.logsetup import set_level
 from simpler_daemon.server.config import DaemonConfig, LimitsConfig
+from simpler_daemon.system.logsetup import set_level
 
 __all__ = [
     "ALWAYS_RELOADABLE",

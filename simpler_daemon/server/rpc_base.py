@@ -21,10 +21,13 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from simpler_daemon.errors import FIELD_METADATA, WorkerClosedError
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.engine.worker import Worker, WorkerState
+from simpler_daemon.errors import WorkerClosedError
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol.metadata import FIELD_METADATA
 from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
+from simpler_daemon.server.decoding import BadRequest
 from simpler_daemon.server.fastpath import FastContext
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
@@ -39,8 +42,6 @@ from simpler_daemon.server.status import (
     error_text,
     status_of,
 )
-from simpler_daemon.server.wire import BadRequest
-from simpler_daemon.worker import Worker, WorkerState
 
 __all__ = ["ServiceBase", "server_stream", "unary"]
 

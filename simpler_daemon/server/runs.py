@@ -32,10 +32,11 @@ from typing import Any, Final
 
 from simpler_daemon.args import CallConfig
 from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.engine.orchestrator import FailureInfo, TaskSlot
+from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import WorkerClosedError
-from simpler_daemon.orchestrator import FailureInfo, TaskSlot
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.config import LimitsConfig, run_result_limit
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.plan import MAX_KEY
@@ -47,7 +48,6 @@ from simpler_daemon.server.run_record import (
     now_ts,
 )
 from simpler_daemon.server.status import InvalidArgument, LimitExceeded, NotFound, Precondition
-from simpler_daemon.worker import Worker
 
 __all__ = [
     "LIST_RUNS_DEFAULT",

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from simpler_daemon.callables import parse_import_path, resolve_import
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.offloop import run_off_loop
 from simpler_daemon.server.peers import Identity, client_label
 from simpler_daemon.server.plan import (

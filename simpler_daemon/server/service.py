@@ -31,9 +31,10 @@ import os
 from typing import Any
 
 from simpler_daemon import __version__
+from simpler_daemon.engine.worker import WorkerState
 from simpler_daemon.errors import StartupError
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 from simpler_daemon.server.access import require_admin
 from simpler_daemon.server.buffers_rpc import READ_CHUNK, BuffersRpc
 from simpler_daemon.server.callables_rpc import CallablesRpc
@@ -42,7 +43,6 @@ from simpler_daemon.server.runs import now_ts
 from simpler_daemon.server.runs_rpc import RunsRpc
 from simpler_daemon.server.status import InvalidArgument, Precondition, Unavailable
 from simpler_daemon.server.workers import worker_info
-from simpler_daemon.worker import WorkerState
 
 __all__ = ["READ_CHUNK", "DaemonService"]
 

@@ -17,7 +17,7 @@ import ipaddress
 import logging
 from typing import Any, Final
 
-from simpler_daemon.authguard import FailedAuthLimiter, peer_host
+from simpler_daemon.system.authguard import FailedAuthLimiter, peer_host
 
 __all__ = ["HEALTH_SERVICE", "is_loopback", "token_interceptor"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from simpler_daemon.server._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = ["remote_info", "worker_info"]
 

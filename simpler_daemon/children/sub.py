@@ -1,0 +1,360 @@
+"""The loop that runs inside a SUB child, on the far side of its mailbox.
+
+Each iteration, in this order::
+
+    1. shutdown?      base state == SHUTDOWN or the sticky shutdown word set -> leave
+    2. task frame 0   TASK_READY -> decode args, resolve digest, fn(args),
+                      write error + text (or a non-None return value, msgpack-encoded,
+                      into the args area), store TASK_DONE, ring the parent if parked
+    3. base frame     CONTROL_REQUEST -> register / reload / unregister / ping / stats,
+                      CONTROL_DONE by compare-exchange (never over SHUTDOWN)
+    4. idle           spin on the state words (GIL released), then park on the
+                      futex; after a timed-out park check that the parent lives
+
+On the way out every frame the child still owns is marked TASK_FAILED.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import msgspec
+
+from simpler_daemon.args import decode_args
+from simpler_daemon.callables import (
+    CallableSpec,
+    SlotTable,
+    decode_import_control,
+    load_spec,
+    not_registered_message,
+    parse_import_path,
+    reload_import,
+    resolve_import,
+)
+from simpler_daemon.heap import Heap
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.doorbell import Doorbell
+from simpler_daemon.mailbox.layout import (
+    BASE_FRAME,
+    CTRL_OFF_ARG_LEN,
+    CTRL_OFF_RESULT0,
+    CTRL_OFF_RESULT1,
+    DIGEST_SIZE,
+    ERR_BAD_ARGS,
+    ERR_CONTROL,
+    ERR_DEADLINE,
+    ERR_INIT,
+    ERR_NOT_REGISTERED,
+    ERR_RESULT,
+    ERR_SHUTDOWN,
+    ERR_TASK,
+    ERRMSG_SIZE,
+    MAILBOX_ARGS_CAPACITY,
+    MAX_RESULT_BYTES,
+    OFF_ARGS,
+    OFF_DIGEST,
+    OFF_ERRMSG,
+    OFF_ERROR,
+    OFF_RESERVED,
+    OFF_SHUTDOWN,
+    OFF_STATE,
+    TASK_FRAMES,
+    ControlOp,
+    Mailbox,
+    MailboxState,
+)
+
+TASK_READY = int(MailboxState.TASK_READY)
+TASK_DONE = int(MailboxState.TASK_DONE)
+TASK_FAILED = int(MailboxState.TASK_FAILED)
+SHUTDOWN = int(MailboxState.SHUTDOWN)
+CONTROL_REQUEST = int(MailboxState.CONTROL_REQUEST)
+CONTROL_DONE = int(MailboxState.CONTROL_DONE)
+
+
+class DeadlineExceeded(Exception):
+    """Raised inside a task that ran past its ``CallConfig.deadline_ms``."""
+
+
+@dataclass
+class ChildContext:
+    """Everything a child needs, inherited through fork."""
+
+    worker_id: int
+    label: str
+    mailbox: Mailbox
+    heap: Heap
+    doorbell: Doorbell
+    specs: list[CallableSpec] = field(default_factory=list)
+    parent_pid: int = 0
+    spin_ns: int = 50_000
+    park_timeout: float = 0.5
+    error_prefix: str = "sub_worker"
+    #: Test hook: runs after the snapshot is resolved, before INIT_READY.
+    init_hook: Callable[[], None] | None = None
+
+
+def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> None:
+    """Full text into the (now free) args area, its head into the 256-byte field."""
+    data = text.encode(errors="replace")[:MAILBOX_ARGS_CAPACITY]
+    _mb.write_bytes(buf, frame + OFF_ARGS, data)
+    _mb.store64(buf, frame + OFF_RESERVED, len(data))
+    _mb.write_result(buf, frame, state, error, text)
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def write_value(buf: Any, frame: int, value: Any) -> None:
+    """A task's non-None return value, msgpack-encoded, into the (now free) args area,
+    its length into ``reserved``; TASK_DONE. A value msgspec cannot encode, or one over
+    ``MAX_RESULT_BYTES`` encoded, fails the task instead (the parent names the task)."""
+    try:
+        data = _encode(value)
+    except Exception as exc:
+        kind = type(value)
+        name = kind.__qualname__
+        if kind.__module__ != "builtins":
+            name = f"{kind.__module__}.{name}"
+        write_failure(
+            buf,
+            frame,
+            TASK_DONE,
+            ERR_RESULT,
+            f"msgspec cannot encode a {name} ({type(exc).__name__}: {exc}); return None or "
+            "plain data (bool, int, float, str, bytes, list, tuple, dict, ...)",
+        )
+        return
+    n = len(data)
+    if n > MAX_RESULT_BYTES:
+        write_failure(
+            buf,
+            frame,
+            TASK_DONE,
+            ERR_RESULT,
+            f"{n} bytes encoded, the limit is {MAX_RESULT_BYTES} (MAX_RESULT_BYTES)",
+        )
+        return
+    _mb.write_bytes(buf, frame + OFF_ARGS, data)
+    _mb.store64(buf, frame + OFF_RESERVED, n)
+    _mb.write_result(buf, frame, TASK_DONE, 0, "")
+
+
+def format_exception(prefix: str, exc: BaseException) -> str:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"{prefix}: {type(exc).__name__}: {exc}\n{tb}"
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    raise DeadlineExceeded("task ran past its deadline")
+
+
+class MailboxLoop:
+    """The SUB child's loop over its mailbox."""
+
+    def __init__(self, ctx: ChildContext) -> None:
+        self.ctx = ctx
+        self.buf = ctx.mailbox.buf
+        self.table = SlotTable()
+        self.tasks_done = 0
+        self.frame = TASK_FRAMES[0]
+
+    def init(self) -> bool:
+        buf = self.buf
+        try:
+            for spec in self.ctx.specs:
+                fn = spec.obj if spec.obj is not None else load_spec(spec.import_path, spec.payload)
+                self.table.add(spec.handle.digest, fn)
+            if self.ctx.init_hook is not None:
+                self.ctx.init_hook()
+            signal.signal(signal.SIGALRM, _on_alarm)
+        except BaseException as exc:
+            _mb.write_result(
+                buf,
+                BASE_FRAME,
+                int(MailboxState.INIT_FAILED),
+                ERR_INIT,
+                f"{self.ctx.label} init: {type(exc).__name__}: {exc}",
+            )
+            return False
+        _mb.write_result(buf, BASE_FRAME, int(MailboxState.INIT_READY), 0, "")
+        return True
+
+    def run(self) -> int:
+        if not self.init():
+            return 1
+        buf = self.buf
+        frame = self.frame
+        watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
+        spin_ns = spin = self.ctx.spin_ns
+        park = self.ctx.park_timeout
+        parent = self.ctx.parent_pid
+        while True:
+            bst = _mb.load32(buf, BASE_FRAME)
+            if bst == SHUTDOWN or _mb.load32(buf, OFF_SHUTDOWN):
+                break
+            st = _mb.load32(buf, frame)
+            if st == TASK_READY:
+                self.run_task()
+                continue
+            if bst == CONTROL_REQUEST:
+                self.handle_control()
+                continue
+            idle = _mb.child_wait(buf, watch, (bst, st, 0), spin, park) < 0
+            if idle:
+                # Spin only right after work: an idle child that re-parks after a
+                # timed-out park must not spin again (with child_spin_us at its maximum
+                # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
+                spin = 0
+                if parent and os.getppid() != parent:
+                    return 0
+                self.on_idle()
+            else:
+                spin = spin_ns
+        self.shutdown()
+        return 0
+
+    def on_idle(self) -> None:
+        """Called after each idle park (``park_timeout``) with no work; a hook."""
+
+    def run_task(self) -> None:
+        buf = self.buf
+        frame = self.frame
+        try:
+            (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
+        except ValueError as exc:  # a malformed blob header fails the task, not the child
+            write_failure(
+                buf,
+                frame,
+                TASK_DONE,
+                ERR_BAD_ARGS,
+                format_exception(f"{self.ctx.error_prefix}: bad args", exc),
+            )
+            self.tasks_done += 1
+            self.ctx.doorbell.ring_if_parked()
+            return
+        fn = self.table.resolve(digest)
+        if fn is None:
+            write_failure(buf, frame, TASK_DONE, ERR_NOT_REGISTERED, not_registered_message(digest))
+        else:
+            try:
+                args = decode_args(blob, self.ctx.heap.view)
+            except Exception as exc:
+                write_failure(
+                    buf,
+                    frame,
+                    TASK_DONE,
+                    ERR_BAD_ARGS,
+                    format_exception(f"{self.ctx.error_prefix}: bad args", exc),
+                )
+            else:
+                deadline_ms = int.from_bytes(cfg[:8], "little")
+                try:
+                    if deadline_ms:
+                        signal.setitimer(signal.ITIMER_REAL, deadline_ms / 1000.0)
+                    try:
+                        value = fn(args)
+                    finally:
+                        if deadline_ms:
+                            signal.setitimer(signal.ITIMER_REAL, 0)
+                except DeadlineExceeded as exc:
+                    write_failure(
+                        buf,
+                        frame,
+                        TASK_DONE,
+                        ERR_DEADLINE,
+                        f"{self.ctx.error_prefix}: deadline exceeded ({deadline_ms} ms)\n"
+                        + format_exception(self.ctx.error_prefix, exc),
+                    )
+                except BaseException as exc:
+                    write_failure(
+                        buf,
+                        frame,
+                        TASK_DONE,
+                        ERR_TASK,
+                        format_exception(self.ctx.error_prefix, exc),
+                    )
+                else:
+                    if value is None:  # the common case writes nothing more
+                        _mb.write_result(buf, frame, TASK_DONE, 0, "")
+                    else:
+                        write_value(buf, frame, value)
+        self.tasks_done += 1
+        self.ctx.doorbell.ring_if_parked()
+
+    def handle_control(self) -> None:
+        buf = self.buf
+        op = _mb.load64(buf, OFF_RESERVED)
+        n = _mb.load64(buf, CTRL_OFF_ARG_LEN)
+        digest = _mb.read_bytes(buf, OFF_DIGEST, DIGEST_SIZE)
+        r0 = r1 = 0
+        error = 0
+        message = ""
+        try:
+            if n > MAILBOX_ARGS_CAPACITY:
+                raise ValueError(f"control payload length {n} exceeds {MAILBOX_ARGS_CAPACITY}")
+            payload = _mb.read_bytes(buf, OFF_ARGS, n)
+            r0, r1 = self.control(op, digest, payload)
+        except BaseException as exc:
+            error = ERR_CONTROL
+            message = self.control_error_text(exc)
+        _mb.store64(buf, CTRL_OFF_RESULT0, r0)
+        _mb.store64(buf, CTRL_OFF_RESULT1, r1)
+        _mb.store32(buf, OFF_ERROR, error)
+        data = message.encode(errors="replace")[: ERRMSG_SIZE - 1] + b"\0"
+        _mb.write_bytes(buf, OFF_ERRMSG, data)
+        # Never overwrite a SHUTDOWN that arrived meanwhile.
+        _mb.cas32(buf, OFF_STATE, CONTROL_REQUEST, CONTROL_DONE)
+        self.ctx.doorbell.ring_if_parked()
+
+    def control_error_text(self, exc: BaseException) -> str:
+        """The text a failed control reports to the parent (at most 255 bytes arrive)."""
+        return f"{type(exc).__name__}: {exc}"
+
+    def control(self, op: int, digest: bytes, payload: bytes) -> tuple[int, int]:
+        if op == ControlOp.PING:
+            return os.getpid(), self.tasks_done
+        if op == ControlOp.STATS:
+            return self.tasks_done, len(self.table)
+        if op == ControlOp.REGISTER_IMPORT:
+            path, policy = decode_import_control(payload)
+            return self.table.add(digest, resolve_import(*parse_import_path(path), policy)), 0
+        if op == ControlOp.REGISTER_CHIP:
+            return self.table.add(digest, load_spec(payload.decode(), None)), 0
+        if op == ControlOp.RELOAD_IMPORT:
+            # Only what this child holds is reloaded: a digest it does not know would
+            # otherwise be registered here behind the parent registry's back.
+            if self.table.resolve(digest) is None:
+                raise KeyError(not_registered_message(digest))
+            path, policy = decode_import_control(payload)
+            return self.table.add(digest, reload_import(*parse_import_path(path), policy)), 0
+        if op == ControlOp.REGISTER_SERIALIZED:
+            return self.table.add(digest, load_spec(None, payload)), 0
+        if op in (ControlOp.UNREGISTER, ControlOp.UNREGISTER_CHIP):
+            if not self.table.remove(digest):
+                raise KeyError(not_registered_message(digest))
+            return 0, 0
+        raise ValueError(f"unknown control op {op}")
+
+    def shutdown(self) -> None:
+        buf = self.buf
+        st = _mb.load32(buf, self.frame)
+        if st == TASK_READY:
+            write_failure(
+                buf,
+                self.frame,
+                TASK_FAILED,
+                ERR_SHUTDOWN,
+                f"{self.ctx.label} shut down before running the task",
+            )
+            self.ctx.doorbell.ring_if_parked()
+
+
+def run_child(ctx: ChildContext) -> int:
+    return MailboxLoop(ctx).run()

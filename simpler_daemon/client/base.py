@@ -1,0 +1,176 @@
+"""What both clients of the daemon share: the target (a Unix socket, checked, or
+``host:port`` over TLS with a bearer token), the transport it is reached over (the
+local fast path or gRPC) and the gRPC-to-``DaemonError`` mapping.
+
+:mod:`simpler_daemon.client` builds ``Client`` and ``AsyncClient`` on ``_Base``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any, Final
+
+import grpc
+import numpy as np
+
+from simpler_daemon.client.discovery import ENV_SOCKET as ENV_TARGET
+from simpler_daemon.client.discovery import default_target as discover
+from simpler_daemon.client.errors import daemon_error
+from simpler_daemon.client.fastpath import pick_fast_socket
+from simpler_daemon.client.heapview import map_buffer_view
+from simpler_daemon.client.requests import call_deadline, check_wait
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
+from simpler_daemon.protocol.metadata import CLIENT_ID_METADATA
+from simpler_daemon.system.localtrust import check_socket_path
+
+__all__ = [
+    "CLIENT_ID_METADATA",
+    "DEFAULT_TIMEOUT",
+    "ENV_TARGET",
+    "ENV_TOKEN",
+    "default_target",
+    "mapped_errors",
+]
+
+#: Environment variables read when no target / token is given.
+ENV_TOKEN: Final = "SIMPLER_DAEMON_TOKEN"
+DEFAULT_TIMEOUT: Final = 30.0
+
+
+def default_target() -> str:
+    """``$SIMPLER_DAEMON_SOCKET``, else the first socket found in the search order of
+    :func:`simpler_daemon.client.discovery.default_target` (the user's runtime directory, then
+    the systemd unit's ``/run/simpler-daemon/daemon.sock``, ...)."""
+    return discover()
+
+
+@contextlib.contextmanager
+def mapped_errors() -> Iterator[None]:
+    """Turn a ``grpc.RpcError`` raised inside into its :class:`DaemonError` subclass."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise daemon_error(exc) from exc
+
+
+def _address(target: str) -> tuple[str, bool]:
+    """``(grpc address, is_tcp)`` for a socket path, ``unix:`` URI or ``host:port``."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return target, False
+    if "/" in target or target.endswith(".sock"):
+        return "unix:" + os.path.abspath(target), False
+    return target, True
+
+
+def _unix_path(address: str) -> str:
+    """The file path of a ``unix:path`` / ``unix:///path`` gRPC address."""
+    path = address.removeprefix("unix:")
+    return path[2:] if path.startswith("///") else path
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+class _Base:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        root_certificates: str | bytes | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        server_name: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        client_id: str | None = None,
+        transport: str = "auto",
+    ) -> None:
+        self.target = target or default_target()
+        self.address, self.tcp = _address(self.target)
+        #: The uid trusted to own the daemon's heap besides ours and root's (the owner of
+        #: a trusted socket directory); None over TCP.
+        self._daemon_uid: int | None = None
+        if self.address.startswith("unix:"):
+            # Refuse a socket someone else could have planted (a directory in /tmp made
+            # by another user would receive our connection): UntrustedPathError.
+            self._daemon_uid = check_socket_path(_unix_path(self.address))
+        self.timeout = call_deadline(check_wait(timeout, "timeout"), 0.0)
+        self.client_id = client_id or uuid.uuid4().hex[:16]
+        self.metadata: tuple[tuple[str, str], ...] = ((CLIENT_ID_METADATA, self.client_id),)
+        self.options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.enable_http_proxy", 0),
+        ]
+        self.credentials: Any = None
+        if self.tcp:
+            if token is None and token_file:
+                token = (_read(token_file) or b"").decode().strip()
+            token = token if token is not None else os.environ.get(ENV_TOKEN)
+            roots = (
+                _read(root_certificates)
+                if isinstance(root_certificates, str)
+                else root_certificates
+            )
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=roots,
+                private_key=_read(client_key),
+                certificate_chain=_read(client_cert),
+            )
+            if token:
+                # Plain metadata rather than call credentials: grpc runs a credentials
+                # plugin on its own C threads, which would leave threads in the caller
+                # (and a process with threads must not fork a Worker).
+                self.metadata += (("authorization", f"Bearer {token}"),)
+            self.credentials = creds
+            if server_name:
+                self.options.append(("grpc.ssl_target_name_override", server_name))
+        self._chunk: int | None = None
+        #: The daemon's fast socket in use (None: gRPC), see ``transport``.
+        unix = _unix_path(self.address) if self.address.startswith("unix:") else None
+        self._fast_path = pick_fast_socket(transport, unix, self.address)
+        self._channel: Any = None
+        self._stub: Any = None
+        self._open()
+
+    @property
+    def transport(self) -> str:
+        """``"fast"`` (the daemon's local fast path) or ``"grpc"``: what calls go over."""
+        return "grpc" if self._fast_path is None else "fast"
+
+    @property
+    def channel(self) -> Any:
+        """The gRPC channel (opened on first use when calls go over the fast path)."""
+        if self._channel is None:
+            self._channel = self._new_channel()
+        return self._channel
+
+    @property
+    def stub(self) -> Any:
+        """The generated gRPC stub over :attr:`channel`."""
+        if self._stub is None:
+            self._stub = pb_grpc.DaemonStub(self.channel)
+        return self._stub
+
+    def _new_channel(self) -> Any:
+        raise NotImplementedError  # each client opens its own kind of channel
+
+    def _view(self, info: Any) -> np.ndarray[Any, Any]:
+        return map_buffer_view(info, self._daemon_uid)
+
+    def _find_buffer(self, listing: Any, buffer_id: int) -> Any:
+        for info in listing.buffers:
+            if info.buffer_id == buffer_id:
+                return info
+        raise KeyError(f"cannot map buffer {buffer_id}: no such buffer")
+
+    def _open(self) -> None:
+        raise NotImplementedError  # each client opens its own kind of channel

@@ -1,0 +1,611 @@
+"""The client end of the daemon's local fast path (frames: :mod:`simpler_daemon.protocol.fastwire`).
+
+``simpler_daemon.client`` uses these transports when the daemon's fast socket
+(``<dir>/<stem>.fast.sock`` beside the gRPC socket) exists, or when told to
+(``transport="fast"``). They carry the gRPC API's protobuf messages, so a call
+answers exactly what gRPC would; a refusal is the same
+:class:`~simpler_daemon.client.errors.DaemonError` subclass with the same ``.field``.
+
+* :class:`FastTransport` (blocking): a small pool of connections. A call takes an
+  idle connection or opens one, so threads (a client's ``DoneWatcher`` thread, the
+  caller's own) never share a connection mid-call; a call that times out, or a
+  stream left before its end, closes its connection (its handler is then cancelled
+  by the daemon).
+  A forked child that uses its parent's transport gets a pool of its own.
+* :class:`AsyncFastTransport`: one connection multiplexed by call id, read by one
+  task; a cancelled or timed-out call sends ``Cancel`` for its handler. Not usable
+  after fork() (like grpc.aio): a call in a child raises ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Final
+
+import grpc
+
+from simpler_daemon.client.errors import DaemonError, DeadlineExceeded, Unavailable, daemon_error
+from simpler_daemon.errors import ProtocolError
+from simpler_daemon.protocol.fastwire import (
+    CLIENT_FRAMES,
+    MAX_LABEL,
+    METHODS,
+    PROTOCOL_VERSION,
+    Call,
+    Cancel,
+    End,
+    FrameDecoder,
+    Hello,
+    Item,
+    Reply,
+    encode,
+)
+from simpler_daemon.protocol.metadata import FIELD_METADATA
+from simpler_daemon.system.localtrust import check_socket_path
+from simpler_daemon.system.runtimedir import fast_socket_path
+
+__all__ = [
+    "ENV_TRANSPORT",
+    "TRANSPORTS",
+    "AsyncFastTransport",
+    "FastTransport",
+    "pick_fast_socket",
+    "status_error",
+]
+
+#: Overrides ``transport="auto"``: ``fast`` or ``grpc``.
+ENV_TRANSPORT: Final = "SIMPLER_DAEMON_TRANSPORT"
+TRANSPORTS: Final = ("auto", "fast", "grpc")
+
+_BY_NUMBER: Final[dict[int, grpc.StatusCode]] = {c.value[0]: c for c in grpc.StatusCode}
+#: Replies are bounded by the daemon's own limit; the client trusts its daemon.
+_MAX_FRAME: Final = (1 << 32) - 1
+_READ: Final = 1 << 18
+#: Idle connections a blocking transport keeps (more threads open more, then close them).
+_POOL: Final = 4
+#: Seconds a pooled connection may idle before it is checked for a closed daemon.
+_STALE_CHECK: Final = 0.05
+#: struct timeval (SO_RCVTIMEO / SO_SNDTIMEO).
+_TIMEVAL: Final = struct.Struct("@ll")
+#: Share of the time left a kernel timeout is set to: the next calls with the same
+#: timeout reuse it (a wake-up before the deadline re-arms with the exact time left).
+_EARLY: Final = 0.9
+
+
+class _Aborted(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
+    """A status as ``daemon_error`` reads it from a gRPC call."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, field: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+        self._trailing = ((FIELD_METADATA, field),) if field else ()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+
+def status_error(code: int, details: str, field: str) -> DaemonError:
+    """The :class:`DaemonError` a gRPC call with this status would raise."""
+    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    return daemon_error(_Aborted(status, details, field))
+
+
+def _deadline_error() -> DaemonError:
+    return DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def _method(name: str) -> Any:
+    method = METHODS.get(name)
+    if method is None:
+        raise ValueError(f"cannot call {name!r}: simpler.daemon.v1.Daemon has no such method")
+    return method
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - _now()
+    if left <= 0:
+        raise _deadline_error()
+    return left
+
+
+_now = time.monotonic
+
+
+def pick_fast_socket(choice: str, unix_path: str | None, address: str) -> str | None:
+    """The fast socket a client of ``address`` uses under transport ``choice`` (None:
+    gRPC). ``unix_path``: the target's socket path (None: not a Unix socket).
+
+    ``auto`` (or ``$SIMPLER_DAEMON_TRANSPORT``): the fast socket beside a Unix target
+    when it exists and accepts a connection (probed once); ``fast``: it must exist
+    (``Unavailable`` naming it otherwise, or at the first call when nobody listens)."""
+    if choice == "auto":
+        choice = os.environ.get(ENV_TRANSPORT, "") or "auto"
+    if choice not in TRANSPORTS:
+        raise ValueError(f"cannot use transport {choice!r}: choose one of {', '.join(TRANSPORTS)}")
+    if choice == "grpc":
+        return None
+    path = fast_socket_path(unix_path) if unix_path is not None else None
+    if path is not None and os.path.exists(path):
+        check_socket_path(path)  # the same trust rule as the gRPC socket
+        # A socket file a killed (or since reconfigured) daemon left behind must not
+        # make every auto client fail while gRPC serves: probe it once.
+        if choice == "fast" or _listening(path):
+            return path
+        return None
+    if choice == "fast":
+        where = path or f"{address} (the fast transport needs a local Unix socket target)"
+        raise Unavailable(
+            grpc.StatusCode.UNAVAILABLE, f"cannot use the fast transport: no fast socket at {where}"
+        )
+    return None
+
+
+def _listening(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket ``path`` (refused,
+    missing or reset: a stale socket file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+# --------------------------------------------------------------------------- blocking
+
+
+class _Conn:
+    """One blocking connection; used by one call at a time."""
+
+    __slots__ = (
+        "_buf",
+        "_decoder",
+        "_frames",
+        "_ids",
+        "_timeout",
+        "_view",
+        "idle_since",
+        "path",
+        "sock",
+    )
+
+    def __init__(self, path: str, label: str) -> None:
+        self.path = path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            sock.sendall(encode(Hello(PROTOCOL_VERSION, label[:MAX_LABEL])))
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot connect to the daemon's fast socket {path}: {exc.strerror or exc}",
+            ) from exc
+        self.sock = sock
+        self._decoder = FrameDecoder(CLIENT_FRAMES, _MAX_FRAME)
+        self._frames: list[Any] = []
+        self._ids = itertools.count(1)
+        # Read into one buffer: ``sock.recv(n)`` allocates n bytes per call, and at
+        # 256 KiB that is an mmap and page faults per reply (~50 µs measured).
+        self._buf = bytearray(_READ)
+        self._view = memoryview(self._buf)
+        # The socket stays in blocking mode: a Python socket timeout would add a poll()
+        # before every send and receive (and an ioctl per change of mode). The deadline
+        # is enforced with SO_RCVTIMEO / SO_SNDTIMEO instead, set lazily (see arm()).
+        self._timeout: float | None = None  # what SO_RCVTIMEO/SO_SNDTIMEO hold (None: none)
+        self.idle_since = 0.0
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def _set_timeout(self, timeout: float | None) -> None:
+        """One system call per option: the kernel's send and receive timeouts."""
+        # A zero timeval means "no timeout": never round a short wait down to it.
+        us = 0 if timeout is None else max(1, int(timeout * 1e6))
+        value = _TIMEVAL.pack(us // 1_000_000, us % 1_000_000)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self._timeout = timeout
+
+    def arm(self, deadline: float | None) -> None:
+        """Make sure a blocked send or receive wakes up by ``deadline`` (at the latest).
+
+        The kernel timeout set may be shorter than the time left: a wake-up before the
+        deadline (:meth:`_woken`) re-arms with the exact time left. So the options are
+        set only when the timeout held is longer than the time left or much shorter
+        (back-to-back calls with the same timeout make no system call), and never for
+        calls without a deadline."""
+        timeout = _remaining(deadline)
+        held = self._timeout
+        if timeout is None or (held is not None and timeout * 0.5 <= held <= timeout):
+            return
+        self._set_timeout(timeout * _EARLY)
+
+    def _woken(self, deadline: float | None) -> None:
+        """A send or receive timed out in the kernel: DeadlineExceeded when the deadline
+        passed, else wait again for exactly the time left (None: without a timeout)."""
+        self._set_timeout(_remaining(deadline))
+
+    def send(self, data: bytes, deadline: float | None = None) -> None:
+        """Send ``data`` within ``deadline`` (the caller armed it)."""
+        view = memoryview(data)
+        sock = self.sock
+        try:
+            while view:
+                try:
+                    sent = sock.send(view)
+                except BlockingIOError:  # SO_SNDTIMEO expired: deadline, or arm again
+                    self._woken(deadline)
+                    continue
+                view = view[sent:]
+        except OSError as exc:
+            raise self._lost(exc) from exc
+
+    def frame(self, deadline: float | None, *, armed: bool = False) -> Any:
+        """The next frame from the daemon (blocking until ``deadline``); ``armed``: the
+        caller just called :meth:`arm` (the first read needs no new timeout)."""
+        frames = self._frames
+        while not frames:
+            if not armed:
+                self.arm(deadline)
+            armed = False
+            try:
+                size = self.sock.recv_into(self._buf)
+            except BlockingIOError:  # SO_RCVTIMEO expired: deadline, or wait again
+                self._woken(deadline)
+                armed = True
+                continue
+            except OSError as exc:
+                raise self._lost(exc) from exc
+            if not size:
+                raise self._lost(None)
+            try:  # the decoder copies what it keeps: the buffer is reused
+                frames.extend(self._decoder.feed(self._view[:size]))
+            except ProtocolError as exc:
+                raise self._lost(exc) from exc
+        return frames.pop(0)
+
+    def _lost(self, exc: BaseException | None) -> DaemonError:
+        why = "the daemon closed the connection" if exc is None else str(exc)
+        return Unavailable(
+            grpc.StatusCode.UNAVAILABLE, f"cannot call the daemon on {self.path}: {why}"
+        )
+
+    def stale(self) -> bool:
+        """Whether the daemon closed this idle connection (it restarted, or stopped):
+        a pooled connection is checked before reuse, as a gRPC channel reconnects."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes a thread blocked in recv on it
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class FastTransport:
+    """Blocking calls over the fast socket at ``path``; ``label`` is the client's
+    display label (the gRPC ``x-simpler-client`` header)."""
+
+    def __init__(self, path: str, label: str) -> None:
+        self.path = path
+        self.label = label
+        self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()  # closed by close() too, as a channel's calls are
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a child forked from the process that made this transport: the pooled
+        sockets (and their call ids) are the parent's, and so may be the lock's state.
+        Start afresh: close the inherited descriptors here only (no shutdown(), which
+        would cut the parent's connections too)."""
+        inherited = [*self._idle, *self._busy]
+        self._idle, self._busy = [], set()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        for conn in inherited:
+            conn.sock.close()
+
+    def _take(self) -> _Conn:
+        if self._pid != os.getpid():
+            self._forked()
+        with self._lock:
+            if self._closed:
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                # A daemon that stopped or restarted closed its idle connections; a
+                # system call to check is worth it only after a pause (back-to-back
+                # calls skip it: no daemon restarts in under _STALE_CHECK seconds).
+                if _now() - conn.idle_since > _STALE_CHECK and conn.stale():
+                    conn.close()
+                    continue
+                self._busy.add(conn)
+                return conn
+        conn = _Conn(self.path, self.label)
+        with self._lock:
+            self._busy.add(conn)
+        return conn
+
+    def _give(self, conn: _Conn) -> None:
+        with self._lock:
+            self._busy.discard(conn)
+            if not self._closed and len(self._idle) < _POOL:
+                conn.idle_since = _now()
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _drop(self, conn: _Conn) -> None:
+        with self._lock:
+            self._busy.discard(conn)
+        conn.close()
+
+    def close(self) -> None:
+        """Close every connection, also those of calls and streams still open (they
+        fail with UNAVAILABLE; the daemon cancels their handlers)."""
+        if self._pid != os.getpid():
+            self._forked()
+        with self._lock:
+            self._closed = True
+            conns = [*self._idle, *self._busy]
+            self._idle, self._busy = [], set()
+        for conn in conns:
+            conn.close()
+
+    def unary(self, name: str, request: Any, timeout: float | None) -> Any:
+        """One unary call (``request`` a message) or client-streaming call (``request``
+        an iterable of messages); the response message."""
+        method = _method(name)
+        deadline = None if timeout is None else _now() + timeout
+        conn = self._take()
+        try:
+            call_id = conn.next_id()
+            conn.arm(deadline)
+            if method.client_stream:
+                conn.send(encode(Call(call_id, name, b"", timeout, True)), deadline)
+                for message in request:
+                    conn.arm(deadline)  # each send waits at most the time left
+                    conn.send(encode(Item(call_id, message.SerializeToString())), deadline)
+                conn.send(encode(End(call_id)), deadline)
+            else:
+                conn.send(
+                    encode(Call(call_id, name, request.SerializeToString(), timeout)), deadline
+                )
+            frame = conn.frame(deadline, armed=not method.client_stream)
+            while type(frame) is not Reply or frame.id != call_id:
+                frame = conn.frame(deadline)  # a late frame of an abandoned call
+        except BaseException:
+            self._drop(conn)  # its state is unknown: the daemon cancels what it still runs
+            raise
+        self._give(conn)
+        if frame.code:
+            raise status_error(frame.code, frame.details, frame.field)
+        return method.response.FromString(frame.data)
+
+    def stream(self, name: str, request: Any, timeout: float | None) -> Iterator[Any]:
+        """A server-streaming call: its response messages. Left before its end (or
+        failing), the connection is closed and the daemon cancels the handler."""
+        method = _method(name)
+        deadline = None if timeout is None else _now() + timeout
+        conn = self._take()
+        done = False
+        try:
+            call_id = conn.next_id()
+            conn.arm(deadline)
+            conn.send(encode(Call(call_id, name, request.SerializeToString(), timeout)), deadline)
+            while True:
+                frame = conn.frame(deadline)
+                if frame.id != call_id:
+                    continue
+                kind = type(frame)
+                if kind is Item:
+                    yield method.response.FromString(frame.data)
+                elif kind is End or kind is Reply:
+                    done = True
+                    if frame.code:
+                        raise status_error(frame.code, frame.details, frame.field)
+                    return
+        finally:
+            if done:
+                self._give(conn)
+            else:
+                self._drop(conn)
+
+
+# --------------------------------------------------------------------------- asyncio
+
+
+class _AsyncProtocol(asyncio.Protocol):
+    def __init__(self, owner: AsyncFastTransport) -> None:
+        self._owner = owner
+        self._decoder = FrameDecoder(CLIENT_FRAMES, _MAX_FRAME)
+        self.transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except ProtocolError as exc:
+            self.transport.abort()
+            self._owner.lost(exc)
+            return
+        deliver = self._owner.deliver
+        for frame in frames:
+            deliver(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner.lost(exc)
+
+
+class AsyncFastTransport:
+    """Calls multiplexed on one connection to the fast socket at ``path``, opened by
+    the first call (so the transport may be made outside the event loop)."""
+
+    def __init__(self, path: str, label: str) -> None:
+        self.path = path
+        self.label = label
+        self._proto: _AsyncProtocol | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, asyncio.Future[Any]] = {}
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._closed = False
+        self._pid = os.getpid()
+
+    async def _connection(self) -> _AsyncProtocol:
+        if self._pid != os.getpid():
+            # Its connection and event loop belong to the parent (as with grpc.aio).
+            raise Unavailable(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot call: an AsyncClient is not usable after fork(); open a new one "
+                "in the child",
+            )
+        proto = self._proto
+        if proto is not None:
+            return proto
+        if self._closed:
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._proto is None:
+                loop = asyncio.get_running_loop()
+                try:
+                    _, proto = await loop.create_unix_connection(
+                        lambda: _AsyncProtocol(self), self.path
+                    )
+                except OSError as exc:
+                    raise Unavailable(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"cannot connect to the daemon's fast socket {self.path}: "
+                        f"{exc.strerror or exc}",
+                    ) from exc
+                proto.transport.write(encode(Hello(PROTOCOL_VERSION, self.label[:MAX_LABEL])))
+                self._proto = proto
+            return self._proto
+
+    def deliver(self, frame: Any) -> None:
+        queue = self._queues.get(frame.id)
+        if queue is not None:
+            queue.put_nowait(frame)
+            return
+        waiter = self._waiters.pop(frame.id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(frame)
+        # else: a late frame of a call given up on
+
+    def lost(self, exc: BaseException | None) -> None:
+        """The connection ended: every call in flight fails with UNAVAILABLE; the next
+        call opens a new connection."""
+        self._proto = None
+        why = "the daemon closed the connection" if exc is None else str(exc)
+        error = Unavailable(
+            grpc.StatusCode.UNAVAILABLE, f"cannot call the daemon on {self.path}: {why}"
+        )
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _give_up(self, proto: _AsyncProtocol, call_id: int) -> None:
+        self._waiters.pop(call_id, None)
+        self._queues.pop(call_id, None)
+        if self._proto is proto and not proto.transport.is_closing():
+            proto.transport.write(encode(Cancel(call_id)))
+
+    async def unary(self, name: str, request: Any, timeout: float | None) -> Any:
+        method = _method(name)
+        proto = await self._connection()
+        call_id = next(self._ids)
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiters[call_id] = waiter
+        write = proto.transport.write
+        if method.client_stream:
+            write(encode(Call(call_id, name, b"", timeout, True)))
+            for message in request:
+                write(encode(Item(call_id, message.SerializeToString())))
+            write(encode(End(call_id)))
+        else:
+            write(encode(Call(call_id, name, request.SerializeToString(), timeout)))
+        try:
+            async with asyncio.timeout(timeout):
+                frame = await waiter
+        except TimeoutError as exc:
+            self._give_up(proto, call_id)
+            raise _deadline_error() from exc
+        except BaseException:
+            self._give_up(proto, call_id)
+            raise
+        if frame.code:
+            raise status_error(frame.code, frame.details, frame.field)
+        return method.response.FromString(frame.data)
+
+    async def stream(self, name: str, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+        method = _method(name)
+        proto = await self._connection()
+        call_id = next(self._ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[call_id] = queue
+        proto.transport.write(encode(Call(call_id, name, request.SerializeToString(), timeout)))
+        done = False
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    frame = await queue.get()
+                    if isinstance(frame, BaseException):
+                        done = True
+                        raise frame
+                    if type(frame) is Item:
+                        yield method.response.FromString(frame.data)
+                        continue
+                    done = True
+                    if frame.code:
+                        raise status_error(frame.code, frame.details, frame.field)
+                    return
+        except TimeoutError as exc:
+            if isinstance(exc, DaemonError):  # the daemon's own DEADLINE_EXCEEDED
+                raise
+            raise _deadline_error() from exc
+        finally:
+            if done:
+                self._queues.pop(call_id, None)
+            else:
+                self._give_up(proto, call_id)
+
+    async def close(self) -> None:
+        self._closed = True
+        proto, self._proto = self._proto, None
+        if proto is not None and proto.transport is not None:
+            proto.transport.close()
+            with contextlib.suppress(Exception):
+                await asyncio.sleep(0)  # let the transport's close run

@@ -1,0 +1,726 @@
+"""The remote L3 children of one L4 ``Worker``: sessions, installed callables, buffers.
+
+::
+
+    Worker(level=4).add_remote_worker(spec) -> worker id (shared with local L3 children)
+      init():  local forks ... then RemoteFleet.open_all(deadline)    (one root deadline,
+                 attach.open_session per remote, in parallel threads   never multiplied)
+               -> one RemoteL3Endpoint per remote under a WorkerThread lane
+      register(..., workers=[r]) -> manifest before init / two-phase control after init
+      alloc_remote / copy_to_remote / copy_from_remote / free / import / release
+               -> controls on that remote's ordered command lane
+
+The fleet owns no thread and no loop. Its controls are coroutines: when the
+Scheduler is bound to a loop, that loop watches the endpoints' sockets and the
+control awaits the reply it delivers; otherwise the endpoint pumps its own
+sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from simpler_daemon.args import TensorDesc, dtype_code
+from simpler_daemon.callables import CallableSpec
+from simpler_daemon.engine.registration import cleanup_uncertain, fan_out, register_failed
+from simpler_daemon.errors import ControlError, EndpointError, RegistrationError, StartupError
+from simpler_daemon.remote import wire
+from simpler_daemon.remote.spec import RemoteTensorRef, RemoteWorkerSpec
+
+if TYPE_CHECKING:
+    from simpler_daemon.scheduler.dispatch import Scheduler
+    from simpler_daemon.scheduler.driver import Driver
+    from simpler_daemon.scheduler.lanes import WorkerThread
+
+log = logging.getLogger("simpler_daemon.remote")
+
+#: What a control that failed on one remote worker raises (the others still get theirs).
+_CONTROL_ERRORS: tuple[type[Exception], ...] = (ControlError, EndpointError, TimeoutError)
+#: ``register_prepare`` also fails on a target the worker cannot import (``ValueError``).
+_PREPARE_ERRORS = (*_CONTROL_ERRORS, ValueError)
+
+#: Bytes per copy_to / copy_from / import control (the frame bound is 16 MiB).
+CHUNK = 4 << 20
+
+
+@dataclass(slots=True)
+class _Buffer:
+    ref: RemoteTensorRef
+    pins: int = 0
+    freed: bool = False
+    #: Workers (other than the owner) holding an imported snapshot.
+    imported_by: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Install:
+    """A callable installed into some remote workers' inner L3 registries."""
+
+    spec: CallableSpec
+    kind: str
+    workers: set[int]
+    refcount: int = 1
+
+
+class RemoteFleet:
+    """Every remote L3 worker of one L4 Worker (see the module docstring)."""
+
+    def __init__(self, *, startup_timeout: float = 30.0, reconnect: bool = True) -> None:
+        self.startup_timeout = startup_timeout
+        #: Open a new session when one fails (its buffers are lost; registrations replayed).
+        self.reconnect = reconnect
+        self.specs: dict[int, RemoteWorkerSpec] = {}
+        self.endpoints: dict[int, Any] = {}  # worker id -> RemoteL3Endpoint
+        self.installs: dict[str, _Install] = {}
+        self.buffers: dict[tuple[int, int, int], _Buffer] = {}
+        self.reconnects: dict[int, int] = {}
+        #: Why a worker was given up (its session failed and no new one could be opened).
+        self.gone: dict[int, str] = {}
+        #: ("free" | "release", worker, ref) deferred while a task pinned the buffer; sent
+        #: by a later control once nothing references it.
+        self._deferred: list[tuple[str, int, RemoteTensorRef]] = []
+        #: Only while the Worker serves are failed sessions replaced.
+        self.serving = False
+        self._scheduler: Scheduler | None = None
+        self._driver: Driver | None = None
+        self._replacing: set[int] = set()
+        self._reconnecting: set[threading.Thread] = set()
+        #: The sockets of each session being reopened (shut down to abort it at close).
+        self._opening: dict[threading.Thread, list[socket.socket]] = {}
+
+    # -- membership ---------------------------------------------------------------------
+
+    def add(self, worker_id: int, spec: RemoteWorkerSpec) -> None:
+        if not isinstance(spec, RemoteWorkerSpec):
+            raise TypeError(
+                f"cannot add a remote worker: expected a RemoteWorkerSpec, got {type(spec).__name__}"
+            )
+        self.specs[worker_id] = spec
+        self.reconnects.setdefault(worker_id, 0)
+
+    def is_remote(self, worker_id: int) -> bool:
+        return worker_id in self.specs
+
+    def endpoint(self, worker_id: int, what: str) -> Any:
+        ep = self.endpoints.get(worker_id)
+        if ep is None:
+            if worker_id in self.specs:
+                raise EndpointError(f"cannot {what}: remote worker {worker_id} has no session")
+            known = sorted(self.specs)
+            raise ValueError(
+                f"cannot {what}: worker={worker_id!r} is not a remote worker (remote: {known})"
+            )
+        return ep
+
+    def check_workers(self, workers: list[int] | None, what: str) -> list[int]:
+        """The target list of a registration: every remote worker when ``None``."""
+        if workers is None:
+            return sorted(self.specs)
+        if not isinstance(workers, (list, tuple)) or any(
+            isinstance(w, bool) or not isinstance(w, int) for w in workers
+        ):
+            raise TypeError(f"cannot {what}: workers= must be a list of worker ids")
+        for w in workers:
+            if w not in self.specs:
+                raise ValueError(
+                    f"cannot {what}: worker {w} is not a remote worker (remote: {sorted(self.specs)})"
+                )
+        return sorted(set(workers))
+
+    # -- callables --------------------------------------------------------------------------
+
+    def manifest_callables(self, worker_id: int) -> list[Any]:
+        from simpler_daemon.remote.manifest import ManifestCallable
+
+        return [
+            ManifestCallable(hashid=i.spec.handle.hashid, kind=i.kind, target=_target(i.spec))  # type: ignore[arg-type]
+            for i in self.installs.values()
+            if worker_id in i.workers
+        ]
+
+    def install(self, spec: CallableSpec, kind: str, workers: list[int]) -> None:
+        """Before init: record; the manifests carry it to each session."""
+        _target(spec)
+        entry = self.installs.get(spec.handle.hashid)
+        if entry is None:
+            self.installs[spec.handle.hashid] = _Install(spec, kind, set(workers))
+        else:
+            _check_same_kind(entry, kind)
+            entry.workers |= set(workers)
+            entry.refcount += 1
+
+    async def install_live(self, spec: CallableSpec, kind: str, workers: list[int]) -> None:
+        """After init: prepare on every target, then commit on all, or abort on all.
+
+        Raises ``RegistrationError(REGISTER_PARTIAL_FAILURE)`` naming each worker that
+        failed (nothing stays installed), or ``REGISTER_CLEANUP_UNCERTAIN`` naming the
+        workers whose abort or commit could not be confirmed (not used for it).
+        """
+        hashid = spec.handle.hashid
+        entry = self.installs.get(hashid)
+        if entry is not None:
+            _check_same_kind(entry, kind)
+        todo = [w for w in workers if entry is None or w not in entry.workers]
+        prepare = wire.encode_payload(
+            wire.RegisterPrepare(hashid=hashid, kind=kind, target=_target(spec))  # type: ignore[arg-type]
+        )
+        body = wire.encode_payload(wire.HashidBody(hashid=hashid))
+        what = f"cannot register {spec.handle.name} on remote workers"
+        prepared, failures = await self._control_each(
+            todo, "register_prepare", prepare, errors=_PREPARE_ERRORS
+        )
+        if failures:
+            _, uncertain = await self._control_each(
+                prepared, "register_abort", body, label="abort failed: "
+            )
+            if uncertain:
+                raise cleanup_uncertain(what, {**failures, **uncertain})
+            raise register_failed(what, failures, {})
+        committed, uncertain = await self._control_each(
+            prepared, "register_commit", body, label="commit failed: "
+        )
+        if uncertain:
+            _, undone = await self._control_each(
+                committed, "unregister", body, label="rollback failed: "
+            )
+            raise cleanup_uncertain(
+                what, {**uncertain, **undone}, " (those workers are not used for it)"
+            )
+        if entry is None:
+            self.installs[hashid] = _Install(spec, kind, set(workers))
+        else:
+            entry.workers |= set(workers)
+            entry.refcount += 1
+
+    def uninstall(self, hashid: str) -> list[int] | None:
+        """Drop one reference; the workers to remove it from when it was the last one."""
+        entry = self.installs.get(hashid)
+        if entry is None:
+            return None
+        entry.refcount -= 1
+        if entry.refcount > 0:
+            return []
+        del self.installs[hashid]
+        return sorted(entry.workers)
+
+    async def uninstall_live(self, hashid: str, name: str, workers: list[int]) -> None:
+        body = wire.encode_payload(wire.HashidBody(hashid=hashid))
+        # A worker that has no session now (closing) is skipped.
+        live = (w for w in workers if w in self.endpoints)
+        _, failures = await self._control_each(live, "unregister", body)
+        if failures:
+            raise cleanup_uncertain(f"cannot unregister {name} from remote workers", failures)
+
+    async def _control_each(
+        self,
+        workers: Iterable[int],
+        name: str,
+        body: bytes,
+        *,
+        errors: tuple[type[Exception], ...] = _CONTROL_ERRORS,
+        label: str = "",
+    ) -> tuple[list[int], dict[int, str]]:
+        """Send control ``name`` to every worker at once: (those that confirmed it,
+        ``{worker: label + why}`` for the others)."""
+        return await fan_out(
+            workers, lambda w: self.control(w, name, body), _same, errors=errors, label=label
+        )
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def open_all(self, deadline: float) -> dict[int, Any]:
+        """Open every session in parallel under ``deadline``; all or none (``StartupError``)."""
+        todo = [w for w in sorted(self.specs) if w not in self.endpoints]
+        if not todo:
+            return {}
+        opened: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        with ThreadPoolExecutor(max_workers=min(16, len(todo)), thread_name_prefix="attach") as ex:
+            futures = {w: ex.submit(self.open_one, w, deadline) for w in todo}
+            for w, fut in futures.items():
+                try:
+                    opened[w] = fut.result()
+                except BaseException as exc:
+                    errors[w] = exc
+        if errors:
+            for ep in opened.values():
+                ep.shutdown(0.5)
+            first = errors[min(errors)]
+            msg = "; ".join(str(e) for _, e in sorted(errors.items()))
+            raise StartupError(f"cannot start remote workers: {msg}") from first
+        self.endpoints.update(opened)
+        return opened
+
+    def open_one(
+        self,
+        worker_id: int,
+        deadline: float,
+        callables: list[Any] | None = None,
+        opened: list[socket.socket] | None = None,
+    ) -> Any:
+        """Open one session (blocking). ``opened`` collects its sockets as they are made,
+        so ``shutdown`` can abort an attempt running on another thread."""
+        from simpler_daemon.endpoints.remote import RemoteL3Endpoint
+        from simpler_daemon.remote.attach import open_session
+
+        spec = self.specs[worker_id]
+        if callables is None:
+            callables = self.manifest_callables(worker_id)
+        session = open_session(spec, worker_id, callables, deadline, opened)
+        return RemoteL3Endpoint(worker_id, spec, session)
+
+    # -- serving (after init) -----------------------------------------------------------------
+
+    def serve(self, scheduler: Scheduler, driver: Driver) -> None:
+        """Watch every session's sockets with ``driver``; lanes exist in ``scheduler`` now."""
+        self._scheduler = scheduler
+        self._driver = driver
+        for ep in self.endpoints.values():
+            self._watch(ep)
+
+    def _watch(self, ep: Any) -> None:
+        driver = self._driver
+        assert driver is not None
+
+        def readable() -> None:
+            ep.on_readable()
+            if ep.poisoned:
+                self._failed_idle(ep)
+
+        ep.set_fd_watcher(driver.unwatch)
+        for fd in ep.wake_fds():
+            driver.watch(fd, readable)
+
+    def _unwatch(self, ep: Any) -> None:
+        if self._driver is not None:
+            for fd in ep.wake_fds():
+                self._driver.unwatch(fd)
+
+    def attach_live(self, worker_id: int, ep: Any) -> None:
+        """A session opened after init joins the Scheduler as a new lane."""
+        assert self._scheduler is not None
+        self.endpoints[worker_id] = ep
+        self._scheduler.add_next_level(worker_id, ep)
+        self._watch(ep)
+        self._scheduler.wake()
+
+    def _failed_idle(self, ep: Any) -> None:
+        """A session failed while its lane had nothing in flight (no completion will say so)."""
+        sched = self._scheduler
+        if sched is None:
+            return
+        lane = sched.manager.next_level.get(ep.worker_id)
+        if lane is not None and lane.endpoint is ep and not lane.inflight:
+            self.lane_dead(lane)
+
+    def lane_dead(self, lane: WorkerThread) -> None:
+        """The Scheduler's verdict on a drained failed lane: reconnect, or give it up."""
+        ep = lane.endpoint
+        if id(ep) in self._replacing or lane.gone is not None or self._scheduler is None:
+            return
+        wid = lane.worker_id
+        reason = f"{getattr(ep, 'label', wid)} failed: {getattr(ep, 'failure', '?')}"
+        self._unwatch(ep)
+        ep.close()  # type: ignore[attr-defined]  # a remote lane's endpoint
+        self.forget_session(wid)
+        if not self.reconnect or not self.serving or self._driver is None:
+            self._give_up(lane, reason)
+            return
+        # Opening a session blocks for up to the startup timeout (a frozen host): do it on
+        # a thread of its own, so the other workers' runs go on meanwhile; the new
+        # endpoint joins the lane on the driving side.
+        self._replacing.add(id(ep))
+        # The manifest is taken here, on the driving side, where registrations change.
+        callables = self.manifest_callables(wid)
+        thread = threading.Thread(
+            target=self._reopen,
+            args=(lane, ep, reason, callables),
+            name=f"reconnect-{wid}",
+            daemon=True,
+        )
+        self._reconnecting.add(thread)
+        thread.start()
+
+    def _give_up(self, lane: WorkerThread, reason: str) -> None:
+        lane.gone = reason
+        self.gone[lane.worker_id] = reason
+        log.error("remote worker %d stays down: %s", lane.worker_id, reason)
+        assert self._scheduler is not None
+        self._scheduler.wake()
+
+    def _reopen(self, lane: WorkerThread, old: Any, reason: str, callables: list[Any]) -> None:
+        """On the reconnect thread: open a new session, hand it to the driving side."""
+        me = threading.current_thread()
+        opened: list[socket.socket] = []
+        self._opening[me] = opened
+        try:
+            self._reopen_now(lane, old, reason, callables, opened)
+        finally:
+            self._opening.pop(me, None)
+            self._reconnecting.discard(me)
+
+    def _reopen_now(
+        self,
+        lane: WorkerThread,
+        old: Any,
+        reason: str,
+        callables: list[Any],
+        opened: list[socket.socket],
+    ) -> None:
+        wid = lane.worker_id
+        try:
+            deadline = time.monotonic() + self.startup_timeout
+            ep: Any = self.open_one(wid, deadline, callables, opened)
+            error: BaseException | None = None
+        except Exception as exc:  # StartupError, or anything opening raised
+            ep, error = None, exc
+        assert self._driver is not None
+        handed = self.serving and self._driver.call_threadsafe(
+            lambda: self._reopened(lane, old, reason, ep, error)
+        )
+        if not handed and ep is not None:
+            ep.shutdown(0.5)  # closed meanwhile: the new runner must not outlive the Worker
+
+    def _reopened(
+        self, lane: WorkerThread, old: Any, reason: str, ep: Any, error: BaseException | None
+    ) -> None:
+        self._replacing.discard(id(old))
+        if ep is None:
+            self._give_up(lane, f"{reason}; reconnect failed: {error}")
+            return
+        if not self.serving:
+            ep.shutdown(0.5)
+            return
+        wid = lane.worker_id
+        self.endpoints[wid] = ep
+        lane.endpoint = ep
+        lane.active = lane.staged = None
+        lane.inflight = 0
+        self.reconnects[wid] = self.reconnects.get(wid, 0) + 1
+        self._watch(ep)
+        log.warning("remote worker %d reconnected after: %s", wid, reason)
+        assert self._scheduler is not None
+        self._scheduler.wake()
+
+    def forget_session(self, worker_id: int) -> None:
+        """A session ended: its buffers went with it (refs to them fail clearly).
+
+        The failed endpoint stays in ``endpoints`` until a new session replaces it, so
+        its row keeps the failure and controls fail with its reason."""
+        for key, buf in list(self.buffers.items()):
+            if key[0] == worker_id:
+                del self.buffers[key]
+                # Its importers still hold snapshots: drop them with the next control.
+                self._deferred.extend(("release", w, buf.ref) for w in sorted(buf.imported_by))
+            else:
+                buf.imported_by.discard(worker_id)
+
+    def shutdown(self, timeout: float) -> None:
+        """SHUTDOWN every session and close its sockets (runners then exit on their own)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        self.serving = False
+        for ep in self.endpoints.values():
+            self._unwatch(ep)
+            try:
+                ep.shutdown(min(2.0, max(0.05, deadline - time.monotonic())))
+            except Exception:  # closing must go on for the others
+                log.exception("remote worker %s: shutdown failed", ep.worker_id)
+        # A session being reopened must not outlive us. Let its thread finish within
+        # our budget: one that gets through shuts its new session down itself, seeing we
+        # stopped serving (aborting it halfway would leave the runner the worker already
+        # started waiting for its attach). One still stuck then (a host that does not
+        # answer) is aborted: its sockets fail at once.
+        for thread in list(self._reconnecting):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for opened in list(self._opening.values()):
+            for sock in list(opened):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        for thread in list(self._reconnecting):
+            thread.join(1.0)
+        self.endpoints.clear()
+        self.buffers.clear()
+
+    # -- controls ---------------------------------------------------------------------------
+
+    async def control(self, worker_id: int, name: str, body: bytes) -> bytes:
+        ep = self.endpoint(worker_id, name)
+        if self._deferred:
+            await self._flush_deferred()
+        try:
+            return await self._send(ep, name, body)
+        except (EndpointError, TimeoutError):
+            if ep.poisoned:
+                self._failed_idle(ep)  # no task completion will report it: reconnect now
+            raise
+
+    async def _send(self, ep: Any, name: str, body: bytes) -> bytes:
+        # Bound: the loop that runs this coroutine reads the sockets and delivers the reply.
+        # Unbound: nothing else reads them, so the endpoint pumps its own sockets.
+        if self._driver is not None and self._driver.loop is not None:
+            result: bytes = await ep.control_async(name, body)
+        else:
+            result = ep.control(name, body)
+        return result
+
+    async def _flush_deferred(self) -> None:
+        """Send the frees and releases whose buffer no live task references any more."""
+        keep: list[tuple[str, int, RemoteTensorRef]] = []
+        ready: list[tuple[str, int, RemoteTensorRef]] = []
+        for entry in self._deferred:
+            cur = self.buffers.get(entry[2].key)
+            pinned = cur is not None and cur.ref.session == entry[2].session
+            (keep if pinned else ready).append(entry)
+        self._deferred = keep
+        for op, w, ref in ready:
+            ep = self.endpoints.get(w)
+            if ep is None or ep.poisoned:
+                continue  # that session ended: what it held went with it
+            try:
+                await self._send(ep, op, _key_body(ref))
+            except (ControlError, EndpointError, TimeoutError) as exc:
+                log.warning("remote worker %d: deferred %s of %r failed: %s", w, op, ref, exc)
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    async def alloc(
+        self, worker_id: int, shape: tuple[int, ...] | int, dtype: Any
+    ) -> RemoteTensorRef:
+        shp = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shp):
+            raise ValueError(f"cannot alloc_remote: shape {shp} has a negative dimension")
+        dt = np.dtype(dtype)
+        dtype_code(dt)
+        self.endpoint(worker_id, "alloc_remote")
+        raw = await self.control(
+            worker_id, "alloc", wire.encode_payload(wire.AllocBody(shape=list(shp), dtype=dt.name))
+        )
+        res = wire.decode_payload(wire.AllocResult, raw)
+        session = self.endpoint(worker_id, "alloc_remote").session.session_id
+        ref = RemoteTensorRef(
+            worker_id, res.buffer_id, res.generation, shp, dt.name, res.nbytes, session=session
+        )
+        self.buffers[ref.key] = _Buffer(ref)
+        return ref
+
+    def _live(self, ref: Any, what: str) -> _Buffer:
+        if not isinstance(ref, RemoteTensorRef):
+            raise TypeError(
+                f"cannot {what}: expected a RemoteTensorRef from alloc_remote, got {type(ref).__name__}"
+            )
+        buf = self.buffers.get(ref.key)
+        # A new session numbers its buffers afresh: the session id tells them apart.
+        if buf is None or buf.freed or buf.ref.session != ref.session:
+            raise ValueError(
+                f"cannot {what}: {ref!r} is not a live buffer (freed, or its session ended)"
+            )
+        return buf
+
+    async def copy_to(self, ref: RemoteTensorRef, array: Any) -> None:
+        self._live(ref, "copy_to_remote")
+        src = np.asarray(array)
+        if src.size != int(np.prod(ref.shape, dtype=np.int64)):
+            raise ValueError(
+                f"cannot copy_to_remote: the array has {src.size} elements, {ref!r} has "
+                f"{int(np.prod(ref.shape, dtype=np.int64))}"
+            )
+        data = np.ascontiguousarray(src, dtype=np.dtype(ref.dtype)).tobytes()
+        for off in range(0, max(len(data), 1), CHUNK):
+            body = wire.CopyTo(
+                buffer_id=ref.buffer_id,
+                generation=ref.generation,
+                offset=ref.byte_offset + off,
+                data=data[off : off + CHUNK],
+            )
+            await self.control(ref.owner, "copy_to", wire.encode_payload(body))
+
+    async def copy_from(self, ref: RemoteTensorRef) -> np.ndarray[Any, Any]:
+        self._live(ref, "copy_from_remote")
+        out = np.empty(ref.shape, dtype=np.dtype(ref.dtype))
+        flat = out.reshape(-1).view(np.uint8)
+        for off in range(0, ref.nbytes, CHUNK):
+            n = min(CHUNK, ref.nbytes - off)
+            body = wire.CopyFrom(
+                buffer_id=ref.buffer_id,
+                generation=ref.generation,
+                offset=ref.byte_offset + off,
+                nbytes=n,
+            )
+            raw = await self.control(ref.owner, "copy_from", wire.encode_payload(body))
+            if len(raw) != n:
+                raise EndpointError(
+                    f"cannot copy_from_remote {ref!r}: worker {ref.owner} returned {len(raw)} "
+                    f"bytes for {n}"
+                )
+            flat[off : off + n] = np.frombuffer(raw, dtype=np.uint8)
+        return out
+
+    async def free(self, ref: RemoteTensorRef) -> None:
+        """Free a remote buffer and drop the snapshots imported from it; both wait while
+        a task still references it."""
+        buf = self._live(ref, "free")
+        buf.freed = True
+        ops = [("release", w, ref) for w in sorted(buf.imported_by)] + [("free", ref.owner, ref)]
+        buf.imported_by.clear()
+        if buf.pins:
+            self._deferred.extend(ops)  # sent by a later control, once the last task retired
+            return
+        del self.buffers[ref.key]
+        for op, w, r in ops:
+            await self.control(w, op, _key_body(r))
+
+    async def import_(self, ref: RemoteTensorRef, worker_id: int) -> None:
+        """Give ``worker_id`` a snapshot of ``ref`` (read from its owner now)."""
+        buf = self._live(ref, "import_remote")
+        if worker_id == ref.owner:
+            raise ValueError(f"cannot import_remote: worker {worker_id} already owns {ref!r}")
+        self.endpoint(worker_id, "import_remote")
+        data = (await self.copy_from(ref)).reshape(-1).view(np.uint8).tobytes()
+        offsets = list(range(0, len(data), CHUNK)) or [0]
+        for off in offsets:
+            body = wire.ImportBody(
+                owner=ref.owner,
+                buffer_id=ref.buffer_id,
+                generation=ref.generation,
+                dtype=ref.dtype,
+                shape=list(ref.shape),
+                offset=off,
+                data=data[off : off + CHUNK],
+                final=off == offsets[-1],
+            )
+            await self.control(worker_id, "import", wire.encode_payload(body))
+        buf.imported_by.add(worker_id)
+
+    async def release(self, ref: RemoteTensorRef, worker_id: int) -> None:
+        buf = self._live(ref, "release_remote")
+        if worker_id not in buf.imported_by:
+            raise ValueError(f"cannot release_remote: worker {worker_id} has not imported {ref!r}")
+        buf.imported_by.discard(worker_id)  # no new task on that worker may use it
+        if buf.pins:
+            self._deferred.append(("release", worker_id, ref))  # a queued task still may
+        elif worker_id in self.endpoints:
+            await self.control(worker_id, "release", _key_body(ref))
+
+    # -- RemoteTensors (what the Orchestrator asks at submit) ----------------------------------
+
+    def describe(self, ref: Any, target: int, where: str) -> TensorDesc:
+        buf = self._live(ref, where)
+        if target != ref.owner and target not in buf.imported_by:
+            raise ValueError(
+                f"cannot {where}: {ref!r} belongs to remote worker {ref.owner}; worker {target} "
+                f"has not imported it (Worker.import_remote(ref, worker={target}))"
+            )
+        return TensorDesc(
+            ref.buffer_id,
+            ref.generation,
+            ref.owner,
+            ref.byte_offset,
+            ref.nbytes,
+            dtype_code(ref.dtype),
+            ref.shape,
+            ref.strides,
+            remote=True,
+        )
+
+    def check_installed(self, handle: Any, targets: list[int], api: str) -> None:
+        """A NEXT_LEVEL task for a remote worker must name an L3 orchestration installed
+        there: refuse it at submit instead of failing it on the remote host."""
+        entry = self.installs.get(handle.hashid)
+        for w in targets:
+            if w in self.specs and (entry is None or w not in entry.workers):
+                where = sorted(entry.workers) if entry is not None else []
+                raise ValueError(
+                    f"cannot {api}: {handle.name} is not installed on remote worker {w} "
+                    f"(installed on remote workers {where}); register "
+                    f"RemoteCallable('pkg.mod:fn') with workers=[{w}]"
+                )
+
+    def pin(self, key: tuple[int, int, int]) -> None:
+        self.buffers[key].pins += 1
+
+    def unpin(self, key: tuple[int, int, int]) -> None:
+        buf = self.buffers.get(key)
+        if buf is not None:
+            buf.pins -= 1
+            if buf.pins == 0 and buf.freed:
+                del self.buffers[key]
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        driver = self._driver
+        if driver is not None and driver.loop is None and driver.lock.acquire(blocking=False):
+            # Blocking API between calls: nobody reads the sockets, so a session that died
+            # while idle would still look ready. Read them now (without waiting).
+            try:
+                driver.poll_now()
+            finally:
+                driver.lock.release()
+        rows: list[dict[str, Any]] = []
+        for wid, spec in sorted(self.specs.items()):
+            ep = self.endpoints.get(wid)
+            stats: dict[str, Any] = ep.stats() if ep is not None else {}
+            session = getattr(ep, "session", None)
+            rows.append(
+                {
+                    "kind": "remote",
+                    "worker_id": wid,
+                    "endpoint": spec.endpoint,
+                    "session_id": getattr(session, "session_id", 0),
+                    "pid": getattr(session, "pid", 0),
+                    "state": _state(ep, wid in self.gone, self.serving),
+                    "health_age_s": ep.health_age() if ep is not None else None,
+                    "round_trip_us": stats.get("round_trip_us"),
+                    "failures": stats.get("failures", 0),
+                    "tasks_completed": stats.get("tasks", 0),
+                    "reconnects": self.reconnects.get(wid, 0),
+                    "restarts": self.reconnects.get(wid, 0),
+                    "reason": self.gone.get(wid) or getattr(ep, "failure", None),
+                }
+            )
+        return rows
+
+
+def _same(worker_id: int) -> int:
+    return worker_id
+
+
+def _target(spec: CallableSpec) -> str:
+    if spec.import_path is None:
+        raise TypeError(
+            f"cannot install {spec.handle.name} into a remote worker: only import paths "
+            "('pkg.mod:fn') can cross hosts, not a local function or lambda"
+        )
+    return spec.import_path
+
+
+def _check_same_kind(entry: _Install, kind: str) -> None:
+    if entry.kind != kind:
+        raise RegistrationError(
+            "HASHID_DESCRIPTOR_MISMATCH",
+            f"cannot register {entry.spec.handle.name} as {kind}: it is registered on remote "
+            f"workers as {entry.kind}",
+        )
+
+
+def _state(ep: Any, gone: bool, serving: bool) -> str:
+    """ready / failed (the session failed: reconnecting, or given up) / closed."""
+    if ep is not None:
+        return "failed" if ep.poisoned else "ready"
+    return "failed" if gone or serving else "closed"
+
+
+def _key_body(ref: RemoteTensorRef) -> bytes:
+    return wire.encode_payload(
+        wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
+    )

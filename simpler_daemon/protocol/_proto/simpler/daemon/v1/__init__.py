@@ -1,0 +1,1 @@
+"""Generated package; do not edit. Regenerate with ``python -m simpler_daemon.protocol.gen_proto``."""

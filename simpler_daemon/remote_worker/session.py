@@ -1,0 +1,687 @@
+"""``simpler-remote-l3-session``: one remote L3 session, exec'd by ``simpler-remote-worker``.
+
+Bring-up, in this order (REMOTE.md section 3)::
+
+    read spec -> deadline, PR_SET_PDEATHSIG, sys.path
+              -> install allow-listed callables (import + hashid check)
+              -> Worker(level=3) + register + init()        (every fork happens here)
+              -> bind command + health listeners (port 0, TLS when configured)
+              -> health thread (accepts the health lane, then beats)
+              -> ONE ready line on --ready-fd, fd closed
+              -> uvloop: accept + attach both lanes before the deadline
+              -> HELLO(ready) on the command lane -> serve
+
+    parent                       runner (this process)                  inner children
+      |-- TASK/CONTROL/SHUTDOWN -->| CommandProtocol -> frames, in order
+      |                            |   TASK -> inner.run_async(fn, args) --> SUB / chip
+      |<-- COMPLETION / REPLY -----|   CONTROL -> SessionControls.handle()
+      |<-- HEALTH every 0.2 s -----| HealthLane thread (never runs user code)
+
+The session ends (inner worker closed, nothing left behind) on command EOF,
+SHUTDOWN, SIGTERM (exit 0), or a protocol error, a failed health send, a
+missed attach deadline, the parent's death (exit 1).
+
+The lanes themselves (listeners, TLS, attach bytes, the health thread, the
+command protocol) live in :mod:`simpler_daemon.remote_worker.lanes`; this module
+brings the session up, orders its requests and tears it down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import faulthandler
+import hmac
+import logging
+import os
+import select
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from simpler_daemon.args import CallConfig
+from simpler_daemon.callables import hashid_of_digest, restrict_imports
+from simpler_daemon.engine.worker import Worker
+from simpler_daemon.errors import ProtocolError, TaskError
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.remote.manifest import HandshakeReply, RunnerSpec, format_host_port
+from simpler_daemon.remote.wire import (
+    CONTROL_BODIES,
+    E_BAD_ARGS,
+    E_CONTROL_FAILED,
+    E_DEADLINE,
+    E_OK,
+    E_TASK_FAILED,
+    E_UNKNOWN_CALLABLE,
+    PROTOCOL_VERSION,
+    Completion,
+    Control,
+    ControlReply,
+    Frame,
+    FrameType,
+    Hello,
+    Task,
+    clip_text,
+    encode_frame,
+)
+from simpler_daemon.remote_worker.controls import (
+    IMMEDIATE_CONTROLS,
+    BadTaskArgs,
+    ControlFailure,
+    InstallError,
+    SessionControls,
+    check_target,
+    format_exception,
+)
+from simpler_daemon.remote_worker.lanes import (
+    ATTACH_BYTES,
+    HEALTH_CANDIDATE_S,
+    HEALTH_INTERVAL_S,
+    CommandProtocol,
+    HealthLane,
+    listen,
+    server_tls,
+    tune_socket,
+)
+
+log = logging.getLogger("simpler_daemon.remote.session")
+
+#: After a reply, spin this long for the parent's next request before the loop parks.
+LINGER_S = 0.0002
+
+
+class StartFailure(Exception):
+    """Bring-up failed; the text goes into the ready line (``ok: false``)."""
+
+
+# -- the runner ------------------------------------------------------------------------------------
+
+
+class SessionRunner:
+    """Bring-up, attach, serve, close: one per process (see the module docstring)."""
+
+    def __init__(self, spec: RunnerSpec, deadline: float) -> None:
+        self.spec = spec
+        self.manifest = spec.manifest
+        self.session_id = spec.manifest.session_id
+        self.worker_id = spec.manifest.worker_id
+        self.attach_bytes = self.session_id.to_bytes(8, "little") + bytes.fromhex(
+            spec.manifest.attach_key
+        )
+        self.deadline = deadline  # time.monotonic() based
+        self.host = socket.gethostname()
+        self.parent_pid = os.getppid()
+        self.tls: ssl.SSLContext | None = None
+        self.inner: Worker | None = None
+        self.controls: SessionControls | None = None
+        self.command_listener: socket.socket | None = None
+        self.health_listener: socket.socket | None = None
+        self.health: HealthLane | None = None
+        self.candidates: set[CommandProtocol] = set()
+        self.stop_seen = threading.Event()
+        #: Seconds to spin for the next request after a reply (see ``_linger``).
+        self.linger_s = LINGER_S
+        self._linger_poll: select.poll | None = None
+        self.command: CommandProtocol | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future[tuple[int, str]] | None = None
+        self._early_stop: tuple[int, str] | None = None
+        self._health_ready: asyncio.Future[None] | None = None
+        self._command_ready: asyncio.Future[None] | None = None
+        self._queue: deque[Frame] = deque()
+        self._busy = False
+        self._current: asyncio.Task[None] | None = None
+        self._next_seq = 1
+
+    # -- bring-up (synchronous, single-threaded until the health thread starts) -------------------
+
+    def bring_up(self) -> tuple[str, str]:
+        """Install callables, start the inner worker, bind listeners, start the health thread.
+
+        Returns the command and health addresses. Raises :class:`StartFailure`
+        after releasing whatever was started.
+        """
+        m = self.manifest
+        # The dispatcher registry first: nothing is started for a session whose
+        # callables are not allowed, do not import, or carry a wrong hashid.
+        allowed = tuple(self.spec.allowed_modules)
+        restrict_imports(allowed)  # the inner Worker's children resolve under it too
+        for i, c in enumerate(m.callables):
+            try:
+                check_target(c.target, c.kind, c.hashid, allowed)
+            except InstallError as exc:
+                raise StartFailure(
+                    f"cannot start session: callables[{i}] ({c.kind} {c.target!r}): {exc}"
+                ) from exc
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise StartFailure("cannot start session: the start-up deadline already passed")
+        try:
+            inner = Worker(
+                level=3,
+                num_sub_workers=m.num_sub_workers,
+                num_chips=m.num_chips,
+                heap_bytes=m.heap_bytes,
+                chip_pipeline_depth=m.chip_pipeline_depth,
+                startup_timeout=remaining,
+            )
+        except ValueError as exc:
+            raise StartFailure(
+                f"cannot start session: manifest (num_sub_workers={m.num_sub_workers}, "
+                f"num_chips={m.num_chips}, heap_bytes={m.heap_bytes}, "
+                f"chip_pipeline_depth={m.chip_pipeline_depth}) is refused: {exc}"
+            ) from exc
+        self.inner = inner
+        self.controls = SessionControls(
+            inner,
+            worker_id=self.worker_id,
+            host=self.host,
+            allowed_modules=allowed,
+        )
+        for i, c in enumerate(m.callables):
+            try:
+                self.controls.install(c.hashid, c.kind, c.target)
+            except Exception as exc:
+                raise StartFailure(
+                    f"cannot start session: callables[{i}] ({c.kind} {c.target!r}): {exc}"
+                ) from exc
+        try:
+            inner.init()
+        except Exception as exc:
+            raise StartFailure(f"cannot start session: inner worker: {exc}") from exc
+        try:
+            self.tls = server_tls(self.spec)
+            self.command_listener = listen(self.spec.listen_host)
+            self.health_listener = listen(self.spec.listen_host)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartFailure(
+                f"cannot start session: cannot listen on {self.spec.listen_host}: {exc}"
+            ) from exc
+        self.health = HealthLane(self, self.health_listener)
+        self.health.start()
+        host = self.spec.listen_host
+        return (
+            format_host_port(host, self.command_listener.getsockname()[1]),
+            format_host_port(host, self.health_listener.getsockname()[1]),
+        )
+
+    def close_budget(self) -> float:
+        """Seconds the inner worker gets to drain and stop at the end of the session."""
+        return min(10.0, max(2.0, self.manifest.session_timeout_s))
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self.parent_pid
+
+    def attach_ok(self, data: bytes) -> bool:
+        return len(data) == ATTACH_BYTES and hmac.compare_digest(data, self.attach_bytes)
+
+    # -- loop plumbing (callable from any thread) ---------------------------------------------------
+
+    def call_threadsafe(self, fn: Any, *args: Any) -> None:
+        loop = self.loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop already closed: we are exiting
+            loop.call_soon_threadsafe(fn, *args)
+
+    def stop_threadsafe(self, code: int, reason: str) -> None:
+        if self.loop is None:
+            self._early_stop = self._early_stop or (code, reason)
+            return
+        self.call_threadsafe(self.stop, code, reason)
+
+    def stop(self, code: int, reason: str) -> None:
+        """Ask the session to end (first reason wins); safe to call repeatedly."""
+        self.stop_seen.set()
+        fut = self._stopped
+        if fut is None:
+            self._early_stop = self._early_stop or (code, reason)
+        elif not fut.done():
+            fut.set_result((code, reason))
+
+    def health_attached(self) -> None:
+        if self._health_ready is not None and not self._health_ready.done():
+            self._health_ready.set_result(None)
+
+    def command_attached(self, proto: CommandProtocol, data: bytes) -> bool:
+        if self.command is not None or not self.attach_ok(data):
+            return False
+        self.command = proto
+        if self._command_ready is not None and not self._command_ready.done():
+            self._command_ready.set_result(None)
+        return True
+
+    # -- serving --------------------------------------------------------------------------------------
+
+    async def serve(self) -> int:
+        """Attach, HELLO, serve until a stop reason; returns the exit code."""
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self._stopped = loop.create_future()
+        self._health_ready = loop.create_future()
+        self._command_ready = loop.create_future()
+        if self._early_stop is not None:
+            self._stopped.set_result(self._early_stop)
+        if self.health is not None and self.health.sock is not None:
+            self._health_ready.set_result(None)  # attached before the loop existed
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop, 0, f"{signal.Signals(sig).name} received")
+        assert self.inner is not None
+        try:
+            await self.inner.start_async()
+            acceptor = loop.create_task(self._accept_commands())
+            try:
+                code_reason = await self._attach()
+            finally:
+                acceptor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await acceptor
+                for proto in list(self.candidates):
+                    if proto is not self.command and proto.transport is not None:
+                        proto.transport.abort()
+            if code_reason is None:
+                # Attached: nobody may connect any more, and a late candidate must be
+                # refused by the kernel, not left waiting in a listen backlog.
+                self._close_listeners()
+                self._send_hello()
+                assert self.health is not None
+                self.health.beat_event.set()
+                log.info("worker %d: session %d attached", self.worker_id, self.session_id)
+                code, reason = await self._stopped
+            else:
+                code, reason = code_reason
+            log.info("worker %d: session ends (exit %d): %s", self.worker_id, code, reason)
+            return code
+        finally:
+            await self._shutdown()
+
+    async def _attach(self) -> tuple[int, str] | None:
+        """None once both lanes are attached; else the (code, reason) to exit with."""
+        assert self._stopped is not None
+        assert self._command_ready is not None and self._health_ready is not None
+        waiting = {self._command_ready, self._health_ready}
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if self._stopped.done():
+                return self._stopped.result()
+            if all(f.done() for f in waiting):
+                return None
+            if remaining <= 0:
+                missing = [
+                    name
+                    for name, f in (
+                        ("command", self._command_ready),
+                        ("health", self._health_ready),
+                    )
+                    if not f.done()
+                ]
+                return (1, f"attach deadline missed: no {' and '.join(missing)} lane attached")
+            futs: list[asyncio.Future[Any]] = [self._stopped, *waiting]
+            await asyncio.wait(
+                [f for f in futs if not f.done()],
+                timeout=remaining,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+
+    async def _accept_commands(self) -> None:
+        loop = asyncio.get_running_loop()
+        listener = self.command_listener
+        assert listener is not None
+        listener.setblocking(False)
+        pending: set[asyncio.Task[Any]] = set()
+        try:
+            while True:
+                conn, _ = await loop.sock_accept(listener)
+                try:
+                    tune_socket(conn, self.manifest.session_timeout_s)
+                except OSError as exc:
+                    log.warning("command lane: dropped a candidate connection: %s", exc)
+                    conn.close()
+                    continue
+                t = loop.create_task(self._start_candidate(conn))
+                pending.add(t)
+                t.add_done_callback(pending.discard)
+        finally:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _start_candidate(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(
+                lambda: CommandProtocol(self),
+                conn,
+                ssl=self.tls,
+                ssl_handshake_timeout=(
+                    max(0.1, self.deadline - time.monotonic()) if self.tls is not None else None
+                ),
+            )
+        except (OSError, ssl.SSLError, TimeoutError) as exc:
+            log.warning("command lane: dropped a candidate connection: %s", exc)
+            conn.close()
+
+    def _send_hello(self) -> None:
+        hello = Hello(
+            session_id=self.session_id,
+            worker_id=self.worker_id,
+            protocol_version=PROTOCOL_VERSION,
+            features=0,
+            ready=True,
+            host=self.host[:1024],
+            pid=os.getpid(),
+        )
+        self._write(encode_frame(FrameType.HELLO, self.session_id, self.worker_id, 0, hello))
+
+    def _write(self, data: bytes) -> None:
+        proto = self.command
+        if proto is not None and proto.transport is not None and not proto.transport.is_closing():
+            proto.transport.write(data)
+
+    def frames_received(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            if frame.sequence != self._next_seq:
+                self.stop(
+                    1,
+                    f"protocol error on the command lane: {frame.type.name} frame has sequence "
+                    f"{frame.sequence}, expected {self._next_seq}",
+                )
+                return
+            self._next_seq += 1
+            self._queue.append(frame)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Start the next request unless one is in flight (strictly one at a time)."""
+        while not self._busy and self._queue:
+            if self._stopped is None or self._stopped.done():
+                return
+            frame = self._queue.popleft()
+            if frame.type is FrameType.SHUTDOWN:
+                self.stop(0, "SHUTDOWN received")
+                return
+            payload = frame.payload
+            if (
+                frame.type is FrameType.CONTROL
+                and isinstance(payload, Control)
+                and (payload.name in IMMEDIATE_CONTROLS or payload.name not in CONTROL_BODIES)
+            ):
+                # Buffer controls never wait: answer from the read callback, no task hop.
+                try:
+                    self._write(self._control_now(frame.sequence, payload))
+                except Exception as exc:  # a runner bug: end the session, never hang it
+                    log.exception("worker %d: request %d failed", self.worker_id, frame.sequence)
+                    self.stop(1, f"internal error handling sequence {frame.sequence}: {exc!r}")
+                    return
+                continue
+            self._busy = True
+            assert self.loop is not None
+            self._current = self.loop.create_task(self._handle(frame))
+
+    async def _handle(self, frame: Frame) -> None:
+        try:
+            if frame.type is FrameType.TASK:
+                assert isinstance(frame.payload, Task)
+                reply = await self._run_task(frame.sequence, frame.payload)
+                data = encode_frame(
+                    FrameType.COMPLETION, self.session_id, self.worker_id, frame.sequence, reply
+                )
+            else:
+                assert isinstance(frame.payload, Control)
+                data = await self._control(frame.sequence, frame.payload)
+            self._write(data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a runner bug: end the session rather than hang the parent
+            log.exception("worker %d: request %d failed", self.worker_id, frame.sequence)
+            self.stop(1, f"internal error handling sequence {frame.sequence}: {exc!r}")
+        finally:
+            self._busy = False
+            self._current = None
+        self._pump()
+        if not self._busy and not self._queue:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Spin briefly on the command socket after a reply: a parent that sends its next
+        request at once then finds this loop awake instead of paying the wake-up of a
+        parked process (the same spin-then-park as the mailbox children)."""
+        proto = self.command
+        transport = proto.transport if proto is not None else None
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or self.linger_s <= 0:
+            return
+        poller = self._linger_poll
+        if poller is None:
+            poller = self._linger_poll = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+        until = time.perf_counter() + self.linger_s
+        while time.perf_counter() < until:
+            if poller.poll(0):  # releases the GIL: the health thread is never held up
+                return
+
+    def _control_now(self, seq: int, ctl: Control) -> bytes:
+        assert self.controls is not None
+        try:
+            result = self.controls.handle_now(ctl.name, ctl.version, ctl.body)
+            code, text = E_OK, ""
+        except ControlFailure as f:
+            result, code, text = b"", f.code, f.text
+        return self._control_reply(seq, ctl, code, text, result)
+
+    async def _control(self, seq: int, ctl: Control) -> bytes:
+        assert self.controls is not None
+        try:
+            result = await self.controls.handle(ctl.name, ctl.version, ctl.body)
+            code, text = E_OK, ""
+        except ControlFailure as f:
+            result, code, text = b"", f.code, f.text
+        return self._control_reply(seq, ctl, code, text, result)
+
+    def _control_reply(self, seq: int, ctl: Control, code: int, text: str, result: bytes) -> bytes:
+        reply = ControlReply(
+            name=ctl.name,
+            version=ctl.version,
+            error_code=code,
+            error_text=clip_text(text),
+            result=result,
+        )
+        try:
+            return encode_frame(
+                FrameType.CONTROL_REPLY, self.session_id, self.worker_id, seq, reply
+            )
+        except ProtocolError as exc:
+            reply = ControlReply(
+                name=ctl.name,
+                version=ctl.version,
+                error_code=E_CONTROL_FAILED,
+                error_text=clip_text(f"cannot reply to {ctl.name!r}: {exc}"),
+            )
+            return encode_frame(
+                FrameType.CONTROL_REPLY, self.session_id, self.worker_id, seq, reply
+            )
+
+    async def _run_task(self, seq: int, task: Task) -> Completion:
+        controls = self.controls
+        inner = self.inner
+        assert controls is not None and inner is not None
+        controls.counters.tasks += 1
+        hashid = hashid_of_digest(task.digest)
+        where = f"remote worker {self.worker_id} (host {self.host})"
+        fn = controls.resolve(task.digest)
+        if fn is None:
+            controls.counters.tasks_failed += 1
+            return Completion(
+                error_code=E_UNKNOWN_CALLABLE,
+                error_text=clip_text(
+                    f"callable hash {hashid} not registered on worker {self.worker_id} "
+                    f"(host {self.host})"
+                ),
+            )
+        ident = f"hashid={hashid}, sequence={seq}"
+        try:
+            c = task.config
+            config = CallConfig(
+                c.deadline_ms, c.threads, c.enable_profile, c.enable_dump_args, c.output_prefix
+            )
+            args = controls.task_args(task.tensors, task.scalars)
+        except (BadTaskArgs, ValueError) as exc:
+            controls.counters.tasks_failed += 1
+            return Completion(
+                error_code=E_BAD_ARGS,
+                error_text=clip_text(f"{where} cannot run {ident}: {exc}"),
+            )
+        try:
+            handle = await inner.submit_async(fn, args, config)
+            timeout = config.deadline_ms / 1000.0 if config.deadline_ms else None
+            try:
+                await handle.wait_async(timeout)
+            except TimeoutError:
+                if handle.done():
+                    raise  # the orchestration itself raised TimeoutError
+                # Cancel, and let running tasks finish (bounded) before replying, so
+                # the next request does not race the cancelled run's writes.
+                inner.cancel(handle)
+                with contextlib.suppress(Exception):
+                    await handle.wait_async(self.close_budget())
+                state = "cancelled" if handle.done() else "cancelled, still stopping"
+                controls.counters.tasks_failed += 1
+                return Completion(
+                    error_code=E_DEADLINE,
+                    error_text=clip_text(
+                        f"{where} run exceeded its deadline: {ident}: "
+                        f"deadline_ms={config.deadline_ms}; the run was {state}"
+                    ),
+                )
+        except TaskError as exc:
+            controls.counters.tasks_failed += 1
+            first = str(exc).split("\n", 1)[0]
+            return Completion(
+                error_code=E_TASK_FAILED,
+                error_text=clip_text(f"{where} run failed: {ident}: {first}"),
+                traceback=clip_text(exc.remote_text or format_exception(exc)),
+            )
+        except Exception as exc:
+            controls.counters.tasks_failed += 1
+            return Completion(
+                error_code=E_TASK_FAILED,
+                error_text=clip_text(f"{where} run failed: {ident}: {type(exc).__name__}: {exc}"),
+                traceback=clip_text(format_exception(exc)),
+            )
+        finally:
+            controls.task_done()
+        return Completion(error_code=E_OK, error_text="")
+
+    async def _shutdown(self) -> None:
+        current = self._current
+        if current is not None:
+            current.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await current
+        if self.command is not None and self.command.transport is not None:
+            self.command.transport.abort()
+        if self.inner is not None:
+            await self.inner.close_async(self.close_budget())
+
+    # -- teardown (synchronous, after the loop) -------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the health thread, close listeners and the inner worker (idempotent)."""
+        if self.health is not None:
+            self.health.stop_event.set()
+            self.health.beat_event.set()
+            if self.health.is_alive():
+                self.health.join(timeout=HEALTH_INTERVAL_S * 5 + HEALTH_CANDIDATE_S)
+        self._close_listeners()
+        if self.inner is not None:
+            self.inner.close()
+
+    def _close_listeners(self) -> None:
+        for sock in (self.command_listener, self.health_listener):
+            if sock is not None:
+                sock.close()
+        self.command_listener = self.health_listener = None
+
+
+def _write_ready(fd: int, reply: HandshakeReply) -> None:
+    """Write the one ready line and close the fd (a vanished reader is not our problem)."""
+    try:
+        data = msgspec.json.encode(reply) + b"\n"
+        while data:
+            n = os.write(fd, data)
+            data = data[n:]
+    except OSError as exc:
+        log.error("cannot write the ready line: %s", exc)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def run(spec_path: str, ready_fd: int) -> int:
+    """The whole session; returns the exit code."""
+    try:
+        with open(spec_path, "rb") as f:
+            spec = msgspec.json.decode(f.read(), type=RunnerSpec, strict=True)
+    except (OSError, msgspec.MsgspecError) as exc:
+        _write_ready(
+            ready_fd,
+            HandshakeReply(ok=False, error=f"cannot start session: spec {spec_path}: {exc}"),
+        )
+        return 1
+    # Take the deadline first: everything after counts against it.
+    deadline = time.monotonic() + (spec.deadline_unix - time.time())
+    _mb.set_pdeathsig(signal.SIGTERM)
+    for entry in spec.python_path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    runner = SessionRunner(spec, deadline)
+    try:
+        try:
+            command, health = runner.bring_up()
+        except StartFailure as exc:
+            log.error("worker %d: %s", runner.worker_id, exc)
+            _write_ready(ready_fd, HandshakeReply(ok=False, error=clip_text(str(exc))))
+            return 1
+        _write_ready(
+            ready_fd, HandshakeReply(ok=True, command=command, health=health, pid=os.getpid())
+        )
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        try:
+            return loop.run_until_complete(runner.serve())
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            runner.loop = None
+            loop.close()
+    finally:
+        runner.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="simpler-remote-l3-session",
+        description="One remote L3 session (started by simpler-remote-worker, not by hand).",
+    )
+    parser.add_argument("--spec", required=True, help="JSON spec file written by the worker")
+    parser.add_argument("--ready-fd", type=int, required=True, help="fd for the ready line")
+    ns = parser.parse_args(argv)
+    faulthandler.enable()
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"simpler-remote-l3-session[{os.getpid()}] %(levelname)s %(message)s",
+    )
+    sys.exit(run(ns.spec, ns.ready_fd))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,519 @@
+"""Completion handling for the Scheduler: what happens when a task or a run ends.
+
+A completion releases the slot's consumers (or fails them, recursively, when
+the slot failed), unpins the buffers the slot captured, and retires the run
+once nothing of it is left::
+
+    completion  ->  COMPLETED: consumers' deps -1 (ready ones are routed)
+                    FAILED:    consumers SKIPPED, first failure recorded
+                ->  run has nothing left and its orchestration returned
+                    ->  COMPLETED | FAILED, lease released, done callbacks
+
+A cancelled run whose tasks are still running leaves admission at once
+(``detached``): later runs are admitted and dispatched on idle workers while the
+running tasks keep only their own workers; the run turns terminal when they end.
+
+This module holds the Scheduler's shared state (queues, admission, counters);
+``progress.py`` adds the coroutine, ``scheduler.py`` the dispatch rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
+from simpler_daemon.endpoints.local import LocalMailboxEndpoint
+from simpler_daemon.errors import RunCancelled
+from simpler_daemon.scheduler.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS, FairAdmission
+from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
+from simpler_daemon.scheduler.runmodel import (
+    RETIRED_RUN,
+    Admission,
+    FailureInfo,
+    Run,
+    RunState,
+    SlotState,
+    TaskKind,
+    TaskSlot,
+)
+from simpler_daemon.scheduler.sink import SubmitSink
+from simpler_daemon.scheduler.spingate import SpinGate
+
+#: The longest error text an orchestration failure keeps (a run's status carries it to
+#: clients, and the daemon keeps it with the finished run).
+MAX_ORCH_ERROR_CHARS: Final = 65536
+
+if TYPE_CHECKING:
+    from simpler_daemon.callables import CallableRegistry
+    from simpler_daemon.heap import Heap
+    from simpler_daemon.mailbox.doorbell import Doorbell
+
+
+class RunCompletion(SubmitSink):
+    """The Scheduler's state, its queues, and what happens when tasks and runs end."""
+
+    def __init__(
+        self,
+        manager: WorkerManager,
+        registry: CallableRegistry,
+        heap: Heap,
+        doorbell: Doorbell,
+        *,
+        pipeline_depth: int = 2,
+        spin_s: float = 0.0002,
+        admission: str = "fifo",
+        max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
+    ) -> None:
+        if admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"cannot create the scheduler: admission {admission!r} is not one of "
+                f"{', '.join(ADMISSION_POLICIES)}"
+            )
+        self.manager = manager
+        #: At level 4 a NEXT_LEVEL task is an L3 orchestration function run by the child.
+        self.next_level_orchestrations = False
+        self.registry = registry
+        self.heap = heap
+        self.doorbell = doorbell
+        #: The admission policy, ``"fifo"`` or ``"fair"`` (see fair.py).
+        self.admission_policy = admission
+        #: The fair admission (``None`` under fifo): every active run dispatches.
+        self.fair: FairAdmission | None = None
+        if admission == "fair":
+            self.fair = FairAdmission(pipeline_depth, max_active_runs)
+            self.admission: Admission = self.fair
+        else:
+            self.admission = Admission(pipeline_depth)
+        self.spin_s = spin_s
+        # Queues, partitioned by run id.
+        self.singles: dict[int, dict[int, deque[TaskSlot]]] = {}
+        self.groups: dict[int, deque[TaskSlot]] = {}
+        self.subs: dict[int, deque[TaskSlot]] = {}
+        self.completions: list[WorkerCompletion] = []
+        self._slot_ids = 0
+        self._stopped = False
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stall_since: float | None = None
+        self._stall_warned = False
+        self._in_round = False
+        self._poked = False
+        #: Spin or park while tasks are in flight (spingate.py): fed by every completion.
+        self.spin_gate = SpinGate(spin_s)
+        self._suspect: set[WorkerThread] = set()
+        #: Dispatches of other runs staged on a chip whose child ``terminate`` killed: they
+        #: never started, so they go back to their queue (by ``id``) instead of failing.
+        self._withdrawn: dict[int, WorkerDispatch] = {}
+        #: Called once for a lane whose child died and whose frames are all terminal.
+        self.on_lane_dead: Callable[[WorkerThread], None] | None = None
+        #: Dead SUB lanes come back (a fork server replaces them): queued SUB tasks wait.
+        self.replaces_dead_subs = False
+        self.on_admit: Callable[[Run], None] | None = None
+        self.on_task_event: Callable[[TaskSlot, str, WorkerCompletion | None], None] | None = None
+        self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "rounds": 0, "parks": 0}
+        #: Every lane, and those whose completions do not bump the doorbell word (remote
+        #: sessions); the Scheduler fills both once the manager started.
+        self._lanes: list[WorkerThread] = []
+        self._quiet_lanes: list[WorkerThread] = []
+
+    def wake(self) -> None:
+        """Wake a parked or spinning coroutine (same thread)."""
+        self._poked = True
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- SubmitSink ------------------------------------------------------------------------------
+
+    def next_slot_id(self) -> int:
+        self._slot_ids += 1
+        return self._slot_ids
+
+    def fail_at_submit(self, slot: TaskSlot, producer: TaskSlot) -> None:
+        failure = FailureInfo(
+            Outcome.SKIPPED,
+            f"producer task {producer.index} ({producer.handle.name}) failed before submit",
+        )
+        self._fail_slot(slot, failure, record=False)
+        self._maybe_finish_run(slot.run)
+
+    # -- runs --------------------------------------------------------------------------------------
+
+    def submit_run(self, run: Run) -> list[Run]:
+        """Queue a run for admission; returns the runs admitted now."""
+        admitted = self.admission.enqueue(run)
+        self._promoted(admitted)
+        return admitted
+
+    def finish_building(self, run: Run) -> None:
+        """The orchestration function returned: the run can complete once its slots retire."""
+        run.building = False
+        if run.state == RunState.BUILDING:
+            run.state = RunState.PREPARED
+        self._maybe_finish_run(run)
+        self.wake()
+
+    def fail_building(self, run: Run, exc: BaseException) -> None:
+        text = f"orchestration raised {type(exc).__name__}: {exc}"
+        if len(text) > MAX_ORCH_ERROR_CHARS:  # as a SUB task's error text is bounded
+            cut = len(text) - MAX_ORCH_ERROR_CHARS
+            text = f"{text[:MAX_ORCH_ERROR_CHARS]}... ({cut} more characters cut)"
+        run.record_error(None, FailureInfo(Outcome.TASK_FAILURE, text))
+        self.cancel(run, record=False)
+        self.finish_building(run)
+
+    def cancel(self, run: Run, *, record: bool = True) -> None:
+        """Claim every unstarted slot FAILED; running tasks finish.
+
+        A run left with running tasks leaves admission at once (``Admission.detach``):
+        later runs proceed on the idle workers, its tasks keep only their own workers,
+        and it turns terminal when they end (their results change nothing: the run has
+        failed already). Its error is recorded first, so nothing more can be submitted.
+        """
+        if run.terminal:
+            return
+        run.cancelled = True
+        if record:
+            run.record_error(None, FailureInfo(Outcome.SKIPPED, "run cancelled"))
+        for slot in run.slots:
+            if slot.state in (SlotState.PENDING, SlotState.READY) and slot.members_started == 0:
+                self._fail_slot(slot, FailureInfo(Outcome.SKIPPED, "run cancelled"), record=False)
+        self._drop_partitions(run.run_id)
+        self._maybe_finish_run(run)
+        if not run.terminal:
+            self._promoted(self.admission.detach(run))
+        self.wake()
+
+    def terminate(self, run: Run, reason: str = "") -> int:
+        """Stop the tasks of cancelled ``run`` that are running on local children (SUB,
+        chip, nested L3): each child's process group is SIGKILLed now, the replacement path
+        forks a new one, and the task ends CANCELLED (``run N cancelled (terminate): task
+        stopped on sub worker 0 (pid P)``). Returns how many tasks were stopped.
+
+        Call it after ``cancel(run)`` (nothing new starts then). Tasks on remote lanes run
+        to their end: the remote worker is not ours to kill. A task of ``run`` only staged
+        behind another run's task on a chip is not stopped (its kill would stop the other
+        run's task); it runs when that one ends, as after a plain cancel. A task of another
+        run staged behind a stopped one on the same chip never started: it is queued
+        again and runs on the replacement."""
+        if run.terminal:
+            return 0
+        if not run.cancelled:
+            raise ValueError(f"cannot terminate run {run.run_id}: cancel it first")
+        why = f"run {run.run_id} cancelled (terminate)" + (f": {reason}" if reason else "")
+        stopped = 0
+        first: tuple[WorkerThread, WorkerDispatch, str] | None = None
+        for lane in self._lanes:
+            ep = lane.endpoint
+            if not isinstance(ep, LocalMailboxEndpoint):
+                continue  # a remote lane: its tasks run to their end
+            active, staged = lane.active, lane.staged
+            killed = False
+            for d in (active, staged):
+                if d is None or d.task_slot.run is not run:
+                    continue
+                if d is staged and active is not None and active.task_slot.run is not run:
+                    continue  # staged behind another run's running task: leave that alone
+                text = f"run {run.run_id} cancelled (terminate): task stopped on {ep.who()}"
+                if ep.terminate(d, text, why):
+                    stopped += 1
+                    killed = True
+                    if first is None:
+                        first = (lane, d, text)
+            if killed and staged is not None and staged.task_slot.run is not run:
+                self._withdrawn[id(staged)] = staged
+        if first is not None:
+            self._name_stopped_task(run, *first)
+        if stopped:
+            self.wake()
+        return stopped
+
+    @staticmethod
+    def _name_stopped_task(run: Run, lane: WorkerThread, d: WorkerDispatch, text: str) -> None:
+        """The run's error (the cancel's, ``runs.cancelled_error``: no task named yet)
+        names the first task ``terminate`` stopped: where it ran and how it ended, as a
+        failed task's error does."""
+        err = run.error
+        if not isinstance(err, RunCancelled) or err.worker_id is not None:
+            return  # a task failure came first, or a task is named already
+        if err.outcome != Outcome.CANCELLED.name:
+            return  # not a cancel's error (e.g. the daemon's own text): left as it is
+        slot = d.task_slot
+        ep = lane.endpoint
+        child = getattr(ep, "child", None)
+        where = ep.who() if isinstance(ep, LocalMailboxEndpoint) else f"worker {lane.worker_id}"
+        run.error = RunCancelled(
+            f"{err}; task {slot.index} ({slot.kind.name} {slot.handle.name}, hashid "
+            f"{slot.hashid}) stopped on {where}, dispatch {d.dispatch_id}: "
+            f"{Outcome.CANCELLED.name}: {text}",
+            run_id=run.run_id,
+            worker_id=lane.worker_id,
+            hashid=slot.hashid,
+            dispatch_id=d.dispatch_id,
+            outcome=Outcome.CANCELLED.name,
+            remote_text=f"{err.remote_text}; {text}",
+            pid=getattr(child, "pid", None),
+        )
+
+    def _maybe_finish_run(self, run: Run) -> None:
+        if run.remaining or run.building or run.terminal:
+            return
+        run.state = RunState.FAILED if run.error is not None else RunState.COMPLETED
+        self._drop_partitions(run.run_id)
+        self._promoted(self.admission.release(run))
+        self.release_run_memory(run)
+        run.emit("run")
+        run.fire_done()
+        # Break the run <-> slot cycle so a finished run is freed by reference
+        # counting: cyclic garbage per run would trigger the cyclic GC every few
+        # dozen runs, and its pauses dominate the latency tail.
+        for slot in run.slots:
+            slot.run = RETIRED_RUN
+
+    def drop_unadmitted(self, run: Run) -> None:
+        """A run cancelled before admission: it never ran and is FAILED now."""
+        self.admission.release(run)
+        run.building = False
+        run.state = RunState.FAILED
+        self.release_run_memory(run)
+        run.fire_done()
+
+    def release_run_memory(self, run: Run) -> None:
+        """A terminal run lets go of what it held: the buffers its args referenced
+        (pinned at submit), the buffers it allocated (``Orchestrator.alloc``; each is
+        reused once the tasks that captured it retired), and its orchestration function
+        and args (a handle kept by the caller must not keep them alive)."""
+        run.orch = None
+        scopes, run.scopes = run.scopes, [[]]
+        for scope in scopes:
+            for buffer_id in scope:
+                self.heap.free_owned(buffer_id)
+        pins, run.pins = run.pins, []
+        for key in pins:
+            self._unpin_key(key)
+
+    def _promoted(self, admitted: list[Run]) -> None:
+        if self.on_admit is not None:
+            for run in admitted:
+                self.on_admit(run)
+
+    def _drop_partitions(self, run_id: int) -> None:
+        for per_worker in self.singles.values():
+            per_worker.pop(run_id, None)
+        self.groups.pop(run_id, None)
+        self.subs.pop(run_id, None)
+
+    # -- queues ------------------------------------------------------------------------------------
+
+    def enqueue_ready(self, slot: TaskSlot) -> None:
+        """The one router for fresh submits, dependency releases and requeues."""
+        run = slot.run
+        if run.terminal:
+            return
+        kind = slot.kind
+        if kind is TaskKind.SUB or kind is TaskKind.SUB_GROUP:
+            q = self.subs.get(run.run_id)
+            if q is None:
+                q = self.subs[run.run_id] = deque()
+            q.append(slot)
+        elif kind is TaskKind.NEXT_LEVEL:
+            per = self.singles.setdefault(slot.targets[0], {})
+            per.setdefault(run.run_id, deque()).append(slot)
+        else:
+            self.groups.setdefault(run.run_id, deque()).append(slot)
+
+    def queued(self) -> int:
+        n = sum(len(q) for q in self.subs.values()) + sum(len(q) for q in self.groups.values())
+        return n + sum(len(q) for per in self.singles.values() for q in per.values())
+
+    # -- completions ------------------------------------------------------------------------------------
+
+    def _handle_completion(self, c: WorkerCompletion) -> None:
+        slot: TaskSlot = c.dispatch.task_slot
+        run = slot.run
+        if run is RETIRED_RUN:
+            return  # a run force-finished by close(); nothing is waiting for this slot
+        if (
+            self._withdrawn
+            and self._withdrawn.pop(id(c.dispatch), None) is c.dispatch
+            and not run.cancelled
+            and slot.state == SlotState.RUNNING
+        ):
+            self._requeue_staged(slot, c)
+            return
+        if c.dispatch.issued_at:
+            # Dispatch-to-completion latency: decides whether spinning pays (spingate.py).
+            self.spin_gate.observe(c.dispatch.issued_at, time.monotonic())
+        if c.outcome is Outcome.SUCCESS:
+            self.stats["completed"] += 1
+        else:
+            self.stats["failed"] += 1
+            if c.outcome is Outcome.ENDPOINT_FAILURE or c.outcome is Outcome.CANCELLED:
+                lane = self._lane_of(c)
+                if lane is not None:
+                    self._suspect.add(lane)
+            if slot.failure is None:
+                ep = getattr(self._lane_of(c), "endpoint", None)
+                child = getattr(ep, "child", None)
+                label = "sub worker" if c.worker_type is WorkerType.SUB else "worker"
+                slot.failure = FailureInfo(
+                    c.outcome,
+                    c.message,
+                    c.worker_id,
+                    c.dispatch.dispatch_id,
+                    getattr(child, "pid", None),
+                    f"{label} {c.worker_id}",
+                )
+        if self.on_task_event is not None:
+            self.on_task_event(slot, "completed", c)
+        if slot.is_group:
+            slot.members_done += 1
+            if slot.members_done < slot.members_started:
+                return
+        run.counts["running"] -= 1
+        if slot.failure is None:
+            self._complete_slot(slot)
+        else:
+            failure = slot.failure
+            slot.failure = None
+            self._fail_slot(slot, failure, running=True)
+        self._maybe_finish_run(run)
+
+    # -- the SUB fast loop's bulk bookkeeping (subpump.py) ------------------------------------
+
+    def _claim_published(self, published: list[TaskSlot]) -> None:
+        """What ``_send`` does per dispatch, for the slots the pump published (one run)."""
+        run = published[0].run
+        running = SlotState.RUNNING
+        for slot in published:
+            slot.state = running
+            slot.members_started = 1
+        k = len(published)
+        run.counts["running"] += k
+        self.stats["dispatched"] += k
+        if self.fair is not None:
+            self.fair.charge(run, k)  # k single charges in a row add up to this one
+        event = self.on_task_event
+        if event is not None:
+            for slot in published:
+                event(slot, "dispatched", None)
+        published.clear()
+
+    def _complete_pumped(self, lane: WorkerThread, done: list[Any]) -> None:
+        """``_handle_completion`` of a SUCCESS, for the tasks the pump completed on
+        ``lane`` (a slot, or (slot, msgpack bytes) when it returned a value)."""
+        event = self.on_task_event
+        self.stats["completed"] += len(done)
+        for item in done:
+            if type(item) is tuple:
+                slot, data = item
+                slot.set_result(0, data)
+            else:
+                slot = item
+            run = slot.run
+            if run is RETIRED_RUN:
+                self.stats["completed"] -= 1
+                continue  # force-finished by close(); nothing waits for it
+            if event is not None:
+                c = WorkerCompletion(
+                    WorkerDispatch(slot, 0), lane.worker_id, WorkerType.SUB, Outcome.SUCCESS
+                )
+                event(slot, "completed", c)
+            run.counts["running"] -= 1
+            failure = slot.failure
+            if failure is not None:
+                # The listener failed it (the daemon's limits.max_run_result_bytes):
+                # what _handle_completion does with a failure it set.
+                slot.failure = None
+                self._fail_slot(slot, failure, running=True)
+                self._maybe_finish_run(run)
+                continue
+            self._complete_slot(slot)
+            if not run.remaining:
+                self._maybe_finish_run(run)
+
+    def _requeue_staged(self, slot: TaskSlot, c: WorkerCompletion) -> None:
+        """A staged single that never started goes back to the head of its run's queue
+        for its chip (it was the first there), to run on the replacement child."""
+        run = slot.run
+        slot.state = SlotState.READY
+        slot.members_started = 0
+        run.counts["running"] -= 1
+        run.staged_one = False
+        if self.on_task_event is not None:
+            self.on_task_event(slot, "requeued", c)
+        per = self.singles.setdefault(slot.targets[0], {})
+        per.setdefault(run.run_id, deque()).appendleft(slot)
+        self.wake()
+
+    def _lane_of(self, c: WorkerCompletion) -> WorkerThread | None:
+        return self.manager.get_worker_by_id(c.worker_type, c.worker_id)
+
+    def _complete_slot(self, slot: TaskSlot) -> None:
+        slot.state = SlotState.COMPLETED
+        run = slot.run
+        run.remaining -= 1
+        run.counts["done"] += 1
+        if slot.pins:
+            self._unpin(slot)
+        consumers = slot.consumers
+        if consumers:
+            for consumer in consumers:
+                consumer.deps -= 1
+                if consumer.deps == 0 and consumer.state == SlotState.PENDING:
+                    consumer.state = SlotState.READY
+                    self.enqueue_ready(consumer)
+            slot.consumers = []
+        if run.listeners:
+            run.emit("task", slot)
+
+    def _fail_slot(
+        self, slot: TaskSlot, failure: FailureInfo, *, record: bool = True, running: bool = False
+    ) -> None:
+        """Fail a slot and, recursively, every consumer that has not started."""
+        stack = [(slot, failure)]
+        first = True
+        while stack:
+            s, f = stack.pop()
+            if s.state in (SlotState.COMPLETED, SlotState.FAILED):
+                continue
+            if (not running or not first) and s.state == SlotState.RUNNING:
+                continue
+            s.state = SlotState.FAILED
+            s.failure = f
+            run = s.run
+            run.remaining -= 1
+            run.counts["failed" if first else "skipped"] += 1
+            if first and record:
+                run.record_error(s, f)
+            self._unpin(s)
+            run.emit("task", s)
+            for consumer in s.consumers:
+                if consumer.state in (SlotState.PENDING, SlotState.READY):
+                    stack.append(
+                        (
+                            consumer,
+                            FailureInfo(
+                                Outcome.SKIPPED, f"producer task {s.index} ({s.handle.name}) failed"
+                            ),
+                        )
+                    )
+            s.consumers = []
+            first = False
+
+    def _unpin(self, slot: TaskSlot) -> None:
+        if slot.pins:
+            for b in slot.pins:
+                self._unpin_key(b)
+            slot.pins = []
+
+    def _unpin_key(self, key: Any) -> None:
+        if isinstance(key, int):
+            self.heap.unpin(key)
+        elif self.remote is not None:  # (owner, buffer id, generation)
+            self.remote.unpin(key)

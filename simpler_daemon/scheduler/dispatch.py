@@ -1,0 +1,769 @@
+"""The Scheduler: the single owner of endpoint progress, as one coroutine.
+
+Each round (the SUB lanes of the run that may dispatch go through the C fast loop of
+``subpump.py``: poll, complete and publish in one call, then bulk bookkeeping)::
+
+    progress every busy lane  ->  drain completions  ->  dispatch
+                                   (release consumers,    (promote staged of the head run,
+                                    poison on failure,     stage one single of the successor,
+                                    retire runs)           group head all-or-nothing,
+                                                           singles on their exact target,
+                                                           SUB tasks on idle SUB workers)
+
+The parts, one concept per module: ``completion.py`` (state, queues, what
+happens when tasks and runs end), ``progress.py`` (the coroutine, wake-ups,
+dead lanes) and this module (the dispatch rules and one round).
+
+Under ``fifo`` admission only the partition of the run at the head of admission
+is dispatched; under ``fair`` every admitted run's partition is, each idle
+worker going to the run with the least stride pass (``fair.py``). A late
+enqueue for a terminal run is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from simpler_daemon.callables import CallableHandle, CallableRegistry
+from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
+from simpler_daemon.scheduler.fair import DEFAULT_MAX_ACTIVE_RUNS
+from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread
+from simpler_daemon.scheduler.progress import ProgressLoop
+from simpler_daemon.scheduler.runmodel import FailureInfo, Run, SlotState, TaskKind, TaskSlot
+from simpler_daemon.scheduler.subpump import SubPump
+
+if TYPE_CHECKING:
+    from simpler_daemon.heap import Heap
+    from simpler_daemon.mailbox.doorbell import Doorbell
+    from simpler_daemon.scheduler.fair import FairAdmission
+
+__all__ = ["STALL_WARNING_S", "SUBMIT_BATCH", "Scheduler"]
+
+log = logging.getLogger("simpler_daemon.scheduler")
+
+#: A group head blocked this long while a reserved target idles with queued singles warns.
+STALL_WARNING_S = 5.0
+#: While an orchestration submits SUB tasks and no SUB worker is idle, a round runs
+#: once per this many submits, not per submit (a one-task run still starts at once):
+#: the rest is dispatched in bulk once the orchestration yields.
+SUBMIT_BATCH = 32
+#: A SUB submit that sees a finished child runs a round only this long after the last
+#: one: a slow orchestration keeps its workers busy, a fast one is not slowed.
+ROUND_GAP_S = 0.0002
+
+
+class Scheduler(ProgressLoop):
+    """Dispatch rules over the queues of :class:`RunCompletion`, driven by
+    :class:`ProgressLoop`."""
+
+    def __init__(
+        self,
+        manager: WorkerManager,
+        registry: CallableRegistry,
+        heap: Heap,
+        doorbell: Doorbell,
+        *,
+        pipeline_depth: int = 2,
+        spin_s: float = 0.0002,
+        admission: str = "fifo",
+        max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
+    ) -> None:
+        super().__init__(
+            manager,
+            registry,
+            heap,
+            doorbell,
+            pipeline_depth=pipeline_depth,
+            spin_s=spin_s,
+            admission=admission,
+            max_active_runs=max_active_runs,
+        )
+        manager.start(self._on_complete, self._on_accept, self._on_staged)
+        self._lanes = manager.lanes
+        #: Lanes whose completions do not bump the doorbell word (remote sessions).
+        self._quiet_lanes = [ln for ln in self._lanes if not ln.endpoint.caps.signals_doorbell]
+        #: Digests of SUB callables being reloaded (count of reloads in progress): their
+        #: tasks stay queued until every child runs the new code (``holding``).
+        self._held: Counter[bytes] = Counter()
+        #: The SUB fast loop (``subpump.py``): the per-task path of SUB lanes, in C.
+        self._pump = SubPump()
+        #: SUB submits since the last round (``SUBMIT_BATCH``).
+        self._unrounded = 0
+        self._round_seen = -1  # the doorbell's completion word when the last round began
+        self._round_at = 0.0  # and when (time.monotonic())
+        #: Whether this round's pump may wait for children (not inside a submit: the
+        #: orchestration goes on submitting meanwhile).
+        self._pump_spin = True
+
+    @contextlib.contextmanager
+    def holding(self, digest: bytes) -> Iterator[None]:
+        """Inside this block no SUB task of the callable with ``digest`` is dispatched: a
+        reload runs on every child, and a task dispatched meanwhile could run the old code
+        on one child and the new on another. Queued tasks keep their place (a run's SUB
+        queue waits behind its held head) and dispatch once the block ends."""
+        self._held[digest] += 1
+        try:
+            yield
+        finally:
+            self._held[digest] -= 1
+            if self._held[digest] <= 0:
+                del self._held[digest]
+            self.wake()
+
+    # -- SubmitSink ------------------------------------------------------------------------------
+
+    def validate_handle(self, handle: Any, role: str, api: str) -> CallableHandle:
+        if not isinstance(handle, CallableHandle):
+            raise TypeError(
+                f"cannot {api}: expected a CallableHandle returned by Worker.register, "
+                f"got {type(handle).__name__} {handle!r}"
+            )
+        entry = self.registry.lookup(handle.hashid)
+        if entry is None or entry.state != "active":
+            raise ValueError(
+                f"cannot {api}: callable {handle.name} ({handle.hashid}) is not registered"
+            )
+        if role == "sub" and handle.role != "sub":
+            raise ValueError(
+                f"cannot {api}: {handle.name} is registered as {handle.role}, not as a SUB callable"
+            )
+        if role == "chip" and handle.role == "orchestration" and not self.next_level_orchestrations:
+            raise ValueError(f"cannot {api}: {handle.name} is an orchestration function")
+        return handle
+
+    def validate_targets(self, targets: list[int], api: str) -> None:
+        for w in targets:
+            if w not in self.manager.next_level:
+                known = self.manager.next_level_worker_ids()
+                raise ValueError(
+                    f"cannot {api}: worker={w} is not a registered NEXT_LEVEL worker (known: {known})"
+                )
+
+    def add_slot(self, slot: TaskSlot) -> None:
+        if slot.deps == 0:
+            slot.state = SlotState.READY
+            self.enqueue_ready(slot)
+            # Dispatch right away when the slot's run may dispatch (the head; under fair,
+            # any run): the child starts while the orchestration function still submits.
+            # SUB tasks: while a SUB worker is idle, else once per SUBMIT_BATCH submits (a
+            # round per submit cost more than the task); the rest goes once the orch yields.
+            if not self._in_round and (slot.run is self.admission.head or self.fair is not None):
+                if (
+                    slot.kind is not TaskKind.SUB
+                    or self._unrounded >= SUBMIT_BATCH
+                    or self._sub_idle()
+                    # a child finished since the last round (its lane is free for the
+                    # next task only once a round has seen that), and the last round is
+                    # not so recent that fast submits would pay one round each again
+                    or (
+                        self.doorbell.completed() != self._round_seen
+                        and time.monotonic() - self._round_at > ROUND_GAP_S
+                    )
+                ):
+                    self._pump_spin = False
+                    try:
+                        self.round()
+                    finally:
+                        self._pump_spin = True
+                self._unrounded += 1
+        self.wake()
+
+    def _sub_idle(self) -> bool:
+        # A loop, not any(<generator>): this runs on every SUB submit.
+        for lane in self.manager.sub:  # noqa: SIM110
+            if lane.active is None and lane.idle():
+                return True
+        return False
+
+    # -- lane callbacks -----------------------------------------------------------------------------
+
+    def add_next_level(self, worker_id: int, endpoint: Any) -> WorkerThread:
+        """A NEXT_LEVEL lane joining after start (a remote worker attached at run time)."""
+        lane = self.manager.add_live(
+            worker_id, endpoint, self._on_complete, self._on_accept, self._on_staged
+        )
+        self._lanes = self.manager.lanes
+        if not endpoint.caps.signals_doorbell:
+            self._quiet_lanes.append(lane)
+        return lane
+
+    def _on_complete(self, c: WorkerCompletion) -> None:
+        self.completions.append(c)
+
+    def _on_accept(self, d: WorkerDispatch) -> None:
+        pass
+
+    def _on_staged(self, d: WorkerDispatch, disposition: int) -> None:
+        slot = d.task_slot
+        # An active dispatch passes through FRAME_STAGED too; only a successor is "staged".
+        if self.on_task_event is not None and d.prepare_only:
+            self.on_task_event(slot, "staged", None)
+
+    # -- one round -----------------------------------------------------------------------------------
+
+    def round(self) -> bool:
+        """Progress, drain, dispatch. True when anything happened."""
+        if self._in_round:
+            return False
+        self._in_round = True
+        try:
+            return self._round()
+        finally:
+            self._in_round = False
+
+    def _round(self) -> bool:
+        self.stats["rounds"] += 1
+        self._unrounded = 0
+        self._round_seen = self.doorbell.completed()
+        self._round_at = time.monotonic()
+        q = self._pump_queue() if self.subs and not self._held else None
+        if q:
+            pump = self._pump
+            for lane in self._lanes:
+                if lane.inflight and not pump.owns(lane):
+                    lane.progress()
+            pump.select(self.manager.sub)
+            progressed = pump.round(self, q, self._pump_spin)
+        else:
+            progressed = False
+            for lane in self._lanes:
+                if lane.inflight:
+                    lane.progress()
+        if self.completions:
+            progressed = True
+            comps, self.completions = self.completions, []
+            for c in comps:
+                self._handle_completion(c)
+        if self.fair is not None:
+            if self._dispatch_fair(self.fair):
+                progressed = True
+        else:
+            head = self.admission.head
+            if head is not None and self._dispatch(head):
+                progressed = True
+        if self._suspect:
+            self._check_dead_lanes()
+        return progressed
+
+    # -- the SUB fast loop (subpump.py) ------------------------------------------------------
+
+    def _pump_queue(self) -> deque[TaskSlot] | None:
+        """The one SUB queue that may dispatch now: the fifo head's; under fair, that of
+        the only run with SUB work (several compete in fair.py's order, in Python)."""
+        if self.fair is None:
+            head = self.admission.head
+            return None if head is None else self.subs.get(head.run_id)
+        found = None
+        for q in self.subs.values():
+            if q:
+                if found is not None:
+                    return None
+                found = q
+        return found
+
+    def _claim(self, slot: TaskSlot) -> bool:
+        if slot.state != SlotState.READY:
+            return False
+        slot.state = SlotState.RUNNING
+        slot.run.counts["running"] += 1
+        return True
+
+    def _dispatch(self, head: Run) -> bool:
+        did = False
+        rid = head.run_id
+        manager = self.manager
+        # 1. promote staged lanes of the head run (only NEXT_LEVEL lanes can stage)
+        for lane in manager.next_level.values():
+            st = lane.staged
+            if st is not None and st.task_slot.run_id == rid:
+                lane.activate_prepared(rid)
+                did = True
+            elif st is not None and st.task_slot.run.detached:
+                # A cancelled run's staged task runs as soon as the lane is free (there is
+                # no withdrawing a published frame); its lane is taken until it ends.
+                did |= lane.activate_prepared(st.task_slot.run_id)
+        # 2. stage at most one single of the prepared successor
+        succ = self.admission.successor
+        if succ is not None and not succ.staged_one:
+            did |= self._stage_successor(succ)
+        # 3. group FIFO head: all-or-nothing
+        reserved: set[int] = set()
+        gq = self.groups.get(rid)
+        while gq:
+            g = gq[0]
+            if g.state != SlotState.READY:
+                gq.popleft()
+                continue
+            lanes = [manager.next_level.get(w) for w in g.targets]
+            ready = [m for m in lanes if m is not None and m.idle()]
+            if len(ready) == len(lanes):
+                self._launch_group(gq, g, ready)
+                self._stall_since = None
+                self._stall_warned = False
+                did = True
+                continue
+            if self._fail_if_gone(gq, g, lanes):
+                did = True
+                continue
+            for m in lanes:
+                if m is not None:
+                    self._notice_dead(m)
+            reserved = set(g.targets)
+            self._check_stall(g, lanes)
+            break
+        # 4. singles, only on their exact target
+        for wid, per in self.singles.items():
+            if wid in reserved:
+                continue
+            q = per.get(rid)
+            if not q:
+                continue
+            target = manager.next_level.get(wid)
+            if target is None or not target.idle():
+                if target is not None:
+                    if target.gone is not None:
+                        did |= self._fail_queue(q, wid, target.gone)
+                    else:
+                        self._notice_dead(target)
+                continue
+            while q:
+                slot = q.popleft()
+                if self._claim(slot):
+                    slot.members_started = 1
+                    self._send(target, WorkerDispatch(slot, 0))
+                    did = True
+                    break
+        # 5. SUB tasks on idle SUB workers
+        sq = self.subs.get(rid)
+        if sq:
+            subs = manager.sub
+            while sq:
+                slot = sq[0]
+                if slot.state != SlotState.READY:
+                    sq.popleft()
+                    continue
+                if self._held and slot.digest in self._held:
+                    break  # being reloaded (``holding``)
+                n = slot.group_size
+                if n == 1:
+                    lane2 = None
+                    for cand in subs:
+                        if cand.active is None and cand.idle():
+                            lane2 = cand
+                            break
+                    if lane2 is None:
+                        if self._no_sub_capacity():
+                            sq.popleft()
+                            self._fail_slot(
+                                slot,
+                                FailureInfo(Outcome.ENDPOINT_FAILURE, self._no_sub_left()),
+                            )
+                            self._maybe_finish_run(slot.run)
+                            did = True
+                            continue
+                        break
+                    sq.popleft()
+                    self._claim(slot)
+                    slot.members_started = 1
+                    self._send(lane2, WorkerDispatch(slot, 0))
+                    did = True
+                    continue
+                idle = [cand for cand in subs if cand.idle()]
+                capacity = self._sub_capacity()
+                if capacity < n:
+                    sq.popleft()
+                    self._fail_slot(
+                        slot,
+                        FailureInfo(
+                            Outcome.SKIPPED,
+                            f"SUB group of {n} members needs {n} distinct SUB workers, "
+                            f"the pool has {capacity} that can run",
+                        ),
+                    )
+                    self._maybe_finish_run(slot.run)
+                    continue
+                if len(idle) < n:
+                    break
+                sq.popleft()
+                self._claim(slot)
+                for i in range(n):
+                    slot.members_started += 1
+                    self._send(idle[i], WorkerDispatch(slot, i))
+                did = True
+        return did
+
+    # -- fair admission: every active run dispatches ------------------------------------------
+
+    def _dispatch_fair(self, fair: FairAdmission) -> bool:
+        """One dispatch pass over every active run (see fair.py and docs/architecture.md).
+
+        The per-run rules are those of ``_dispatch``: groups all-or-nothing in FIFO
+        order, singles on their exact target in order, a SUB group on distinct idle
+        SUB workers. Across runs, each idle worker goes to the run with the least pass.
+
+        Chip frames: a staged dispatch is promoted as soon as its lane's active frame is
+        free, whatever its run, and staging only ever fills the frame that the lane's
+        active task does not use. So every dispatch below lands on a lane with both
+        frames free (``idle()`` lanes have nothing staged), and no frame is shared.
+        """
+        did = False
+        manager = self.manager
+        # 1. promote staged dispatches on lanes whose active frame is free
+        for lane in manager.next_level.values():
+            st = lane.staged
+            if st is not None and lane.active is None:
+                did |= lane.activate_prepared(st.task_slot.run_id)
+        # 2. group heads, least pass first; the first one blocked reserves its targets
+        reserved: set[int] = set()
+        if self.groups:
+            did |= self._groups_fair(fair, reserved)
+        # 3. stage one single per run behind another run's active task (not on a chip a
+        #    blocked group holds: the staged task would run first and delay the group)
+        if self.singles:
+            did |= self._stage_fair(fair, reserved)
+        # 4. singles, only on their exact target, least pass first per target
+        if self.singles:
+            did |= self._singles_fair(fair, reserved)
+        # 5. SUB tasks on idle SUB workers, least pass first
+        if self.subs:
+            did |= self._subs_fair(fair)
+        return did
+
+    def _stage_fair(self, fair: FairAdmission, reserved: set[int]) -> bool:
+        did = False
+        for wid, per in self.singles.items():
+            if not per or wid in reserved:
+                continue
+            stager = self.manager.next_level.get(wid)
+            if stager is None or stager.active is None or not stager.can_stage():
+                continue  # an idle lane gets a plain dispatch below
+            frame = stager.active.task_slot.lease_slot & 1
+            best: deque[TaskSlot] | None = None
+            best_key = _NO_PASS
+            for rid, q in per.items():
+                if not q:
+                    continue
+                slot = q[0]
+                if (
+                    slot.run.staged_one
+                    or slot.state != SlotState.READY
+                    or slot.config.diagnostic
+                    or slot.lease_slot & 1 == frame
+                    or self.groups.get(rid)  # a group queued ahead keeps FIFO order
+                ):
+                    continue
+                key = _pass(slot.run)
+                if best is None or key < best_key:
+                    best, best_key = q, key
+            if best is None:
+                continue
+            slot = best.popleft()
+            self._claim(slot)
+            slot.members_started = 1
+            slot.run.staged_one = True
+            fair.charge(slot.run, 1)
+            self.stats["dispatched"] += 1
+            stager.dispatch_prepared(WorkerDispatch(slot, 0))
+            if self.on_task_event is not None:
+                self.on_task_event(slot, "dispatched", None)
+            did = True
+        return did
+
+    def _groups_fair(self, fair: FairAdmission, reserved: set[int]) -> bool:
+        did = False
+        manager = self.manager
+        heads = sorted((_pass(gq[0].run), i, gq) for i, gq in enumerate(self.groups.values()) if gq)
+        blocked = False
+        for _, _, gq in heads:
+            while gq:
+                g = gq[0]
+                if g.state != SlotState.READY:
+                    gq.popleft()
+                    continue
+                lanes = [manager.next_level.get(w) for w in g.targets]
+                ready = [
+                    m for m in lanes if m is not None and m.idle() and m.worker_id not in reserved
+                ]
+                if len(ready) == len(lanes):
+                    self._launch_group(gq, g, ready)
+                    if not blocked:
+                        self._stall_since = None
+                        self._stall_warned = False
+                    fair.charge(g.run, len(ready))
+                    did = True
+                    continue
+                if self._fail_if_gone(gq, g, lanes):
+                    did = True
+                    continue
+                for m in lanes:
+                    if m is not None:
+                        self._notice_dead(m)
+                if not blocked:
+                    # The least-pass blocked group holds its targets against everything
+                    # else this pass (later blocked groups reserve nothing), so it is not
+                    # starved by a stream of singles.
+                    blocked = True
+                    reserved.update(g.targets)
+                    self._check_stall(g, lanes)
+                break
+        return did
+
+    def _singles_fair(self, fair: FairAdmission, reserved: set[int]) -> bool:
+        did = False
+        manager = self.manager
+        for wid, per in self.singles.items():
+            if wid in reserved or not per:
+                continue
+            target = manager.next_level.get(wid)
+            if target is None:
+                continue
+            if not target.idle():
+                if target.gone is not None:
+                    for q in list(per.values()):
+                        did |= self._fail_queue(q, wid, target.gone)
+                else:
+                    self._notice_dead(target)
+                continue
+            best: deque[TaskSlot] | None = None
+            best_key = _NO_PASS
+            for q in per.values():
+                while q and q[0].state != SlotState.READY:
+                    q.popleft()
+                if q:
+                    key = _pass(q[0].run)
+                    if best is None or key < best_key:
+                        best, best_key = q, key
+            if best is None:
+                continue
+            slot = best.popleft()
+            self._claim(slot)
+            slot.members_started = 1
+            fair.charge(slot.run, 1)
+            self._send(target, WorkerDispatch(slot, 0))
+            did = True
+        return did
+
+    def _subs_fair(self, fair: FairAdmission) -> bool:
+        did = False
+        idle = [lane for lane in self.manager.sub if lane.active is None and lane.idle()]
+        if not idle:
+            if self._no_sub_capacity():
+                for q in list(self.subs.values()):
+                    did |= self._fail_subs(q)
+            return did
+        heap = [(_pass(q[0].run), i, q) for i, q in enumerate(self.subs.values()) if q]
+        heapq.heapify(heap)
+        while heap and idle:
+            key, i, q = heapq.heappop(heap)
+            if not q:
+                continue  # emptied meanwhile (its run failed and was retired)
+            slot = q[0]
+            now = _pass(slot.run)
+            if now != key:
+                # Charging a run also moves its client's pass: re-file a stale entry
+                # (passes only grow, so the entry on top with a current key is the least).
+                heapq.heappush(heap, (now, i, q))
+                continue
+            if slot.state != SlotState.READY:
+                q.popleft()
+            elif self._held and slot.digest in self._held:
+                continue  # being reloaded (``holding``): this run waits this pass
+            else:
+                n = slot.group_size
+                if n > 1:
+                    capacity = self._sub_capacity()
+                    if capacity < n:
+                        q.popleft()
+                        self._fail_slot(slot, self._group_too_big(n, capacity))
+                        self._maybe_finish_run(slot.run)
+                    elif len(idle) < n:
+                        # The least-pass run waits for n idle workers: hold the idle ones
+                        # for it (no one else dispatches this pass), else it would starve.
+                        break
+                    else:
+                        q.popleft()
+                        self._claim(slot)
+                        fair.charge(slot.run, n)
+                        for k in range(n):
+                            slot.members_started += 1
+                            self._send(idle[k], WorkerDispatch(slot, k))
+                        del idle[:n]
+                        did = True
+                else:
+                    q.popleft()
+                    self._claim(slot)
+                    slot.members_started = 1
+                    fair.charge(slot.run, 1)
+                    self._send(idle.pop(0), WorkerDispatch(slot, 0))
+                    did = True
+            if q:
+                heapq.heappush(heap, (_pass(q[0].run), i, q))
+        return did
+
+    def _fail_subs(self, q: deque[TaskSlot]) -> bool:
+        """No SUB worker can run a task any more: fail what ``q`` holds."""
+        did = False
+        while q:
+            slot = q.popleft()
+            if slot.state == SlotState.READY:
+                self._fail_slot(slot, FailureInfo(Outcome.ENDPOINT_FAILURE, self._no_sub_left()))
+                self._maybe_finish_run(slot.run)
+                did = True
+        return did
+
+    @staticmethod
+    def _group_too_big(n: int, capacity: int) -> FailureInfo:
+        return FailureInfo(
+            Outcome.SKIPPED,
+            f"SUB group of {n} members needs {n} distinct SUB workers, "
+            f"the pool has {capacity} that can run",
+        )
+
+    def _notice_dead(self, lane: WorkerThread) -> None:
+        """Work waits for a lane whose endpoint failed with nothing in flight (no completion
+        reported it: a remote session that failed in a control or between runs)."""
+        if lane.endpoint.poisoned and not lane.inflight and lane not in self._suspect:
+            self._suspect.add(lane)
+
+    def _fail_queue(self, q: deque[TaskSlot], wid: int, reason: str) -> bool:
+        """Fail every single queued for a lane that will never run again."""
+        did = False
+        while q:
+            slot = q.popleft()
+            if slot.state == SlotState.READY:
+                self._fail_slot(
+                    slot,
+                    FailureInfo(
+                        Outcome.ENDPOINT_FAILURE, f"worker {wid} is gone: {reason}", worker_id=wid
+                    ),
+                )
+                self._maybe_finish_run(slot.run)
+                did = True
+        return did
+
+    def _launch_group(self, gq: deque[TaskSlot], g: TaskSlot, members: list[WorkerThread]) -> None:
+        """Pop group ``g``, the head of ``gq``, and send member ``i`` to ``members[i]``."""
+        gq.popleft()
+        self._claim(g)
+        for i, member in enumerate(members):
+            g.members_started += 1
+            self._send(member, WorkerDispatch(g, i))
+
+    def _fail_if_gone(
+        self, gq: deque[TaskSlot], g: TaskSlot, lanes: list[WorkerThread | None]
+    ) -> bool:
+        """Pop and fail group ``g``, the head of ``gq``, when one of its targets will never
+        return."""
+        gone = next((m for m in lanes if m is not None and m.gone is not None), None)
+        if gone is None:
+            return False
+        gq.popleft()
+        self._fail_slot(
+            g,
+            FailureInfo(
+                Outcome.ENDPOINT_FAILURE,
+                f"worker {gone.worker_id} is gone: {gone.gone}",
+                worker_id=gone.worker_id,
+            ),
+        )
+        self._maybe_finish_run(g.run)
+        return True
+
+    def _sub_capacity(self) -> int:
+        """SUB workers that can still run a task: live ones, or all of them while dead
+        ones are being replaced."""
+        subs = self.manager.sub
+        if self.replaces_dead_subs:
+            # A lane the pool gave up on (``gone``) will never come back.
+            return sum(1 for lane in subs if lane.gone is None)
+        return sum(1 for lane in subs if not lane.endpoint.poisoned and not lane.stopping)
+
+    def _no_sub_capacity(self) -> bool:
+        """``_sub_capacity() == 0``, answered at the first lane that can run (every round
+        with busy SUB workers asks)."""
+        if self.replaces_dead_subs:
+            return all(lane.gone is not None for lane in self.manager.sub)
+        return all(lane.endpoint.poisoned or lane.stopping for lane in self.manager.sub)
+
+    def _no_sub_left(self) -> str:
+        """Why no SUB worker can run a task, naming what made the pool give up."""
+        why = next((lane.gone for lane in self.manager.sub if lane.gone is not None), None)
+        base = "no live SUB worker is left and none is being replaced"
+        return f"{base}: {why}" if why else base
+
+    def _stage_successor(self, succ: Run) -> bool:
+        rid = succ.run_id
+        for wid, per in self.singles.items():
+            q = per.get(rid)
+            if not q:
+                continue
+            slot = q[0]
+            if slot.state != SlotState.READY or slot.config.diagnostic:
+                continue
+            # A group queued ahead in the successor keeps FIFO order: never stage around it.
+            if self.groups.get(rid):
+                return False
+            stager = self.manager.next_level.get(wid)
+            if stager is None or not stager.can_stage():
+                continue
+            active = stager.active
+            if active is not None and active.task_slot.run.detached:
+                # A detached run gave its lease (and so its task frame) to a later run,
+                # but its task still occupies that frame here: stage elsewhere.
+                continue
+            q.popleft()
+            self._claim(slot)
+            slot.members_started = 1
+            succ.staged_one = True
+            self.stats["dispatched"] += 1
+            stager.dispatch_prepared(WorkerDispatch(slot, 0))
+            if self.on_task_event is not None:
+                self.on_task_event(slot, "dispatched", None)
+            return True
+        return False
+
+    def _send(self, lane: WorkerThread, d: WorkerDispatch) -> None:
+        self.stats["dispatched"] += 1
+        d.issued_at = time.monotonic()
+        lane.dispatch(d)
+        if self.on_task_event is not None:
+            self.on_task_event(d.task_slot, "dispatched", None)
+
+    def _check_stall(self, g: TaskSlot, lanes: list[WorkerThread | None]) -> None:
+        now = time.monotonic()
+        blocking = any(
+            lane is not None and lane.idle() and self.singles.get(lane.worker_id, {}).get(g.run_id)
+            for lane in lanes
+        )
+        if not blocking:
+            self._stall_since = None
+            return
+        if self._stall_since is None:
+            self._stall_since = now
+            self._stall_warned = False
+        elif not self._stall_warned and now - self._stall_since > STALL_WARNING_S:
+            self._stall_warned = True
+            log.warning(
+                "group task %d of run %d on workers %s blocked for %.1fs while a reserved "
+                "target idles with queued singles",
+                g.index,
+                g.run_id,
+                g.targets,
+                now - self._stall_since,
+            )
+
+
+#: Sorts after every pass.
+_NO_PASS = (float("inf"), float("inf"))
+
+
+def _pass(run: Run) -> tuple[float, float]:
+    """A run's place under fair admission: its client's pass, then its own."""
+    share = run.share
+    return (share.vpass if share is not None else 0.0, run.vpass)

@@ -1,0 +1,200 @@
+"""The Scheduler's progress coroutine, its wake-ups, and dead-lane detection.
+
+Wake-ups: while lanes are busy the coroutine polls and yields to the loop
+(``sleep(0)``); after ``spin_s`` without progress it parks on the doorbell
+eventfd, which children ring after a terminal state (only while parked) and
+submitters ring from other threads. Nothing sleeps on the dispatch path and
+nothing burns a core while idle.
+
+A child's exit is observed through its pidfd: its endpoint is poisoned at once
+(an idle dead lane is never dispatched to) and the lane is reported dead once
+its frames are all terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.scheduler.completion import RunCompletion
+from simpler_daemon.scheduler.runmodel import FailureInfo
+
+log = logging.getLogger("simpler_daemon.scheduler")
+
+
+class ProgressLoop(RunCompletion):
+    """Runs Scheduler rounds on a bound loop: spin briefly, then park on the doorbell."""
+
+    def round(self) -> bool:  # pragma: no cover - the Scheduler defines it
+        """Progress, drain, dispatch. True when anything happened."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        return bool(self.completions) or any(lane.inflight for lane in self._lanes)
+
+    def spin_budget(self) -> float:
+        """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
+        they typically run longer than that (spinning would only steal a core from them),
+        except for an occasional probe that finds out when they are quick again
+        (spingate.py)."""
+        return self.spin_gate.budget(time.monotonic())
+
+    def note_park(self) -> None:
+        """The driving loop is about to sleep on the doorbell (counted in ``stats``)."""
+        self.stats["parks"] += 1
+        self.spin_gate.parked(time.monotonic(), self.busy())
+
+    def socket_busy(self) -> bool:
+        """A lane whose completion arrives on a socket (not the doorbell word) is busy."""
+        return any(lane.inflight for lane in self._quiet_lanes)
+
+    def has_dispatchable(self) -> bool:
+        if self.fair is not None:  # every active run dispatches
+            return bool(self.queued())
+        head = self.admission.head
+        if head is None:
+            return False
+        rid = head.run_id
+        if self.subs.get(rid) or self.groups.get(rid):
+            return True
+        return any(per.get(rid) for per in self.singles.values())
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the coroutine on ``loop`` and watch the doorbell and every child pidfd."""
+        self._loop = loop
+        loop.add_reader(self.doorbell.fd, self._on_doorbell)
+        for lane in self._lanes:
+            child = getattr(lane.endpoint, "child", None)
+            if child is not None and child.pidfd is not None:
+                loop.add_reader(child.pidfd, self._on_child_exit, child)
+        self._task = loop.create_task(self.run(), name="simpler-scheduler")
+
+    def detach(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        loop.remove_reader(self.doorbell.fd)
+        for lane in self._lanes:
+            child = getattr(lane.endpoint, "child", None)
+            if child is not None and child.pidfd is not None:
+                loop.remove_reader(child.pidfd)
+        self._loop = None
+
+    def _on_doorbell(self) -> None:
+        self.doorbell.drain()
+        self.wake()
+
+    def _on_child_exit(self, child: Any) -> None:
+        if self._loop is not None and child.pidfd is not None:
+            self._loop.remove_reader(child.pidfd)
+        self.child_exited(child)
+        self.wake()
+
+    def watch_child(self, child: Any) -> None:
+        """Observe a (replacement) child's exit through its pidfd on the bound loop."""
+        if self._loop is not None and child.pidfd is not None:
+            self._loop.add_reader(child.pidfd, self._on_child_exit, child)
+
+    def child_exited(self, child: Any) -> None:
+        """A child died: poison its endpoint now, so an idle dead lane is never dispatched to."""
+        child.poll()
+        reason = f"child {child.describe()}"
+        for lane in self._lanes:
+            ep = lane.endpoint
+            if getattr(ep, "child", None) is child:
+                if not ep.poisoned and hasattr(ep, "poison"):
+                    ep.poison(reason)
+                self._suspect.add(lane)
+        if not self._in_round:
+            self._check_dead_lanes()
+
+    def _check_dead_lanes(self) -> None:
+        """Report a lane whose endpoint is poisoned, drained and whose child has exited."""
+        for lane in list(self._suspect):
+            ep = lane.endpoint
+            child = getattr(ep, "child", None)
+            if not ep.poisoned:
+                self._suspect.discard(lane)
+            elif lane.inflight == 0 and (child is None or child.poll()):
+                self._suspect.discard(lane)
+                if self.on_lane_dead is not None and not self._stopped:
+                    self.on_lane_dead(lane)
+
+    async def run(self) -> None:
+        """Progress rounds until stopped; spin briefly, then park on the doorbell."""
+        loop = asyncio.get_running_loop()
+        doorbell = self.doorbell
+        last_progress = time.monotonic()
+        try:
+            while not self._stopped:
+                seen = doorbell.completed()
+                self._poked = False
+                if self.round():
+                    last_progress = time.monotonic()
+                    if doorbell.completed() != seen or self._poked:
+                        await asyncio.sleep(0)
+                        continue
+                spin_s = self.spin_budget()
+                if self.busy() and time.monotonic() - last_progress < spin_s:
+                    # Yield to the loop until a child announces a completion or a
+                    # submitter pokes us; no mailbox is re-polled meanwhile. This is the
+                    # bounded spin of the spin-then-park design, so an Event would be wrong.
+                    # The core is yielded too: a child woken onto it runs at once
+                    # instead of after the spin (see Driver._rounds).
+                    while (
+                        doorbell.completed() == seen
+                        and not self._poked
+                        and time.monotonic() - last_progress < spin_s
+                    ):
+                        os.sched_yield()
+                        await asyncio.sleep(0)
+                    continue
+                # Park: flag first, then one more round (Dekker), then sleep.
+                self._wake = loop.create_future()
+                doorbell.park()
+                # Dekker: a completion after `seen` either moved the word (seen here) or
+                # finds `parked` set and rings the eventfd.
+                if doorbell.completed() != seen or self._poked or self._stopped:
+                    doorbell.unpark()
+                    self._wake = None
+                    continue
+                self.note_park()
+                timeout = 0.01 if self.busy() else None
+                try:
+                    if timeout is None:
+                        await self._wake
+                    else:
+                        await asyncio.wait_for(asyncio.shield(self._wake), timeout)
+                except TimeoutError:
+                    pass
+                finally:
+                    doorbell.unpark()
+                    self._wake = None
+                last_progress = time.monotonic()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("scheduler crashed; failing every run")
+            self._fail_all("scheduler crashed")
+            raise
+
+    def _fail_all(self, reason: str) -> None:
+        for run in self.admission.runs():
+            run.record_error(None, FailureInfo(Outcome.ENDPOINT_FAILURE, reason))
+            run.building = False
+            self.cancel(run, record=False)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.wake()
+
+    async def wait_stopped(self) -> None:
+        if self._task is not None:
+            try:
+                await self._task
+            finally:
+                self._task = None

@@ -1,0 +1,547 @@
+"""The run model: runs, task slots, their states, dependency bookkeeping and admission.
+
+Pure bookkeeping: no loop, no mailbox. The Scheduler owns one :class:`Admission`
+(``fifo``; :mod:`simpler_daemon.scheduler.fair` is the other policy) and calls into it; the
+:class:`~simpler_daemon.engine.orchestrator.Orchestrator` facade fills a :class:`Run`'s slots.
+
+Dependencies come from tensor tags, keyed by backing buffer and byte range
+(:class:`TensorMap`)::
+
+    INPUT            depends on the last writer of every overlapping range
+    OUTPUT(_EXISTING) becomes the writer of its range, depends on nothing
+    INOUT            both
+    NO_DEP           neither
+
+A remote buffer (an L4's ``RemoteTensorRef``) is keyed by (owner worker, buffer
+id, generation), so a freed and reused remote buffer never aliases its past.
+
+Run lifecycle: BUILDING -> PREPARED -> EXECUTING -> COMPLETED | FAILED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from simpler_daemon.args import CallConfig
+from simpler_daemon.callables import CallableHandle
+from simpler_daemon.endpoints.base import Outcome
+from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
+
+if TYPE_CHECKING:
+    from simpler_daemon.scheduler.fair import Share
+
+
+class RunState(enum.Enum):
+    BUILDING = "BUILDING"
+    PREPARED = "PREPARED"
+    EXECUTING = "EXECUTING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+class SlotState(enum.IntEnum):
+    PENDING = 0
+    READY = 1
+    RUNNING = 2
+    COMPLETED = 3
+    FAILED = 4
+
+
+class TaskKind(enum.Enum):
+    SUB = "SUB"
+    SUB_GROUP = "SUB_GROUP"
+    NEXT_LEVEL = "NEXT_LEVEL"
+    NEXT_LEVEL_GROUP = "NEXT_LEVEL_GROUP"
+
+
+@dataclass(slots=True)
+class FailureInfo:
+    """The first failure of a slot or run."""
+
+    outcome: Outcome
+    message: str
+    worker_id: int | None = None
+    dispatch_id: int | None = None
+    pid: int | None = None
+    worker_label: str | None = None
+
+
+class TaskSlot:
+    """Parent-side record of one task (or one group) inside a run."""
+
+    __slots__ = (
+        "blobs",
+        "config",
+        "config_bytes",
+        "consumers",
+        "deps",
+        "digest",
+        "failure",
+        "group_size",
+        "handle",
+        "hashid",
+        "index",
+        "kind",
+        "lease_generation",
+        "lease_slot",
+        "members_done",
+        "members_started",
+        "pins",
+        "result",
+        "run",
+        "run_id",
+        "slot_id",
+        "state",
+        "targets",
+    )
+
+    def __init__(
+        self,
+        slot_id: int,
+        run: Run,
+        index: int,
+        kind: TaskKind,
+        handle: CallableHandle,
+        config: CallConfig,
+        blobs: list[bytes],
+        targets: list[int],
+        pins: list[int],
+    ) -> None:
+        self.slot_id = slot_id
+        self.run = run
+        self.run_id = run.run_id
+        self.index = index
+        self.kind = kind
+        self.handle = handle
+        self.hashid = handle.hashid
+        self.digest = handle.digest
+        self.config = config
+        self.config_bytes = config.encode()
+        self.blobs = blobs
+        self.targets = targets
+        self.group_size = len(blobs)
+        self.pins = pins
+        self.state = SlotState.PENDING
+        self.deps = 0
+        self.consumers: list[TaskSlot] = []
+        self.lease_slot = run.lease_slot
+        self.lease_generation = run.lease_generation
+        self.members_started = 0
+        self.members_done = 0
+        self.failure: FailureInfo | None = None
+        #: What the task returned, msgpack-encoded: ``None`` (nothing, the usual case),
+        #: its bytes, or for a group a list with one entry (bytes or None) per member.
+        self.result: bytes | list[bytes | None] | None = None
+
+    @property
+    def is_group(self) -> bool:
+        return self.kind in (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
+
+    def set_result(self, member: int, data: bytes) -> None:
+        """Keep the encoded return value of the task (``member`` of a group)."""
+        if not self.is_group:
+            self.result = data
+            return
+        values = self.result
+        if not isinstance(values, list):
+            values = self.result = [None] * self.group_size
+        values[member] = data
+
+    def decoded_result(self) -> Any:
+        """The task's value (None when it returned nothing); a group's: one per member."""
+        data = self.result
+        if isinstance(data, bytes):
+            return _decode(data)
+        if self.is_group:
+            if data is None:
+                return [None] * self.group_size
+            return [None if b is None else _decode(b) for b in data]
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"TaskSlot(run={self.run_id}, index={self.index}, {self.kind.name}, {self.state.name})"
+        )
+
+
+class TensorMap:
+    """Last writer per (buffer, byte range) inside one run."""
+
+    __slots__ = ("_writers",)
+
+    def __init__(self) -> None:
+        # Keyed by a local buffer id, or (owner, buffer id, generation) for a remote buffer.
+        self._writers: dict[Any, list[tuple[int, int, TaskSlot]]] = {}
+
+    def producers(self, buffer_id: Any, lo: int, hi: int) -> list[TaskSlot]:
+        out = []
+        for wlo, whi, slot in self._writers.get(buffer_id, ()):
+            if wlo < hi and lo < whi:
+                out.append(slot)
+        return out
+
+    def write(self, buffer_id: Any, lo: int, hi: int, slot: TaskSlot) -> None:
+        if lo >= hi:
+            return
+        segs = self._writers.setdefault(buffer_id, [])
+        kept: list[tuple[int, int, TaskSlot]] = []
+        for wlo, whi, s in segs:
+            if whi <= lo or hi <= wlo:
+                kept.append((wlo, whi, s))
+                continue
+            if wlo < lo:
+                kept.append((wlo, lo, s))
+            if hi < whi:
+                kept.append((hi, whi, s))
+        kept.append((lo, hi, slot))
+        segs[:] = kept
+
+
+class Run:
+    """One submitted graph."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, on_done: Callable[[Run], None] | None = None) -> None:
+        self.run_id = next(Run._ids)
+        #: COMPLETED or FAILED; kept in step by the ``state`` setter (read on every task).
+        self.terminal = False
+        self.state = RunState.BUILDING
+        self.admitted = False
+        self.building = True
+        self.slots: list[TaskSlot] = []
+        self.remaining = 0
+        self.tensor_map = TensorMap()
+        self.error: TaskError | None = None
+        self.lease_slot = 0
+        self.lease_generation = 0
+        self.cancelled = False
+        self.staged_one = False
+        #: Weight under ``fair`` admission (``args.check_priority``); ``fifo`` ignores it.
+        self.priority = 1
+        #: Stride-scheduling pass under ``fair`` (see fair.py): the least is served first.
+        self.vpass = 0.0
+        #: Who submitted it (the daemon's client identity): under ``fair`` the workers are
+        #: shared between clients first. ``None``: the one in-process client.
+        self.client: object = None
+        #: The client's share under ``fair``, set at admission.
+        self.share: Share | None = None
+        self.counts = {"done": 0, "failed": 0, "running": 0, "skipped": 0}
+        self._callbacks: list[Callable[[Run], None]] = []
+        if on_done is not None:
+            self._callbacks.append(on_done)
+        self.listeners: list[Callable[[Run, str, TaskSlot | None], None]] = []
+        #: (orchestration function, args, config) until the run is terminal; then ``None``
+        #: so a handle kept by the caller does not keep them alive.
+        self.orch: tuple[Any, Any, CallConfig] | None = None
+        #: False only between RunBuilder.new_run and the call of the orchestration function.
+        self.build_started = True
+        self.orch_exception: BaseException | None = None
+        #: Buffers the run's args referenced at submit (heap ids, or remote keys): held
+        #: from submit to the end of the run, so a free while the run is queued waits.
+        self.pins: list[Any] = []
+        #: Cancelled with tasks still running: out of admission, not yet terminal.
+        self.detached = False
+        #: Heap buffers from ``Orchestrator.alloc``, one list per open scope; index 0 is
+        #: the run itself (buffers allocated outside any scope live until the run ends).
+        self.scopes: list[list[int]] = [[]]
+        #: Index of the task whose failure is ``error`` (None: a run-level error).
+        self.error_index: int | None = None
+        #: Set by :meth:`release`: ``slots`` is empty, ``kept_slots`` holds what is read.
+        self.released = False
+        #: After :meth:`release`: how many slots the run had, and the ones still read
+        #: (not COMPLETED, a group, or holding a result), stripped of their args.
+        self.task_count = 0
+        self.kept_slots: dict[int, TaskSlot] = {}
+
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @state.setter
+    def state(self, value: RunState) -> None:
+        self._state = value
+        self.terminal = value in (RunState.COMPLETED, RunState.FAILED)
+
+    def add_done_callback(self, fn: Callable[[Run], None]) -> None:
+        if self.terminal:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def fire_done(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def emit(self, event: str, slot: TaskSlot | None = None) -> None:
+        for fn in self.listeners:
+            fn(self, event, slot)
+
+    def record_error(self, slot: TaskSlot | None, failure: FailureInfo) -> None:
+        if self.error is not None:
+            return
+        if slot is None:
+            run_cls = RunCancelled if self.cancelled else TaskError
+            self.error = run_cls(
+                f"run {self.run_id} failed: {failure.message}",
+                run_id=self.run_id,
+                outcome=failure.outcome.name,
+                remote_text=failure.message,
+            )
+            return
+        self.error = self._task_error(slot, failure)
+        self.error_index = slot.index
+
+    def _task_error(self, slot: TaskSlot, failure: FailureInfo) -> TaskError:
+        """The error of ``slot``'s failure, naming the task, where it ran and why."""
+        where = failure.worker_label or (
+            f"worker {failure.worker_id}" if failure.worker_id is not None else "no worker"
+        )
+        if failure.pid is not None:
+            where += f" (pid {failure.pid})"
+        dispatch = f", dispatch {failure.dispatch_id}" if failure.dispatch_id is not None else ""
+        msg = (
+            f"run {self.run_id} failed: task {slot.index} ({slot.kind.name} "
+            f"{slot.handle.name}, hashid {slot.hashid}) on {where}{dispatch}: "
+            f"{failure.outcome.name}: {failure.message}"
+        )
+        cls = RunCancelled if self.cancelled else TaskError
+        return cls(
+            msg,
+            run_id=self.run_id,
+            worker_id=failure.worker_id,
+            hashid=slot.hashid,
+            dispatch_id=failure.dispatch_id,
+            outcome=failure.outcome.name,
+            remote_text=failure.message,
+            pid=failure.pid,
+        )
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def release(self) -> None:
+        """Let go of a terminal run's task slots, args and dependency map, keeping what
+        ``task_results``, ``encoded_results``, ``slot`` and ``task_error`` read.
+
+        A long-lived holder of many finished runs (the daemon) calls it: a run of 20,000
+        tasks otherwise keeps about 100,000 objects until it is forgotten. Only the slots
+        that say more than "completed, returned nothing" stay, without their args, their
+        consumers or their run (the retired sentinel). No-op before the run is terminal.
+        """
+        if not self.terminal or self.released:
+            return
+        kept: dict[int, TaskSlot] = {}
+        for slot in self.slots:
+            slot.run = RETIRED_RUN
+            if slot.state is SlotState.COMPLETED and slot.result is None and not slot.is_group:
+                continue
+            slot.blobs = []
+            slot.consumers = []
+            slot.pins = []
+            kept[slot.index] = slot
+        self.task_count = len(self.slots)
+        self.kept_slots = kept
+        self.slots = []
+        self.tensor_map = TensorMap()
+        self.listeners = []
+        self.orch = None
+        self.released = True
+
+    def slot(self, index: int) -> TaskSlot | None:
+        """The slot of task ``index``; after :meth:`release` None for a task that
+        completed and returned nothing (its slot is gone)."""
+        if self.released:
+            if not 0 <= index < self.task_count:
+                raise IndexError(f"run {self.run_id} has no task {index}")
+            return self.kept_slots.get(index)
+        return self.slots[index]
+
+    def task_results(self) -> list[Any]:
+        """What the tasks returned, one entry per task in submission order: a task's
+        decoded value, a group's list of member values. None for a task that returned
+        nothing, failed or has not finished; chip kernels, nested L3 and remote
+        NEXT_LEVEL tasks always give None (only SUB callables send a value back)."""
+        if self.released:
+            out: list[Any] = [None] * self.task_count
+            for index, slot in self.kept_slots.items():
+                out[index] = slot.decoded_result()
+            return out
+        return [slot.decoded_result() for slot in self.slots]
+
+    def encoded_results(self) -> list[tuple[int, int | None, bytes]]:
+        """The non-None values as sent by the children: (task index, member index or
+        None for a single task, msgpack bytes), in submission order (no decoding)."""
+        out: list[tuple[int, int | None, bytes]] = []
+        for slot in self.kept_slots.values() if self.released else self.slots:
+            data = slot.result
+            if data is None:
+                continue
+            if isinstance(data, bytes):
+                out.append((slot.index, None, data))
+            else:
+                out.extend((slot.index, m, b) for m, b in enumerate(data) if b is not None)
+        return out
+
+    def task_error(self, slot: TaskSlot) -> TaskError | None:
+        """The error of a failed task: the run's own error when it was the first to fail."""
+        if slot.state != SlotState.FAILED:
+            return None
+        if self.error_index == slot.index or slot.failure is None:
+            return self.error
+        return self._task_error(slot, slot.failure)
+
+    def __repr__(self) -> str:
+        return f"Run({self.run_id}, {self.state.name}, slots={len(self.slots)}, remaining={self.remaining})"
+
+
+#: What a slot's ``run`` points at once its run retired (see Scheduler._maybe_finish_run).
+RETIRED_RUN = Run()
+RETIRED_RUN.state = RunState.COMPLETED
+RETIRED_RUN.building = False
+# The sentinel is run 0 and takes no id: the first real run of a process is run 1.
+RETIRED_RUN.run_id = 0
+Run._ids = itertools.count(1)
+
+
+_decode = msgspec.msgpack.Decoder().decode
+
+
+class TaskRef(int):
+    """What ``submit_*`` returns: the task's index in its run (an ``int`` equal to the
+    index returned before, so code using it as one keeps working) and, once the run is
+    terminal, ``result()``: the value the task returned.
+
+    A SUB callable's return value comes back msgpack-encoded (at most
+    ``MAX_RESULT_BYTES``); chip kernels, nested L3 and remote NEXT_LEVEL tasks give None.
+    """
+
+    #: The submit path gives every ref of a run the same attribute dict
+    #: (``Orchestrator._refs``): a ref carries ``run`` and nothing else.
+    run: Run
+
+    def __new__(cls, index: int, run: Run) -> TaskRef:
+        ref = super().__new__(cls, index)
+        ref.run = run
+        return ref
+
+    @property
+    def index(self) -> int:
+        return int(self)
+
+    def result(self) -> Any:
+        """The task's value (None if it returned nothing); a group's: a list, one value per
+        member. Raises ``asyncio.InvalidStateError`` while the run is not terminal, and the
+        task's own ``TaskError`` (``RunCancelled`` in a cancelled run) when it failed or
+        never ran."""
+        run = self.run
+        if not run.terminal:
+            raise asyncio.InvalidStateError(
+                f"cannot read the result of task {int(self)} of run {run.run_id}: "
+                f"the run is {run.state.name}"
+            )
+        slot = run.slot(self)
+        if slot is None:  # released: it completed and returned nothing
+            return None
+        if slot.state == SlotState.COMPLETED:
+            return slot.decoded_result()
+        error = run.task_error(slot) or run.error
+        if error is None:  # pragma: no cover - a terminal run ends every task or fails
+            raise asyncio.InvalidStateError(f"task {int(self)} of run {run.run_id} did not end")
+        raise error
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        # A pickled ref is its index: the run does not travel.
+        return (int, (int(self),))
+
+
+class Admission:
+    """Whole-run FIFO admission with ``depth`` generation-safe pipeline leases."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"pipeline depth {depth} must be at least 1")
+        self.depth = depth
+        self.active: deque[Run] = deque()  # leased runs, FIFO; active[0] is the head
+        self.waiting: deque[Run] = deque()
+        #: Cancelled runs whose running tasks have not finished (see ``detach``).
+        self.detached: list[Run] = []
+        self._free_leases = list(range(depth - 1, -1, -1))
+        self._generation = 0
+        self.closed = False
+
+    @property
+    def head(self) -> Run | None:
+        return self.active[0] if self.active else None
+
+    @property
+    def successor(self) -> Run | None:
+        return self.active[1] if len(self.active) > 1 else None
+
+    def enqueue(self, run: Run) -> list[Run]:
+        """Queue a run; returns the runs that became admitted (lease granted)."""
+        if self.closed:
+            raise WorkerClosedError(f"cannot submit run {run.run_id}: the worker is closing")
+        self.waiting.append(run)
+        return self._admit()
+
+    def _admit(self) -> list[Run]:
+        admitted = []
+        while self.waiting and self._free_leases:
+            run = self.waiting.popleft()
+            self._generation += 1
+            run.lease_slot = self._free_leases.pop()
+            run.lease_generation = self._generation
+            run.admitted = True
+            self.active.append(run)
+            admitted.append(run)
+        if self.active and self.active[0].state in (RunState.BUILDING, RunState.PREPARED):
+            self.active[0].state = RunState.EXECUTING
+        return admitted
+
+    def release(self, run: Run) -> list[Run]:
+        """A terminal run gives back its lease exactly once; promote the next."""
+        try:
+            self.active.remove(run)
+        except ValueError:
+            if run in self.detached:
+                self.detached.remove(run)
+                return []
+            try:
+                self.waiting.remove(run)
+            except ValueError:
+                pass
+            return []
+        self._free_leases.append(run.lease_slot)
+        return self._admit()
+
+    def detach(self, run: Run) -> list[Run]:
+        """A cancelled run with tasks still running leaves admission now: its lease goes
+        to the next run, so one stuck task does not hold back every later run. The run
+        stays listed (``runs()``) until it is terminal; ``release`` then only forgets it.
+        """
+        if run.detached or run not in self.active:
+            return []
+        self.active.remove(run)
+        run.detached = True
+        self.detached.append(run)
+        self._free_leases.append(run.lease_slot)
+        return self._admit()
+
+    def lease_valid(self, lease_slot: int, generation: int) -> bool:
+        return any(
+            r.lease_slot == lease_slot and r.lease_generation == generation for r in self.active
+        )
+
+    def runs(self) -> list[Run]:
+        return [*self.active, *self.detached, *self.waiting]

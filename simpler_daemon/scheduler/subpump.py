@@ -1,0 +1,311 @@
+"""The SUB fast loop: the Scheduler's per-task path for SUB lanes, in C.
+
+For one run's SUB queue, ``_mailbox.sub_pump`` polls every eligible SUB lane's task
+frame, completes what finished plainly, publishes the next ready slot of the queue
+and wakes the child, in one call (``docs/mailbox.md``, *Single-frame path*)::
+
+    Scheduler round
+      SubPump.pump(run, queue)        lanes: IDLE, or running a task the pump published
+        sub_pump (C)                  poll -> complete -> take queue head -> publish
+      sync the lanes                  the task still in flight becomes the lane's
+                                      dispatch, exactly as if Python had published it
+      claim + complete in bulk        RUNNING, counts, fair charge, events, results,
+                                      the Scheduler's spin-gate samples (spingate.py)
+
+The Scheduler keeps every policy: it picks the run (the fifo head, or the only run
+with SUB work under ``fair``), calls the pump only while no reload holds a digest,
+and handles everything unusual on its Python path. The pump stops at a slot that is
+not READY or is a group (the Python dispatch takes it), and leaves a frame that did
+not end plainly (an error, a stale trailer, an oversized result) to the lane's Python
+``progress``. After each call the task a lane still runs is that lane's ordinary
+``WorkerDispatch`` (its frame, deadline and child watch as ``submit_progress`` sets
+them), so a crash, a ``terminate``, a deadline or a round without the pump finds
+the usual state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final
+
+from simpler_daemon.endpoints.base import EndpointEvent, WorkerDispatch
+from simpler_daemon.endpoints.local import LocalMailboxEndpoint
+from simpler_daemon.mailbox import _mailbox as _mb
+from simpler_daemon.mailbox.layout import TASK_FRAMES
+from simpler_daemon.scheduler.runmodel import SlotState
+
+if TYPE_CHECKING:
+    from simpler_daemon.scheduler.completion import RunCompletion
+    from simpler_daemon.scheduler.lanes import WorkerThread
+    from simpler_daemon.scheduler.runmodel import TaskSlot
+    from simpler_daemon.scheduler.spingate import SpinGate
+
+__all__ = ["PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "SubPump"]
+
+#: How long one pump call waits for a child to finish with nothing else to do (ns):
+#: an empty task's round trip fits, a longer task returns to the Scheduler (which
+#: spins or parks as usual). The GIL is held meanwhile, so keep it short.
+PUMP_SPIN_NS: Final = 50_000
+#: Most slots one call publishes: bounds how long a round keeps the GIL.
+PUMP_MAX_PUBLISH: Final = 128
+#: The pump spins while at least this share of its spinning calls saw a task finish
+#: (smoothed): for tasks longer than the spin, spinning would only take a core from the
+#: children (W3's 500 µs tasks). A hit *rate*, not a mean latency: the rare slow
+#: completion of a loaded machine does not turn spinning off.
+PUMP_MIN_HIT_RATE: Final = 0.5
+#: While the pump does not spin, every this many calls spin once (a probe), so spinning
+#: comes back when tasks get short again: long tasks lose one spin per this many tasks.
+PUMP_PROBE_EVERY: Final = 32
+
+_SLOT: Final = 2
+_DID: Final = 3
+_NEXT: Final = 4
+_AT: Final = 5
+_STOP: Final = 6
+_DONE: Final = 7
+assert _mb.SUBPUMP_FIELDS == 8
+
+_READY: Final = SlotState.READY
+
+
+class _Lane:
+    """One SUB lane as the pump sees it: the C state list and the dispatch it owns."""
+
+    __slots__ = ("dispatch", "done_issued_at", "endpoint", "lane", "state")
+
+    def __init__(self, lane: WorkerThread, endpoint: LocalMailboxEndpoint) -> None:
+        self.lane = lane
+        self.endpoint = endpoint
+        #: [buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns, stop, done]
+        self.state: list[Any] = [endpoint.buf, TASK_FRAMES[0], None, 0, 1, 0, 0, []]
+        #: The lane's active dispatch while it runs a task the pump published.
+        self.dispatch: WorkerDispatch | None = None
+        #: ``issued_at`` of the dispatch in flight before the last call when that call
+        #: completed it (the first of ``take_done``), else 0.0: the rest of the done list
+        #: was published and completed within the call (the spin gate's samples).
+        self.done_issued_at = 0.0
+
+    def take_done(self) -> list[Any]:
+        """What the last call completed on this lane, in order (a slot, or (slot, bytes)
+        for a returned value); the lane's list is emptied for the next call."""
+        done: list[Any] = self.state[_DONE]
+        out = done[:]
+        done.clear()
+        return out
+
+    @property
+    def needs_python(self) -> bool:
+        """The last call left this lane's frame to the Python path (``progress``)."""
+        return bool(self.state[_STOP])
+
+
+class SubPump:
+    """Runs ``_mailbox.sub_pump`` over the SUB lanes and mirrors its effect on them."""
+
+    __slots__ = ("_calls", "_events", "_lanes", "_published", "_states", "_work", "hit_rate")
+
+    def __init__(self) -> None:
+        self._lanes: dict[int, _Lane] = {}
+        #: What the current call published, in order (claimed, then cleared).
+        self._published: list[TaskSlot] = []
+        #: The lanes of the current call (reused).
+        self._work: list[_Lane] = []
+        self._states: list[list[Any]] = []
+        self._events: list[EndpointEvent] = []
+        #: Smoothed share of spinning calls that ended with nothing in flight or saw a
+        #: task finish (``PUMP_MIN_HIT_RATE``): whether the next call spins.
+        self.hit_rate = 1.0
+        self._calls = 0
+
+    def owns(self, lane: WorkerThread) -> bool:
+        """Whether the pump polls ``lane``'s frame this round: a live single-frame local
+        SUB lane running a task the pump published. The round polls every other busy
+        lane on the Python path first, so a lane that frees up there joins the pump."""
+        rec = self._lanes.get(id(lane))
+        return (
+            rec is not None
+            and rec.dispatch is not None
+            and rec.dispatch is lane.active
+            and rec.endpoint is lane.endpoint
+            and self._eligible(lane)
+        )
+
+    @staticmethod
+    def _eligible(lane: WorkerThread) -> bool:
+        ep = lane.endpoint
+        return (
+            type(ep) is LocalMailboxEndpoint
+            and ep.poison_reason is None
+            and not ep.stopping
+            and not lane.stopping
+            and lane.staged is None
+        )
+
+    def select(self, lanes: list[WorkerThread]) -> None:
+        """Pick the lanes the next ``pump`` drives: those ``owns`` says, and the idle ones."""
+        work = self._work
+        work.clear()
+        for lane in lanes:
+            if not self._eligible(lane):
+                continue
+            ep = lane.endpoint
+            assert isinstance(ep, LocalMailboxEndpoint)
+            rec = self._lanes.get(id(lane))
+            if rec is None or rec.lane is not lane or rec.endpoint is not ep:
+                rec = self._lanes[id(lane)] = _Lane(lane, ep)
+            active = lane.active
+            if active is not None and active is not rec.dispatch:
+                continue  # published by the Python path: its progress completes it
+            work.append(rec)
+
+    def pump(self, queue: deque[TaskSlot], published: list[TaskSlot], spin: bool) -> list[_Lane]:
+        """One C call over the lanes ``select`` picked and ``queue``; fills ``published``.
+
+        Returns those lanes (their completions are in ``state[_DONE]``, their in-flight
+        task is their active dispatch again). A lane whose frame needs the Python path
+        has ``state[_STOP]`` set: the caller runs its ``progress``.
+        """
+        work = self._work
+        states = self._states
+        states.clear()
+        for rec in work:
+            lane = rec.lane
+            st = rec.state
+            if lane.active is None:  # idle now (also when the Python path completed it)
+                rec.dispatch = None
+                st[_SLOT] = None
+            st[_NEXT] = lane._next_dispatch_id
+            st[_STOP] = 0
+            states.append(st)
+        if not states:
+            return work
+        spin_ns = 0
+        if spin:
+            self._calls += 1
+            if self.hit_rate >= PUMP_MIN_HIT_RATE or self._calls % PUMP_PROBE_EVERY == 0:
+                spin_ns = PUMP_SPIN_NS
+        _mb.sub_pump(states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH)
+        finished = waiting = False
+        for rec in work:
+            st = rec.state
+            n = len(st[_DONE])
+            d = rec.dispatch
+            if d is not None and (st[_SLOT] is not d.task_slot or st[_DID] != d.dispatch_id):
+                n -= 1  # the task in flight before the call: it may have ended before it
+            if n > 0:
+                finished = True  # a task published by this call ended within it
+            if st[_SLOT] is not None and not st[_STOP]:
+                waiting = True
+            self._sync(rec)
+        if spin_ns:
+            # A miss: the spin ran out with tasks in flight and none it published finished.
+            hit = finished or not waiting
+            self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
+        return work
+
+    def round(self, sched: RunCompletion, q: deque[TaskSlot], spin: bool) -> bool:
+        """The Scheduler round's part for the lanes ``select`` picked: run the C loop over
+        ``q``, claim what it published and complete what it finished (in bulk, on
+        ``sched``); then the child watch of the lanes it left busy, and the Python
+        ``progress`` of a frame it left to Python. True when it did anything.
+
+        ``spin``: the round belongs to a waiting driver, so the C loop may wait for the
+        children, and what it completes feeds the spin gate. A round inside a submit
+        sees a task as late as the orchestration's last submits took (a miss that says
+        nothing about the task), and W2's submit phase alone would then turn spinning
+        off for its wait."""
+        published = self._published
+        lanes = self.pump(q, published, spin)
+        did = False
+        if published:
+            did = True
+            sched._claim_published(published)
+        now = 0.0 if spin else -1.0
+        for rec in lanes:
+            done = rec.take_done()
+            if done:
+                did = True
+                if not now:
+                    now = time.monotonic()
+                if now > 0.0:
+                    self._observe(sched.spin_gate, rec.done_issued_at, len(done), now)
+                sched._complete_pumped(rec.lane, done)
+        stuck: list[_Lane] = []
+        for rec in lanes:
+            lane = rec.lane
+            if lane.inflight:
+                if rec.needs_python:
+                    stuck.append(rec)
+                else:
+                    self.watch(lane)
+        if len(stuck) > 1:
+            # Frames that did not end plainly (failures) reach the run in the order their
+            # tasks were dispatched, so the first failure is the one the run reports.
+            stuck.sort(key=_issued_at)
+        for rec in stuck:
+            rec.lane.progress()
+        return did
+
+    @staticmethod
+    def _observe(gate: SpinGate, issued_at: float, n: int, now: float) -> None:
+        """Feed the spin gate (spingate.py) the ``n`` completions one lane's pump call made:
+        the task in flight before the call (dispatched at ``issued_at``, 0.0: none) took
+        until ``now``; the others were published and completed within the call, i.e.
+        while the pump spun (latency ~0, a hit). Without these samples the gate never
+        learns that pumped SUB tasks are long (W3 would keep spinning)."""
+        if issued_at:
+            gate.observe(issued_at, now)
+            n -= 1
+        for _ in range(n):
+            gate.observe(now, now)
+
+    def watch(self, lane: WorkerThread) -> None:
+        """The rest of ``lane.progress`` for a lane the pump polled: the child's watch.
+        Its events (a poisoned endpoint's completions) go to the lane as usual."""
+        ep = lane.endpoint
+        assert isinstance(ep, LocalMailboxEndpoint)
+        events = self._events
+        ep.watch_progress(events)
+        if events:
+            lane.forward(events)
+
+    @staticmethod
+    def _sync(rec: _Lane) -> None:
+        """Make the lane, its endpoint and its frame say what the C call left in flight."""
+        st = rec.state
+        lane = rec.lane
+        ep = rec.endpoint
+        lane._next_dispatch_id = st[_NEXT]
+        slot = st[_SLOT]
+        did = st[_DID]
+        d = rec.dispatch
+        done = st[_DONE]
+        if done:
+            ep.tasks_completed += len(done)
+        rec.done_issued_at = 0.0
+        if d is not None and (slot is not d.task_slot or did != d.dispatch_id):
+            # Its task completed inside the call (it is in the lane's done list).
+            rec.done_issued_at = d.issued_at
+            ep.fast_release(d)
+            lane.active = None
+            lane.inflight -= 1
+            rec.dispatch = d = None
+        if slot is not None and d is None:
+            d = WorkerDispatch(slot, 0, did)
+            d.issued_at = st[_AT] / 1e9
+            ep.fast_adopt(d, d.issued_at)
+            lane.active = d
+            lane.inflight += 1
+            rec.dispatch = d
+        if st[_STOP] == 2:
+            ep.poison("publication into a non-idle task frame 0 (sub pump)")
+
+    def forget(self) -> None:
+        """Drop every lane record (the lanes were replaced or stopped)."""
+        self._lanes.clear()
+
+
+def _issued_at(rec: _Lane) -> float:
+    active = rec.lane.active
+    return active.issued_at if active is not None else 0.0
