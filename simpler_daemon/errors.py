@@ -97,3 +97,64 @@ class RunCancelled(TaskError):
 
 class WorkerClosedError(SimplerError, RuntimeError):
     """The Worker (or daemon) is closed or closing and takes no more work."""
+
+
+class UntrustedPathError(SimplerError, PermissionError):
+    """A path someone other than the daemon's user or root could have prepared
+    (``system/localtrust.py`` decides)."""
+
+
+class ManifestError(SimplerError, ValueError):
+    """A remote session's manifest is malformed or breaks a rule; ``key`` is the dotted
+    field (``manifest.callables[2].hashid``), ``None`` when the JSON itself is unreadable."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# --------------------------------------------------------------------------- requests
+# A request the daemon refuses: the caller is at fault. Each subclass picks the gRPC
+# status the daemon answers with (``server/status.py``); the client raises the
+# matching ``simpler_daemon.client.errors`` class.
+
+
+class RequestError(SimplerError):
+    """A request the daemon refuses; the subclass picks the status (see STATUS_TABLE).
+
+    ``field`` is the offending field path (``tasks[3].members[0].tensors[1].buffer_id``)
+    or "" when the request as a whole is refused.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class InvalidField(RequestError):
+    """A malformed field."""
+
+
+class UnknownObject(RequestError):
+    """An unknown run, buffer, hashid or worker."""
+
+
+class AccessDenied(RequestError):
+    """An import path outside ``callables.allowed_modules``, another client's run,
+    buffer or registration, or an admin call from a client that is not an admin."""
+
+
+class LimitExceeded(RequestError):
+    """A configured size or count limit."""
+
+
+class Precondition(RequestError):
+    """The daemon's state forbids the request (draining, stopping, wrong callable role...)."""
+
+
+class Unimplemented(RequestError):
+    """A feature this build does not have."""
+
+
+class PeerUnavailable(RequestError):
+    """A peer the request needs cannot be reached (a remote worker that does not start)."""

@@ -28,14 +28,12 @@ from simpler_daemon import Worker
 from simpler_daemon.client import Client, RunPhase, sub_task
 from simpler_daemon.client.errors import NotFound
 from simpler_daemon.engine.orchestrator import Run, TaskRef
-from simpler_daemon.errors import TaskError
+from simpler_daemon.errors import InvalidField, TaskError, UnknownObject
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.run_record import STATUS_BYTES
 from simpler_daemon.server.runs import RunTable
-from simpler_daemon.server.status import InvalidArgument
-from simpler_daemon.server.status import NotFound as ServerNotFound
 from tests import tasks
 from tests.daemon_harness import (
     EXAMPLES,
@@ -151,7 +149,7 @@ def test_the_byte_limit_evicts_from_the_client_holding_the_most_bytes() -> None:
     huge = finished(6, "uid:0", 200_000)
     for run_id in small:
         assert table.record(run_id).label == f"r{run_id}"
-    with pytest.raises(ServerNotFound, match=r"max_finished_run_bytes = 100000"):
+    with pytest.raises(UnknownObject, match=r"max_finished_run_bytes = 100000"):
         table.record(huge.run_id)
 
 
@@ -274,7 +272,7 @@ async def test_plan_validates_repeated_identical_tasks_once() -> None:
         bad = pb.Task(kind=pb.TASK_KIND_SUB, hashid=h.hashid, members=[pb.Args()])
         bad.config.deadline_ms = 1 << 63
         request = pb.SubmitRunRequest(tasks=[task] * 10 + [bad] * 5)
-        with pytest.raises(InvalidArgument) as info:
+        with pytest.raises(InvalidField) as info:
             await planner.plan_run(request, set())
         assert info.value.field == "tasks[10].config.deadline_ms"
 

@@ -20,12 +20,11 @@ import msgspec
 import pytest
 
 from simpler_daemon.callables import spec_for_chip, spec_for_import
-from simpler_daemon.errors import ConfigError, ProtocolError
+from simpler_daemon.errors import ConfigError, ManifestError, ProtocolError
 from simpler_daemon.remote.manifest import (
     MAX_MANIFEST_BYTES,
     HandshakeReply,
     Manifest,
-    ManifestError,
     ManifestLimits,
     RunnerSpec,
     decode_manifest,

@@ -25,10 +25,9 @@ import pytest
 
 from simpler_daemon import heap as heap_mod
 from simpler_daemon.client import Client
-from simpler_daemon.errors import StartupError
+from simpler_daemon.errors import StartupError, UntrustedPathError
 from simpler_daemon.heap import Heap, heap_name
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.system.localtrust import UntrustedPathError
 from simpler_daemon.testing import poll_for
 from tests.daemon_harness import REPO, DaemonProcess, NotifySocket, merged, write_config
 from tests.users import User, throwaway_user

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from simpler_daemon.errors import UntrustedPathError
 from simpler_daemon.heap import SHM_DIR
-from simpler_daemon.system.localtrust import UntrustedPathError, open_trusted_heap
+from simpler_daemon.system.localtrust import open_trusted_heap
 
 __all__ = ["map_buffer_view"]
 

@@ -39,7 +39,7 @@ from simpler_daemon.callables import (
     spec_for_chip,
     spec_for_import,
 )
-from simpler_daemon.errors import ProtocolError, RegistrationError, SimplerError
+from simpler_daemon.errors import ManifestError, ProtocolError, RegistrationError
 
 __all__ = [
     "AUTH_MAGIC",
@@ -81,15 +81,6 @@ _U64_MAX: Final = (1 << 64) - 1
 _I32_MAX: Final = (1 << 31) - 1
 _ATTACH_KEY: Final = re.compile(r"[0-9a-f]{64}\Z")
 _MAX_STR: Final = 1024
-
-
-class ManifestError(SimplerError, ValueError):
-    """A manifest is malformed or breaks a rule; ``key`` is the dotted field
-    (``manifest.callables[2].hashid``), ``None`` when the JSON itself is unreadable."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 # --------------------------------------------------------------------------- structs

@@ -48,11 +48,10 @@ from typing import Any, Final
 import msgspec
 
 from simpler_daemon import __version__
-from simpler_daemon.errors import ConfigError, ProtocolError, StartupError
+from simpler_daemon.errors import ConfigError, ManifestError, ProtocolError, StartupError
 from simpler_daemon.remote.manifest import (
     HandshakeReply,
     Manifest,
-    ManifestError,
     decode_manifest,
     decode_reply,
     encode_lp_json,

@@ -4,7 +4,7 @@ Every buffer and callable registration a client creates, and every run it submit
 belongs to the caller's :class:`~simpler_daemon.server.peers.Identity` ``.owner``::
 
     AllocBuffer       --check_alloc (limits.per_client_heap_bytes)--> add_buffer
-    Read/Write/Free   --check_buffer: owner or admin, else PermissionDenied
+    Read/Write/Free   --check_buffer: owner or admin, else AccessDenied
     SubmitRun args    --check_buffer for every buffer the plan pinned
     RegisterCallable  --registering: quota limits.per_client_registrations, slot held
     UnregisterCallable--drop_registration: the caller's own reference (an admin: anyone's)
@@ -22,9 +22,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Final, NamedTuple
 
+from simpler_daemon.errors import AccessDenied, LimitExceeded
 from simpler_daemon.server.config import LimitsConfig
 from simpler_daemon.server.peers import DAEMON_OWNER, Identity
-from simpler_daemon.server.status import LimitExceeded, PermissionDenied
 from simpler_daemon.system.authguard import read_token_file
 
 __all__ = ["OWNED_BY_OTHER", "Owners", "read_admin_token", "require_admin"]
@@ -42,9 +42,9 @@ def read_admin_token(path: str) -> bytes:
 
 
 def require_admin(who: Identity, what: str) -> None:
-    """``PermissionDenied`` unless ``who`` is an admin (Drain, shutdown, workers)."""
+    """``AccessDenied`` unless ``who`` is an admin (Drain, shutdown, workers)."""
     if not who.admin:
-        raise PermissionDenied(
+        raise AccessDenied(
             "",
             f"cannot {what}: an admin call ({who.owner} is not an admin: see "
             "security.admin_uids, security.admin_groups, security.admin_token_file)",
@@ -105,9 +105,9 @@ class Owners:
     def check_buffer(
         self, who: Identity, buffer_id: int, generation: int, what: str, field: str = ""
     ) -> None:
-        """``PermissionDenied`` naming the buffer unless ``who`` owns it or is an admin."""
+        """``AccessDenied`` naming the buffer unless ``who`` owns it or is an admin."""
         if not self.may_use_buffer(who, buffer_id, generation):
-            raise PermissionDenied(field, f"cannot {what} buffer {buffer_id}: {OWNED_BY_OTHER}")
+            raise AccessDenied(field, f"cannot {what} buffer {buffer_id}: {OWNED_BY_OTHER}")
 
     def drop_buffer(self, buffer_id: int) -> None:
         """The buffer was freed: it stops counting against its owner's quota."""
@@ -161,13 +161,13 @@ class Owners:
 
     def registration_owner(self, who: Identity, hashid: str) -> str:
         """Whose reference an unregister by ``who`` drops: its own when it holds one,
-        for an admin anyone's (the daemon's preloaded one last), else PermissionDenied."""
+        for an admin anyone's (the daemon's preloaded one last), else AccessDenied."""
         holders = self._registrations.get(hashid, Counter())
         if holders[who.owner] > 0:
             return who.owner
         if who.admin:
             return next((o for o, n in holders.items() if n > 0), DAEMON_OWNER)
-        raise PermissionDenied(
+        raise AccessDenied(
             "hashid",
             f"cannot unregister callable {hashid}: {who.owner} holds no reference to it "
             "(a client may drop only its own registrations; an admin may drop any)",
@@ -193,6 +193,6 @@ class Owners:
 
     @staticmethod
     def check_run(who: Identity, owner: str, run_id: int, what: str) -> None:
-        """``PermissionDenied`` naming the run unless ``who`` submitted it or is an admin."""
+        """``AccessDenied`` naming the run unless ``who`` submitted it or is an admin."""
         if not (who.admin or owner == who.owner):
-            raise PermissionDenied("run_id", f"cannot {what} run {run_id}: {OWNED_BY_OTHER}")
+            raise AccessDenied("run_id", f"cannot {what} run {run_id}: {OWNED_BY_OTHER}")

@@ -10,13 +10,13 @@ from typing import Any, Final
 import numpy as np
 
 from simpler_daemon.args import MAX_NDIM
+from simpler_daemon.errors import InvalidField, LimitExceeded
 from simpler_daemon.heap import Buffer
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
 from simpler_daemon.server.decoding import BadRequest
 from simpler_daemon.server.plan import check_label
 from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary
-from simpler_daemon.server.status import InvalidArgument, LimitExceeded
 
 __all__ = ["READ_CHUNK", "BuffersRpc"]
 
@@ -49,7 +49,7 @@ class BuffersRpc(ServiceBase):
         dt = self._plan.dtype(request.dtype, "dtype")
         shape = tuple(request.shape)
         if len(shape) > MAX_NDIM:
-            raise InvalidArgument("shape", f"{len(shape)} dimensions, at most {MAX_NDIM}")
+            raise InvalidField("shape", f"{len(shape)} dimensions, at most {MAX_NDIM}")
         check_label(request.label)
         nbytes = math.prod(shape) * dt.itemsize
         limit = self._limits.max_buffer_bytes
@@ -88,11 +88,11 @@ class BuffersRpc(ServiceBase):
             pos = written = 0
             async for msg in request_iterator:
                 if isinstance(msg, BadRequest):
-                    raise InvalidArgument("", msg.describe())
+                    raise InvalidField("", msg.describe())
                 which = msg.WhichOneof("chunk")
                 if buf is None:
                     if which != "target":
-                        raise InvalidArgument(
+                        raise InvalidField(
                             "target", "the first WriteBuffer message must carry the target"
                         )
                     t = msg.target
@@ -102,13 +102,13 @@ class BuffersRpc(ServiceBase):
                         who, buf.buffer_id, buf.generation, "write", "target.buffer_id"
                     )
                     if t.offset > buf.nbytes:
-                        raise InvalidArgument(
+                        raise InvalidField(
                             "target.offset",
                             f"offset {t.offset} is past the end of buffer {buf.buffer_id} "
                             f"({buf.nbytes} bytes)",
                         )
                     if t.offset + t.total_bytes > buf.nbytes:  # refused before any data
-                        raise InvalidArgument(
+                        raise InvalidField(
                             "target.total_bytes",
                             f"writing {t.total_bytes} bytes at offset {t.offset} overruns "
                             f"buffer {buf.buffer_id} of {buf.nbytes} bytes",
@@ -116,7 +116,7 @@ class BuffersRpc(ServiceBase):
                     pos = t.offset
                     continue
                 if which != "data":
-                    raise InvalidArgument(
+                    raise InvalidField(
                         "target", "only the first WriteBuffer message may carry a target"
                     )
                 data = msg.data
@@ -125,7 +125,7 @@ class BuffersRpc(ServiceBase):
                 self._plan.buffer(buf.buffer_id, buf.generation, "target")
                 end = pos + len(data)
                 if end > buf.nbytes:
-                    raise InvalidArgument(
+                    raise InvalidField(
                         "data",
                         f"writing {len(data)} bytes at offset {pos} overruns buffer "
                         f"{buf.buffer_id} of {buf.nbytes} bytes",
@@ -134,7 +134,7 @@ class BuffersRpc(ServiceBase):
                 pos = end
                 written += len(data)
             if buf is None:
-                raise InvalidArgument(
+                raise InvalidField(
                     "target", "empty stream: the first message must carry the target"
                 )
             return pb.WriteBufferResponse(buffer_id=buf.buffer_id, bytes_written=written)
@@ -148,14 +148,14 @@ class BuffersRpc(ServiceBase):
             self._owners.check_buffer(who, buf.buffer_id, buf.generation, "read", "buffer_id")
             start = request.offset
             if start > buf.nbytes:
-                raise InvalidArgument(
+                raise InvalidField(
                     "offset",
                     f"offset {start} is past the end of buffer {buf.buffer_id} "
                     f"({buf.nbytes} bytes)",
                 )
             length = request.length or buf.nbytes - start
             if start + length > buf.nbytes:
-                raise InvalidArgument(
+                raise InvalidField(
                     "length",
                     f"[{start}, {start + length}) overruns buffer {buf.buffer_id} of "
                     f"{buf.nbytes} bytes",

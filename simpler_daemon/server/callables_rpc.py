@@ -8,19 +8,13 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from simpler_daemon.callables import CallableHandle, resolve_import
+from simpler_daemon.errors import AccessDenied, InvalidField, LimitExceeded, UnknownObject
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
 from simpler_daemon.server.peers import Identity
 from simpler_daemon.server.plan import REGISTER_KINDS
 from simpler_daemon.server.rpc_base import ServiceBase, unary
-from simpler_daemon.server.status import (
-    InvalidArgument,
-    LimitExceeded,
-    NotFound,
-    PermissionDenied,
-    at_field,
-    error_text,
-)
+from simpler_daemon.server.status import at_field, error_text
 
 __all__ = ["CallablesRpc"]
 
@@ -62,9 +56,9 @@ class CallablesRpc(ServiceBase):
                 try:
                     fn = await asyncio.to_thread(resolve_import, module, qualname)
                 except PermissionError as exc:  # outside the allow-list (callables.py)
-                    raise PermissionDenied("import_path", str(exc)) from exc
+                    raise AccessDenied("import_path", str(exc)) from exc
                 except Exception as exc:
-                    raise InvalidArgument(
+                    raise InvalidField(
                         "import_path", f"cannot import {target}: {type(exc).__name__}: {exc}"
                     ) from exc
             try:
@@ -100,7 +94,7 @@ class CallablesRpc(ServiceBase):
         module, qualname, kind = self._plan.register_target(request)
         target = f"{module}:{qualname}"
         if request.workers:
-            raise InvalidArgument(
+            raise InvalidField(
                 "workers",
                 f"cannot reload {target}: a reload reaches this daemon's own workers; "
                 "leave workers empty",
@@ -109,7 +103,7 @@ class CallablesRpc(ServiceBase):
         hashid = CallableHandle.for_import(target, kind).hashid  # type: ignore[arg-type]
         entry = self._worker.registry.lookup(hashid)
         if entry is None or entry.state != "active":
-            raise NotFound(
+            raise UnknownObject(
                 "import_path",
                 f"cannot reload {target}: it is not registered (register it first; a reload "
                 "re-imports a registered callable)",
@@ -118,8 +112,8 @@ class CallablesRpc(ServiceBase):
         # of it, or an admin, may do that.
         try:
             self._owners.registration_owner(who, hashid)
-        except PermissionDenied:
-            raise PermissionDenied(
+        except AccessDenied:
+            raise AccessDenied(
                 "import_path",
                 f"cannot reload {target}: {who.owner} holds no registration of it (a client "
                 "may reload what it registered; an admin anything)",

@@ -25,10 +25,9 @@ import socket
 import stat
 from typing import TYPE_CHECKING, Any
 
-from simpler_daemon.errors import StartupError
+from simpler_daemon.errors import StartupError, UntrustedPathError
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.system.localtrust import (
-    UntrustedPathError,
     ensure_private_dir,
     publish_socket,
     staged_socket_path,

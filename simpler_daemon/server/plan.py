@@ -41,18 +41,19 @@ from simpler_daemon.args import (
 from simpler_daemon.callables import CallableHandle, digest_of, parse_import_path
 from simpler_daemon.engine.orchestrator import Run
 from simpler_daemon.engine.worker import Worker
-from simpler_daemon.errors import RegistrationError, SimplerError
+from simpler_daemon.errors import (
+    AccessDenied,
+    InvalidField,
+    LimitExceeded,
+    RegistrationError,
+    SimplerError,
+    UnknownObject,
+)
 from simpler_daemon.heap import Buffer
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
-from simpler_daemon.server.status import (
-    InvalidArgument,
-    LimitExceeded,
-    NotFound,
-    PermissionDenied,
-    error_text,
-)
+from simpler_daemon.server.status import error_text
 
 __all__ = [
     "MAX_KEY",
@@ -109,7 +110,7 @@ def timeout_field(request: Any, name: str) -> float:
     """A seconds field that must be finite and >= 0 (INVALID_ARGUMENT otherwise)."""
     value = float(getattr(request, name))
     if math.isnan(value) or value < 0:
-        raise InvalidArgument(name, f"must be >= 0, got {value}")
+        raise InvalidField(name, f"must be >= 0, got {value}")
     return min(value, MAX_WAIT_S)
 
 
@@ -132,7 +133,7 @@ class Slicer:
 
 def check_label(label: str, field: str = "label") -> None:
     if len(label) > MAX_LABEL:
-        raise InvalidArgument(field, f"{len(label)} characters, at most {MAX_LABEL}")
+        raise InvalidField(field, f"{len(label)} characters, at most {MAX_LABEL}")
 
 
 def check_reason(reason: str) -> None:
@@ -142,7 +143,7 @@ def check_reason(reason: str) -> None:
 def run_priority(value: int, field: str = "priority") -> int:
     """A request's run priority: 0 (unset) is 1; above MAX_PRIORITY is refused."""
     if value > MAX_PRIORITY:
-        raise InvalidArgument(field, f"priority {value} is out of range (1 to {MAX_PRIORITY})")
+        raise InvalidField(field, f"priority {value} is out of range (1 to {MAX_PRIORITY})")
     return value or 1
 
 
@@ -204,28 +205,28 @@ class Planner:
         if dt is not None:
             return dt
         if not name:
-            raise InvalidArgument(field, "required (a NumPy dtype name such as 'float32')")
+            raise InvalidField(field, "required (a NumPy dtype name such as 'float32')")
         if len(name) > _MAX_DTYPE_NAME:
-            raise InvalidArgument(field, f"dtype name of {len(name)} characters is too long")
+            raise InvalidField(field, f"dtype name of {len(name)} characters is too long")
         try:
             dt = np.dtype(name)
             dtype_code(dt)
         except (TypeError, ValueError) as exc:
-            raise InvalidArgument(field, f"unknown or unsupported dtype {name!r}") from exc
+            raise InvalidField(field, f"unknown or unsupported dtype {name!r}") from exc
         self._dtypes[name] = dt
         return dt
 
     def buffer(self, buffer_id: int, generation: int, field: str) -> Buffer:
         if buffer_id == 0:
-            raise InvalidArgument(f"{field}.buffer_id" if field else "buffer_id", "required")
+            raise InvalidField(f"{field}.buffer_id" if field else "buffer_id", "required")
         try:
             buf = self._worker.heap.get(buffer_id)
         except KeyError as exc:
             where = f"{field}.buffer_id" if field else "buffer_id"
-            raise NotFound(where, f"buffer {buffer_id} is not allocated") from exc
+            raise UnknownObject(where, f"buffer {buffer_id} is not allocated") from exc
         if generation and generation != buf.generation:
             where = f"{field}.generation" if field else "generation"
-            raise NotFound(
+            raise UnknownObject(
                 where,
                 f"buffer {buffer_id} generation {generation} is gone "
                 f"(the current generation is {buf.generation})",
@@ -234,24 +235,24 @@ class Planner:
 
     def handle(self, hashid: str, field: str) -> CallableHandle:
         if not hashid:
-            raise InvalidArgument(field, "required ('sha256:' followed by 64 lowercase hex digits)")
+            raise InvalidField(field, "required ('sha256:' followed by 64 lowercase hex digits)")
         if hashid not in self._well_formed:
             try:
                 digest_of(hashid)
             except RegistrationError as exc:
-                raise InvalidArgument(field, exc.args[0].partition(": ")[2] or str(exc)) from exc
+                raise InvalidField(field, exc.args[0].partition(": ")[2] or str(exc)) from exc
             if len(self._well_formed) >= _WELL_FORMED_KEPT:
                 self._well_formed.clear()
             self._well_formed.add(hashid)
         entry = self._worker.registry.lookup(hashid)
         if entry is None or entry.state != "active":
-            raise NotFound(field, f"callable {hashid} is not registered")
+            raise UnknownObject(field, f"callable {hashid} is not registered")
         return entry.spec.handle
 
     def orchestration_handle(self, hashid: str, field: str) -> CallableHandle:
         handle = self.handle(hashid, field)
         if handle.role != "orchestration":
-            raise InvalidArgument(
+            raise InvalidField(
                 field,
                 f"{handle.name} is registered as {handle.role}, not as an orchestration function",
             )
@@ -278,12 +279,12 @@ class Planner:
 
     def call_config(self, msg: Any, field: str) -> CallConfig:
         if msg.deadline_ms >= _U63:
-            raise InvalidArgument(f"{field}.deadline_ms", f"{msg.deadline_ms} is too large")
+            raise InvalidField(f"{field}.deadline_ms", f"{msg.deadline_ms} is too large")
         if msg.threads >= 1 << 31:
-            raise InvalidArgument(f"{field}.threads", f"{msg.threads} is too large")
+            raise InvalidField(f"{field}.threads", f"{msg.threads} is too large")
         prefix_len = len(msg.output_prefix.encode())
         if prefix_len > MAX_OUTPUT_PREFIX:
-            raise InvalidArgument(
+            raise InvalidField(
                 f"{field}.output_prefix",
                 f"{prefix_len} bytes, the limit is {MAX_OUTPUT_PREFIX}",
             )
@@ -296,7 +297,7 @@ class Planner:
                 output_prefix=msg.output_prefix,
             )
         except ValueError as exc:
-            raise InvalidArgument(field, str(exc)) from exc
+            raise InvalidField(field, str(exc)) from exc
 
     def task_args(self, msg: Any, field: str, pins: set[int]) -> TaskArgs:
         """TaskArgs of heap views from an ``Args`` message, every number checked.
@@ -329,7 +330,7 @@ class Planner:
             where = f"{field}.tensors[{t}]"
             tag = _TAGS.get(ref.tag)
             if tag is None:
-                raise InvalidArgument(
+                raise InvalidField(
                     f"{where}.tag",
                     "required" if ref.tag == pb.TAG_UNSPECIFIED else f"unknown tag {ref.tag}",
                 )
@@ -340,12 +341,10 @@ class Planner:
             dt = self.dtype(ref.dtype, f"{where}.dtype")
             shape = tuple(ref.shape)
             if len(shape) > MAX_NDIM:
-                raise InvalidArgument(
-                    f"{where}.shape", f"{len(shape)} dimensions, at most {MAX_NDIM}"
-                )
+                raise InvalidField(f"{where}.shape", f"{len(shape)} dimensions, at most {MAX_NDIM}")
             strides: tuple[int, ...] | None = tuple(ref.strides) or None
             if strides is not None and len(strides) != len(shape):
-                raise InvalidArgument(
+                raise InvalidField(
                     f"{where}.strides",
                     f"{len(strides)} strides for {len(shape)} dimensions",
                 )
@@ -364,7 +363,7 @@ class Planner:
                     what=f"buffer {buf.buffer_id}",
                 )
             except ViewError as exc:
-                raise InvalidArgument(f"{where}.{exc.field}", str(exc)) from exc
+                raise InvalidField(f"{where}.{exc.field}", str(exc)) from exc
             try:
                 desc = heap.describe_buffer(
                     buf.buffer_id,
@@ -381,7 +380,7 @@ class Planner:
                     strides=desc.strides,
                 )
             except (ValueError, TypeError, OverflowError) as exc:
-                raise InvalidArgument(where, error_text(exc)) from exc
+                raise InvalidField(where, error_text(exc)) from exc
             out.tensors.append(view)
             out.tags.append(tag)
         return out
@@ -395,26 +394,26 @@ class Planner:
     def register_target(self, request: Any) -> tuple[str, str, str]:
         """``(module, qualname, role)`` of a RegisterCallableRequest.
 
-        Raises ``InvalidArgument`` (``import_path``, ``kind``, ``workers``) or
-        ``PermissionDenied`` (a module outside ``callables.allowed_modules``).
+        Raises ``InvalidField`` (``import_path``, ``kind``, ``workers``) or
+        ``AccessDenied`` (a module outside ``callables.allowed_modules``).
         """
         path = request.import_path
         if not path:
-            raise InvalidArgument("import_path", "required ('module:qualname')")
+            raise InvalidField("import_path", "required ('module:qualname')")
         try:
             module, qualname = parse_import_path(path)
         except RegistrationError as exc:
-            raise InvalidArgument("import_path", exc.args[0].partition(": ")[2]) from exc
+            raise InvalidField("import_path", exc.args[0].partition(": ")[2]) from exc
         allowed = self._callables
         if not allowed.allows(module):
-            raise PermissionDenied(
+            raise AccessDenied(
                 "import_path",
                 f"module {module!r} is not under callables.allowed_modules "
                 f"({', '.join(allowed.allowed_modules) or 'nothing'})",
             )
         kind = REGISTER_KINDS.get(request.kind)
         if kind is None:
-            raise InvalidArgument(
+            raise InvalidField(
                 "kind",
                 "required"
                 if request.kind == pb.CALLABLE_KIND_UNSPECIFIED
@@ -422,13 +421,11 @@ class Planner:
             )
         if request.workers:
             if self._worker.level == 3:
-                raise InvalidArgument(
-                    "workers", "only a level-4 daemon takes an explicit worker list"
-                )
+                raise InvalidField("workers", "only a level-4 daemon takes an explicit worker list")
             known = self.next_level_ids()
             for j, wid in enumerate(request.workers):
                 if wid not in known:
-                    raise NotFound(
+                    raise UnknownObject(
                         f"workers[{j}]",
                         f"worker {wid} is not a NEXT_LEVEL worker of this daemon "
                         f"(known: {sorted(known)})",
@@ -439,16 +436,16 @@ class Planner:
         """The ``RemoteWorkerSpec`` an ``AddRemoteWorkerRequest`` asks for.
 
         Unset fields take the ``RemoteWorkerSpec`` defaults. Raises
-        ``InvalidArgument`` naming the field (``endpoint``, ``num_chips``, ...) or
-        ``PermissionDenied`` for a credential file outside
+        ``InvalidField`` naming the field (``endpoint``, ``num_chips``, ...) or
+        ``AccessDenied`` for a credential file outside
         ``workers.remote_credentials_dir``.
         """
         if not request.endpoint:
-            raise InvalidArgument("endpoint", "required ('IP:PORT' of a simpler-remote-worker)")
+            raise InvalidField("endpoint", "required ('IP:PORT' of a simpler-remote-worker)")
         try:
             parse_endpoint(request.endpoint, "endpoint")
         except ValueError as exc:
-            raise InvalidArgument("endpoint", str(exc)) from exc
+            raise InvalidField("endpoint", str(exc)) from exc
         kwargs: dict[str, Any] = {"endpoint": request.endpoint, "num_chips": request.num_chips}
         # 0 SUB workers is meaningful only beside chips; with neither, the default (1).
         if request.num_sub_workers or request.num_chips:
@@ -456,13 +453,13 @@ class Planner:
         if request.HasField("session_timeout_s"):
             value = request.session_timeout_s
             if not (math.isfinite(value) and value > 0):
-                raise InvalidArgument("session_timeout_s", f"must be > 0, got {value}")
+                raise InvalidField("session_timeout_s", f"must be > 0, got {value}")
             kwargs["session_timeout_s"] = value
         if request.heap_bytes:
             kwargs["heap_bytes"] = request.heap_bytes
         if request.chip_pipeline_depth:
             if request.chip_pipeline_depth not in (1, 2):
-                raise InvalidArgument(
+                raise InvalidField(
                     "chip_pipeline_depth", f"must be 1 or 2, got {request.chip_pipeline_depth}"
                 )
             kwargs["chip_pipeline_depth"] = request.chip_pipeline_depth
@@ -472,33 +469,33 @@ class Planner:
                 kwargs[name] = self._credential_file(name, path)
         if request.tls_server_name:
             if "tls_ca_file" not in kwargs:
-                raise InvalidArgument("tls_server_name", "requires tls_ca_file (TLS)")
+                raise InvalidField("tls_server_name", "requires tls_ca_file (TLS)")
             kwargs["tls_server_name"] = request.tls_server_name
         if ("tls_cert_file" in kwargs) != ("tls_key_file" in kwargs):
             missing = "tls_key_file" if "tls_cert_file" in kwargs else "tls_cert_file"
-            raise InvalidArgument(missing, "tls_cert_file and tls_key_file go together")
+            raise InvalidField(missing, "tls_cert_file and tls_key_file go together")
         if "tls_cert_file" in kwargs and "tls_ca_file" not in kwargs:
-            raise InvalidArgument("tls_ca_file", "a client certificate needs tls_ca_file (TLS)")
+            raise InvalidField("tls_ca_file", "a client certificate needs tls_ca_file (TLS)")
         try:
             return RemoteWorkerSpec(**kwargs)
         except ValueError as exc:  # a rule of the spec the checks above do not repeat
-            raise InvalidArgument("", str(exc)) from exc
+            raise InvalidField("", str(exc)) from exc
 
     def _credential_file(self, field: str, path: str) -> str:
         """A client-named credential file, allowed only inside the configured directory:
         the daemon would otherwise send any file it can read to any endpoint."""
         base = self._credentials_dir
         if not base:
-            raise PermissionDenied(
+            raise AccessDenied(
                 field,
                 "cannot use a credential file named by a client: "
                 "workers.remote_credentials_dir is not set",
             )
         if not os.path.isabs(path) or "\0" in path:
-            raise InvalidArgument(field, f"{path!r} must be an absolute path")
+            raise InvalidField(field, f"{path!r} must be an absolute path")
         real, root = os.path.realpath(path), os.path.realpath(base)
         if os.path.commonpath([real, root]) != root:
-            raise PermissionDenied(
+            raise AccessDenied(
                 field, f"{path!r} is outside workers.remote_credentials_dir ({base})"
             )
         return real
@@ -517,7 +514,7 @@ class Planner:
         tasks = request.tasks
         limits = self._limits
         if not tasks:
-            raise InvalidArgument("tasks", "a run needs at least one task")
+            raise InvalidField("tasks", "a run needs at least one task")
         if len(tasks) > limits.max_tasks_per_run:
             raise LimitExceeded(
                 "tasks",
@@ -543,7 +540,7 @@ class Planner:
             kind = task.kind
             kind_name = _TASK_KIND_NAMES.get(kind)
             if kind_name is None:
-                raise InvalidArgument(
+                raise InvalidField(
                     f"{where}.kind",
                     "required" if kind == pb.TASK_KIND_UNSPECIFIED else f"unknown task kind {kind}",
                 )
@@ -553,13 +550,13 @@ class Planner:
                 handles[task.hashid] = handle
             sub = kind in (pb.TASK_KIND_SUB, pb.TASK_KIND_SUB_GROUP)
             if sub and handle.role != "sub":
-                raise InvalidArgument(
+                raise InvalidField(
                     f"{where}.hashid",
                     f"{handle.name} is registered as {handle.role}; a {kind_name} task needs "
                     "a SUB callable",
                 )
             if not sub and (handle.role == "sub" or (level == 3 and handle.role != "chip")):
-                raise InvalidArgument(
+                raise InvalidField(
                     f"{where}.hashid",
                     f"{handle.name} is registered as {handle.role}; a {kind_name} task needs "
                     + (
@@ -569,9 +566,9 @@ class Planner:
             members = task.members
             group = kind in (pb.TASK_KIND_SUB_GROUP, pb.TASK_KIND_NEXT_LEVEL_GROUP)
             if not members:
-                raise InvalidArgument(f"{where}.members", "at least one member is required")
+                raise InvalidField(f"{where}.members", "at least one member is required")
             if not group and len(members) != 1:
-                raise InvalidArgument(
+                raise InvalidField(
                     f"{where}.members",
                     f"a {kind_name} task has exactly one member, got {len(members)}",
                 )
@@ -583,21 +580,21 @@ class Planner:
                 )
             workers = list(task.workers)
             if sub and workers:
-                raise InvalidArgument(f"{where}.workers", f"must be empty for a {kind_name} task")
+                raise InvalidField(f"{where}.workers", f"must be empty for a {kind_name} task")
             if not sub:
                 want = len(members) if group else 1
                 if len(workers) != want:
-                    raise InvalidArgument(
+                    raise InvalidField(
                         f"{where}.workers",
                         f"a {kind_name} task needs {want} target worker(s), got {len(workers)}",
                     )
                 if len(set(workers)) != len(workers):
-                    raise InvalidArgument(f"{where}.workers", f"targets {workers} are not distinct")
+                    raise InvalidField(f"{where}.workers", f"targets {workers} are not distinct")
                 if next_level is None:
                     next_level = self.next_level_ids()
                 for j, wid in enumerate(workers):
                     if wid not in next_level:
-                        raise NotFound(
+                        raise UnknownObject(
                             f"{where}.workers[{j}]",
                             f"worker {wid} is not a NEXT_LEVEL worker of this daemon "
                             f"(known: {sorted(next_level)})",

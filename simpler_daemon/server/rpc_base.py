@@ -22,7 +22,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from simpler_daemon.engine.worker import Worker, WorkerState
-from simpler_daemon.errors import WorkerClosedError
+from simpler_daemon.errors import (
+    InvalidField,
+    LimitExceeded,
+    Precondition,
+    RequestError,
+    WorkerClosedError,
+)
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.metadata import FIELD_METADATA
 from simpler_daemon.server.access import Owners, read_admin_token
@@ -33,15 +39,7 @@ from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.runs import RunTable
-from simpler_daemon.server.status import (
-    InvalidArgument,
-    LimitExceeded,
-    Precondition,
-    RequestError,
-    bound_text,
-    error_text,
-    status_of,
-)
+from simpler_daemon.server.status import bound_text, error_text, status_of
 
 __all__ = ["ServiceBase", "server_stream", "unary"]
 
@@ -62,7 +60,7 @@ def unary(fn: F) -> F:
     async def wrapper(self: ServiceBase, request: Any, context: Any) -> Any:
         try:
             if isinstance(request, BadRequest):
-                raise InvalidArgument("", request.describe())
+                raise InvalidField("", request.describe())
             response = await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -82,7 +80,7 @@ def server_stream(fn: F) -> F:
     async def wrapper(self: ServiceBase, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             if isinstance(request, BadRequest):
-                raise InvalidArgument("", request.describe())
+                raise InvalidField("", request.describe())
             async for item in fn(self, request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):

@@ -25,10 +25,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.engine.orchestrator import FailureInfo, Run, RunState, SlotState, TaskSlot
 from simpler_daemon.engine.worker import RunHandle
-from simpler_daemon.errors import TaskError
+from simpler_daemon.errors import LimitExceeded, Precondition, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.metrics import Metrics
-from simpler_daemon.server.status import LimitExceeded, Precondition
 
 __all__ = [
     "RESULT_FRAMING",

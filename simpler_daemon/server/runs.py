@@ -34,7 +34,13 @@ from simpler_daemon.args import CallConfig
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.engine.orchestrator import FailureInfo, TaskSlot
 from simpler_daemon.engine.worker import Worker
-from simpler_daemon.errors import WorkerClosedError
+from simpler_daemon.errors import (
+    InvalidField,
+    LimitExceeded,
+    Precondition,
+    UnknownObject,
+    WorkerClosedError,
+)
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
 from simpler_daemon.server.config import LimitsConfig, run_result_limit
@@ -47,7 +53,6 @@ from simpler_daemon.server.run_record import (
     fingerprint,
     now_ts,
 )
-from simpler_daemon.server.status import InvalidArgument, LimitExceeded, NotFound, Precondition
 
 __all__ = [
     "LIST_RUNS_DEFAULT",
@@ -64,7 +69,7 @@ log = logging.getLogger("simpler_daemon.service")
 
 #: ListRuns answers at most this many runs when the request says 0.
 LIST_RUNS_DEFAULT: Final = 100
-#: Evicted runs whose eviction reason (the limit) NotFound still names; older ones get
+#: Evicted runs whose eviction reason (the limit) UnknownObject still names; older ones get
 #: both limits named.
 _EVICTIONS_REMEMBERED: Final = 4096
 #: The keys of :meth:`RunTable.state_counts` (metrics read them).
@@ -99,7 +104,7 @@ class RunTable:
         # all and per client (the byte limit evicts from the client holding the most bytes).
         self._finished_status_bytes = 0
         self._status_bytes_by_client: Counter[str] = Counter()
-        # Recently evicted runs -> the limit that evicted them (for NotFound's text).
+        # Recently evicted runs -> the limit that evicted them (for UnknownObject's text).
         self._evicted: OrderedDict[int, str] = OrderedDict()
         # Finished runs whose results are still kept, oldest first, and their bytes.
         self._with_results: OrderedDict[int, None] = OrderedDict()
@@ -164,27 +169,27 @@ class RunTable:
         return counts
 
     def record(self, run_id: int, field: str = "run_id") -> RunRecord:
-        """The run's record; ``InvalidArgument`` for 0, ``NotFound`` for an unknown id
+        """The run's record; ``InvalidField`` for 0, ``UnknownObject`` for an unknown id
         (saying whether it was evicted: run ids grow, so an id up to the highest one
         given out that is not kept was a finished run)."""
         if run_id == 0:
-            raise InvalidArgument(field, "required (run ids start at 1)")
+            raise InvalidField(field, "required (run ids start at 1)")
         rec = self._runs.get(run_id)
         if rec is None:
             if 0 < run_id <= self._highest_id:
                 why = self._evicted.get(run_id) or (
                     f"{self._count_limit()} or {self._bytes_limit()}"
                 )
-                raise NotFound(
+                raise UnknownObject(
                     field, f"run {run_id} finished and was evicted ({why}): its status is gone"
                 )
-            raise NotFound(field, f"run {run_id} is unknown (never submitted)")
+            raise UnknownObject(field, f"run {run_id} is unknown (never submitted)")
         return rec
 
     @staticmethod
     def check_key(key: str) -> None:
         if len(key) > MAX_KEY:
-            raise InvalidArgument("idempotency_key", f"{len(key)} characters, at most {MAX_KEY}")
+            raise InvalidField("idempotency_key", f"{len(key)} characters, at most {MAX_KEY}")
 
     def _reused(self, key: str, what: str) -> Precondition:
         return Precondition(

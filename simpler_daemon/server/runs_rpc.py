@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from simpler_daemon.callables import parse_import_path, resolve_import
+from simpler_daemon.errors import AccessDenied, InvalidField, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.offloop import run_off_loop
 from simpler_daemon.server.peers import Identity, client_label
@@ -30,7 +31,6 @@ from simpler_daemon.server.plan import (
 )
 from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary
 from simpler_daemon.server.runs import fingerprint
-from simpler_daemon.server.status import InvalidArgument, PermissionDenied, Precondition
 
 __all__ = ["RunsRpc"]
 
@@ -131,7 +131,7 @@ class RunsRpc(ServiceBase):
             try:
                 fn = await asyncio.to_thread(resolve_import, module, qualname)
             except PermissionError as exc:
-                raise PermissionDenied("hashid", str(exc)) from exc
+                raise AccessDenied("hashid", str(exc)) from exc
             except Exception as exc:
                 raise Precondition(
                     "hashid", f"cannot import {handle.name}: {type(exc).__name__}: {exc}"
@@ -203,7 +203,7 @@ class RunsRpc(ServiceBase):
         states: set[int] = set()
         for i, state in enumerate(request.states):
             if state not in pb.RunState.values() or state == pb.RUN_STATE_UNSPECIFIED:
-                raise InvalidArgument(f"states[{i}]", f"{state} is not a run state")
+                raise InvalidField(f"states[{i}]", f"{state} is not a run state")
             states.add(state)
         owner = None if who.admin else who.owner  # a client sees its own runs only
         now = time.time_ns()

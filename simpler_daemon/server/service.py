@@ -32,7 +32,7 @@ from typing import Any
 
 from simpler_daemon import __version__
 from simpler_daemon.engine.worker import WorkerState
-from simpler_daemon.errors import StartupError
+from simpler_daemon.errors import InvalidField, PeerUnavailable, Precondition, StartupError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 from simpler_daemon.server.access import require_admin
@@ -41,7 +41,6 @@ from simpler_daemon.server.callables_rpc import CallablesRpc
 from simpler_daemon.server.rpc_base import unary
 from simpler_daemon.server.runs import now_ts
 from simpler_daemon.server.runs_rpc import RunsRpc
-from simpler_daemon.server.status import InvalidArgument, Precondition, Unavailable
 from simpler_daemon.server.workers import worker_info
 
 __all__ = ["READ_CHUNK", "DaemonService"]
@@ -120,9 +119,9 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
         try:
             worker_id = await self._worker.add_remote_worker_async(spec)
         except StartupError as exc:
-            raise Unavailable("", str(exc)) from exc
+            raise PeerUnavailable("", str(exc)) from exc
         except ValueError as exc:  # the Worker's own checks of the spec
-            raise InvalidArgument("endpoint", str(exc)) from exc
+            raise InvalidField("endpoint", str(exc)) from exc
         log.info("remote worker %d added: %s", worker_id, spec.endpoint)
         return pb.AddRemoteWorkerResponse(worker_id=worker_id)
 
@@ -132,7 +131,7 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
         if request.HasField("grace_seconds"):
             grace = request.grace_seconds
             if not math.isfinite(grace) or grace < 0:
-                raise InvalidArgument("grace_seconds", f"must be >= 0, got {grace}")
+                raise InvalidField("grace_seconds", f"must be >= 0, got {grace}")
         else:
             grace = self._config.daemon.shutdown_grace
         if request.shutdown:

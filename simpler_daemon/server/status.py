@@ -1,10 +1,10 @@
-"""Request errors and the one table from exception type to gRPC status code.
+"""The one table from exception type to gRPC status code, and the texts clients see.
 
 Handlers and the validation layer (``plan.py``, ``runs.py``) raise a
-``RequestError`` subclass naming the offending field; engine exceptions that
-reach a handler are mapped by :data:`STATUS_TABLE`::
+``RequestError`` subclass (``simpler_daemon.errors``) naming the offending field;
+engine exceptions that reach a handler are mapped by :data:`STATUS_TABLE`::
 
-    InvalidArgument("tasks[3].members[0].tensors[1].dtype", "...")  -> INVALID_ARGUMENT
+    InvalidField("tasks[3].members[0].tensors[1].dtype", "...")  -> INVALID_ARGUMENT
     RegistrationError(code="NOT_REGISTERED")                        -> REGISTRATION_STATUS
     KeyError / MemoryError / TimeoutError ...                       -> STATUS_TABLE row
     anything else                                                   -> INTERNAL
@@ -19,19 +19,22 @@ from typing import Final
 
 import grpc
 
-from simpler_daemon.errors import RegistrationError, SimplerError, WorkerClosedError
+from simpler_daemon.errors import (
+    AccessDenied,
+    InvalidField,
+    LimitExceeded,
+    PeerUnavailable,
+    Precondition,
+    RegistrationError,
+    RequestError,
+    Unimplemented,
+    UnknownObject,
+    WorkerClosedError,
+)
 
 __all__ = [
     "REGISTRATION_STATUS",
     "STATUS_TABLE",
-    "InvalidArgument",
-    "LimitExceeded",
-    "NotFound",
-    "PermissionDenied",
-    "Precondition",
-    "RequestError",
-    "Unavailable",
-    "Unimplemented",
     "at_field",
     "bound_text",
     "error_text",
@@ -41,56 +44,15 @@ __all__ = [
 Code = grpc.StatusCode
 
 
-class RequestError(SimplerError):
-    """A request the daemon refuses; the subclass picks the status (see STATUS_TABLE).
-
-    ``field`` is the offending field path (``tasks[3].members[0].tensors[1].buffer_id``)
-    or "" when the request as a whole is refused.
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-
-
-class InvalidArgument(RequestError):
-    """A malformed field."""
-
-
-class NotFound(RequestError):
-    """An unknown run, buffer, hashid or worker."""
-
-
-class PermissionDenied(RequestError):
-    """An import path outside ``callables.allowed_modules``, another client's run,
-    buffer or registration, or an admin call from a client that is not an admin."""
-
-
-class LimitExceeded(RequestError):
-    """A configured size or count limit."""
-
-
-class Precondition(RequestError):
-    """The daemon's state forbids the request (draining, stopping, wrong callable role...)."""
-
-
-class Unimplemented(RequestError):
-    """A feature this build does not have."""
-
-
-class Unavailable(RequestError):
-    """A peer the request needs cannot be reached (a remote worker that does not start)."""
-
-
 #: The one table from exception type to status code; the first matching row wins.
 STATUS_TABLE: Final[tuple[tuple[type[BaseException], grpc.StatusCode], ...]] = (
-    (InvalidArgument, Code.INVALID_ARGUMENT),
-    (NotFound, Code.NOT_FOUND),
-    (PermissionDenied, Code.PERMISSION_DENIED),
+    (InvalidField, Code.INVALID_ARGUMENT),
+    (UnknownObject, Code.NOT_FOUND),
+    (AccessDenied, Code.PERMISSION_DENIED),
     (LimitExceeded, Code.RESOURCE_EXHAUSTED),
     (Precondition, Code.FAILED_PRECONDITION),
     (Unimplemented, Code.UNIMPLEMENTED),
-    (Unavailable, Code.UNAVAILABLE),
+    (PeerUnavailable, Code.UNAVAILABLE),
     (RegistrationError, Code.INVALID_ARGUMENT),  # refined by code below
     (WorkerClosedError, Code.FAILED_PRECONDITION),
     (MemoryError, Code.RESOURCE_EXHAUSTED),  # the shared heap is full

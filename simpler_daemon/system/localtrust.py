@@ -33,7 +33,7 @@ import stat
 from collections.abc import Collection, Iterator
 from typing import Final
 
-from simpler_daemon.errors import SimplerError
+from simpler_daemon.errors import UntrustedPathError
 
 __all__ = [
     "UntrustedPathError",
@@ -52,10 +52,6 @@ __all__ = [
 _SHARED_WRITE: Final = stat.S_IWGRP | stat.S_IWOTH
 _MAX_UNIX_PATH: Final = 107
 _STAGING_RE: Final = re.compile(r"^\.[0-9a-f]{8}$")
-
-
-class UntrustedPathError(SimplerError, PermissionError):
-    """A path someone other than the daemon's user or root could have prepared."""
 
 
 def bind_private_listener(path: str, backlog: int = 128) -> socket.socket:
