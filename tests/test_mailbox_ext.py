@@ -1132,3 +1132,19 @@ def test_sub_pump_spins_through_a_real_child(boxes: list[mmap.mmap]) -> None:
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_the_pumps_slot_fields_are_listed_at_both_ends() -> None:
+    """The C pump reads TaskSlot attributes by name: the names in ``mb_pump_init``
+    (``_mailbox_pump.c``) are ``runmodel.PUMP_SLOT_FIELDS``, and a real slot has each."""
+    import re
+    from pathlib import Path
+
+    import simpler_daemon.mailbox as mailbox_pkg
+    from simpler_daemon.scheduler.runmodel import PUMP_SLOT_FIELDS, TaskSlot
+
+    source = (Path(mailbox_pkg.__file__).parent / "_mailbox_pump.c").read_text()
+    table = source[source.index("mb_pump_init(void)") :]
+    names = re.findall(r'\{&str_\w+, "(\w+)"\}', table)
+    assert [n for n in names if n != "popleft"] == list(PUMP_SLOT_FIELDS)
+    assert set(PUMP_SLOT_FIELDS) <= set(TaskSlot.__slots__)

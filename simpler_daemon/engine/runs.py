@@ -29,8 +29,8 @@ from simpler_daemon.errors import RunCancelled
 from simpler_daemon.remote.spec import RemoteTensorRef
 
 if TYPE_CHECKING:
-    from simpler_daemon.scheduler.dispatch import Scheduler
     from simpler_daemon.scheduler.driver import Driver
+    from simpler_daemon.scheduler.sink import RunControl
 
 #: How deep ``args`` is searched for buffers to hold (lists, tuples, dicts, TaskArgs)...
 ARGS_SEARCH_DEPTH: Final = 4
@@ -39,9 +39,10 @@ ARGS_SEARCH_LIMIT: Final = 100_000
 
 
 class RunBuilder:
-    """Creates, builds, cancels and abandons the runs of one Scheduler."""
+    """Creates, builds, cancels and abandons the runs of one Scheduler (through the
+    narrow ``RunControl`` interface, never its internals)."""
 
-    def __init__(self, scheduler: Scheduler, driver: Driver) -> None:
+    def __init__(self, scheduler: RunControl, driver: Driver) -> None:
         self.scheduler = scheduler
         self._driver = driver
         scheduler.on_admit = self.on_admit
@@ -151,7 +152,7 @@ class RunBuilder:
             return  # built already (submit builds an admitted run at once) or cancelled
         run.build_started = True
         orch, args, config = run.orch
-        o = Orchestrator(self.scheduler, run)
+        o = Orchestrator(self.scheduler.submit_sink, run)
         tid = threading.get_ident()
         self._orch_threads[tid] = self._orch_threads.get(tid, 0) + 1
         try:
@@ -235,7 +236,7 @@ class RunBuilder:
                 r.record_error(None, closing_failure())
                 r.building = False
                 r.remaining = 0
-                sched._maybe_finish_run(r)
+                sched.finish_if_done(r)
 
 
 async def wait_run(run: Run, timeout: float | None) -> None:

@@ -41,6 +41,12 @@
  * polls); `spin_ns` and `max_publish` bound the call. */
 
 
+/* The TaskSlot fields read here, the contract with the Python side: state (only the
+ * `ready` object is taken), group_size (1), blobs (a list of one bytes blob),
+ * config_bytes and digest (bytes), run_id, slot_id, lease_slot and lease_generation
+ * (unsigned 64-bit values for the lease and the trailer).  The same list is
+ * PUMP_SLOT_FIELDS in simpler_daemon/scheduler/runmodel.py (a test compares the two):
+ * rename or retype a field at both ends.  `popleft` is the deque's method. */
 static PyObject *str_state, *str_group_size, *str_blobs, *str_config_bytes, *str_digest,
     *str_run_id, *str_slot_id, *str_lease_slot, *str_lease_generation, *str_popleft;
 

@@ -13,126 +13,45 @@ A cancelled run whose tasks are still running leaves admission at once
 (``detached``): later runs are admitted and dispatched on idle workers while the
 running tasks keep only their own workers; the run turns terminal when they end.
 
-This module holds the Scheduler's shared state (queues, admission, counters);
-``progress.py`` adds the coroutine, ``scheduler.py`` the dispatch rules.
+The state these methods work on is ``state.py``'s; ``progress.py`` adds the
+coroutine, ``dispatch.py`` the dispatch rules.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import RunCancelled
-from simpler_daemon.scheduler.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS, FairAdmission
-from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
+from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerThread, WorkerType
 from simpler_daemon.scheduler.runmodel import (
     RETIRED_RUN,
-    Admission,
     FailureInfo,
     Run,
     RunState,
     SlotState,
-    TaskKind,
     TaskSlot,
 )
 from simpler_daemon.scheduler.sink import SubmitSink
-from simpler_daemon.scheduler.spingate import SpinGate
+from simpler_daemon.scheduler.state import SchedulerState
 
 #: The longest error text an orchestration failure keeps (a run's status carries it to
 #: clients, and the daemon keeps it with the finished run).
 MAX_ORCH_ERROR_CHARS: Final = 65536
 
-if TYPE_CHECKING:
-    from simpler_daemon.callables import CallableRegistry
-    from simpler_daemon.heap import Heap
-    from simpler_daemon.mailbox.doorbell import Doorbell
+__all__ = ["MAX_ORCH_ERROR_CHARS", "RunCompletion"]
 
 
-class RunCompletion(SubmitSink):
-    """The Scheduler's state, its queues, and what happens when tasks and runs end."""
+class RunCompletion(SchedulerState, SubmitSink):
+    """What happens when tasks and runs end, over the Scheduler's state."""
 
-    def __init__(
-        self,
-        manager: WorkerManager,
-        registry: CallableRegistry,
-        heap: Heap,
-        doorbell: Doorbell,
-        *,
-        pipeline_depth: int = 2,
-        spin_s: float = 0.0002,
-        admission: str = "fifo",
-        max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
-    ) -> None:
-        if admission not in ADMISSION_POLICIES:
-            raise ValueError(
-                f"cannot create the scheduler: admission {admission!r} is not one of "
-                f"{', '.join(ADMISSION_POLICIES)}"
-            )
-        self.manager = manager
-        #: At level 4 a NEXT_LEVEL task is an L3 orchestration function run by the child.
-        self.next_level_orchestrations = False
-        self.registry = registry
-        self.heap = heap
-        self.doorbell = doorbell
-        #: The admission policy, ``"fifo"`` or ``"fair"`` (see fair.py).
-        self.admission_policy = admission
-        #: The fair admission (``None`` under fifo): every active run dispatches.
-        self.fair: FairAdmission | None = None
-        if admission == "fair":
-            self.fair = FairAdmission(pipeline_depth, max_active_runs)
-            self.admission: Admission = self.fair
-        else:
-            self.admission = Admission(pipeline_depth)
-        self.spin_s = spin_s
-        # Queues, partitioned by run id.
-        self.singles: dict[int, dict[int, deque[TaskSlot]]] = {}
-        self.groups: dict[int, deque[TaskSlot]] = {}
-        self.subs: dict[int, deque[TaskSlot]] = {}
-        self.completions: list[WorkerCompletion] = []
-        self._slot_ids = 0
-        self._stopped = False
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Future[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stall_since: float | None = None
-        self._stall_warned = False
-        self._in_round = False
-        self._poked = False
-        #: Spin or park while tasks are in flight (spingate.py): fed by every completion.
-        self.spin_gate = SpinGate(spin_s)
-        self._suspect: set[WorkerThread] = set()
-        #: Dispatches of other runs staged on a chip whose child ``terminate`` killed: they
-        #: never started, so they go back to their queue (by ``id``) instead of failing.
-        self._withdrawn: dict[int, WorkerDispatch] = {}
-        #: Called once for a lane whose child died and whose frames are all terminal.
-        self.on_lane_dead: Callable[[WorkerThread], None] | None = None
-        #: Dead SUB lanes come back (a fork server replaces them): queued SUB tasks wait.
-        self.replaces_dead_subs = False
-        self.on_admit: Callable[[Run], None] | None = None
-        self.on_task_event: Callable[[TaskSlot, str, WorkerCompletion | None], None] | None = None
-        self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "rounds": 0, "parks": 0}
-        #: Every lane, and those whose completions do not bump the doorbell word (remote
-        #: sessions); the Scheduler fills both once the manager started.
-        self._lanes: list[WorkerThread] = []
-        self._quiet_lanes: list[WorkerThread] = []
-
-    def wake(self) -> None:
-        """Wake a parked or spinning coroutine (same thread)."""
-        self._poked = True
-        w = self._wake
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    # -- SubmitSink ------------------------------------------------------------------------------
-
-    def next_slot_id(self) -> int:
-        self._slot_ids += 1
-        return self._slot_ids
+    @property
+    def submit_sink(self) -> SubmitSink:
+        """The Scheduler itself is what an Orchestrator submits into (``sink.RunControl``)."""
+        return self
 
     def fail_at_submit(self, slot: TaskSlot, producer: TaskSlot) -> None:
         failure = FailureInfo(
@@ -140,22 +59,16 @@ class RunCompletion(SubmitSink):
             f"producer task {producer.index} ({producer.handle.name}) failed before submit",
         )
         self._fail_slot(slot, failure, record=False)
-        self._maybe_finish_run(slot.run)
+        self.finish_if_done(slot.run)
 
     # -- runs --------------------------------------------------------------------------------------
-
-    def submit_run(self, run: Run) -> list[Run]:
-        """Queue a run for admission; returns the runs admitted now."""
-        admitted = self.admission.enqueue(run)
-        self._promoted(admitted)
-        return admitted
 
     def finish_building(self, run: Run) -> None:
         """The orchestration function returned: the run can complete once its slots retire."""
         run.building = False
         if run.state == RunState.BUILDING:
             run.state = RunState.PREPARED
-        self._maybe_finish_run(run)
+        self.finish_if_done(run)
         self.wake()
 
     def fail_building(self, run: Run, exc: BaseException) -> None:
@@ -184,7 +97,7 @@ class RunCompletion(SubmitSink):
             if slot.state in (SlotState.PENDING, SlotState.READY) and slot.members_started == 0:
                 self._fail_slot(slot, FailureInfo(Outcome.SKIPPED, "run cancelled"), record=False)
         self._drop_partitions(run.run_id)
-        self._maybe_finish_run(run)
+        self.finish_if_done(run)
         if not run.terminal:
             self._promoted(self.admission.detach(run))
         self.wake()
@@ -260,7 +173,7 @@ class RunCompletion(SubmitSink):
             pid=getattr(child, "pid", None),
         )
 
-    def _maybe_finish_run(self, run: Run) -> None:
+    def finish_if_done(self, run: Run) -> None:
         if run.remaining or run.building or run.terminal:
             return
         run.state = RunState.FAILED if run.error is not None else RunState.COMPLETED
@@ -296,40 +209,6 @@ class RunCompletion(SubmitSink):
         pins, run.pins = run.pins, []
         for key in pins:
             self._unpin_key(key)
-
-    def _promoted(self, admitted: list[Run]) -> None:
-        if self.on_admit is not None:
-            for run in admitted:
-                self.on_admit(run)
-
-    def _drop_partitions(self, run_id: int) -> None:
-        for per_worker in self.singles.values():
-            per_worker.pop(run_id, None)
-        self.groups.pop(run_id, None)
-        self.subs.pop(run_id, None)
-
-    # -- queues ------------------------------------------------------------------------------------
-
-    def enqueue_ready(self, slot: TaskSlot) -> None:
-        """The one router for fresh submits, dependency releases and requeues."""
-        run = slot.run
-        if run.terminal:
-            return
-        kind = slot.kind
-        if kind is TaskKind.SUB or kind is TaskKind.SUB_GROUP:
-            q = self.subs.get(run.run_id)
-            if q is None:
-                q = self.subs[run.run_id] = deque()
-            q.append(slot)
-        elif kind is TaskKind.NEXT_LEVEL:
-            per = self.singles.setdefault(slot.targets[0], {})
-            per.setdefault(run.run_id, deque()).append(slot)
-        else:
-            self.groups.setdefault(run.run_id, deque()).append(slot)
-
-    def queued(self) -> int:
-        n = sum(len(q) for q in self.subs.values()) + sum(len(q) for q in self.groups.values())
-        return n + sum(len(q) for per in self.singles.values() for q in per.values())
 
     # -- completions ------------------------------------------------------------------------------------
 
@@ -382,11 +261,11 @@ class RunCompletion(SubmitSink):
             failure = slot.failure
             slot.failure = None
             self._fail_slot(slot, failure, running=True)
-        self._maybe_finish_run(run)
+        self.finish_if_done(run)
 
     # -- the SUB fast loop's bulk bookkeeping (subpump.py) ------------------------------------
 
-    def _claim_published(self, published: list[TaskSlot]) -> None:
+    def claim_published(self, published: list[TaskSlot]) -> None:
         """What ``_send`` does per dispatch, for the slots the pump published (one run)."""
         run = published[0].run
         running = SlotState.RUNNING
@@ -404,7 +283,7 @@ class RunCompletion(SubmitSink):
                 event(slot, "dispatched", None)
         published.clear()
 
-    def _complete_pumped(self, lane: WorkerThread, done: list[Any]) -> None:
+    def complete_pumped(self, lane: WorkerThread, done: list[Any]) -> None:
         """``_handle_completion`` of a SUCCESS, for the tasks the pump completed on
         ``lane`` (a slot, or (slot, msgpack bytes) when it returned a value)."""
         event = self.on_task_event
@@ -431,11 +310,11 @@ class RunCompletion(SubmitSink):
                 # what _handle_completion does with a failure it set.
                 slot.failure = None
                 self._fail_slot(slot, failure, running=True)
-                self._maybe_finish_run(run)
+                self.finish_if_done(run)
                 continue
             self._complete_slot(slot)
             if not run.remaining:
-                self._maybe_finish_run(run)
+                self.finish_if_done(run)
 
     def _requeue_staged(self, slot: TaskSlot, c: WorkerCompletion) -> None:
         """A staged single that never started goes back to the head of its run's queue
@@ -450,9 +329,6 @@ class RunCompletion(SubmitSink):
         per = self.singles.setdefault(slot.targets[0], {})
         per.setdefault(run.run_id, deque()).appendleft(slot)
         self.wake()
-
-    def _lane_of(self, c: WorkerCompletion) -> WorkerThread | None:
-        return self.manager.get_worker_by_id(c.worker_type, c.worker_id)
 
     def _complete_slot(self, slot: TaskSlot) -> None:
         slot.state = SlotState.COMPLETED

@@ -10,9 +10,10 @@ Each round (the SUB lanes of the run that may dispatch go through the C fast loo
                                                            singles on their exact target,
                                                            SUB tasks on idle SUB workers)
 
-The parts, one concept per module: ``completion.py`` (state, queues, what
-happens when tasks and runs end), ``progress.py`` (the coroutine, wake-ups,
-dead lanes) and this module (the dispatch rules and one round).
+The parts, one concept per module (the package docstring has the map):
+``state.py`` (queues, admission, counters), ``completion.py`` (what happens when
+tasks and runs end), ``progress.py`` (the coroutine, wake-ups, dead lanes) and this
+module (the dispatch rules and one round).
 
 Under ``fifo`` admission only the partition of the run at the head of admission
 is dispatched; under ``fair`` every admitted run's partition is, each idle
@@ -153,7 +154,7 @@ class Scheduler(ProgressLoop):
             # any run): the child starts while the orchestration function still submits.
             # SUB tasks: while a SUB worker is idle, else once per SUBMIT_BATCH submits (a
             # round per submit cost more than the task); the rest goes once the orch yields.
-            if not self._in_round and (slot.run is self.admission.head or self.fair is not None):
+            if not self.in_round and (slot.run is self.admission.head or self.fair is not None):
                 if (
                     slot.kind is not TaskKind.SUB
                     or self._unrounded >= SUBMIT_BATCH
@@ -209,13 +210,13 @@ class Scheduler(ProgressLoop):
 
     def round(self) -> bool:
         """Progress, drain, dispatch. True when anything happened."""
-        if self._in_round:
+        if self.in_round:
             return False
-        self._in_round = True
+        self.in_round = True
         try:
             return self._round()
         finally:
-            self._in_round = False
+            self.in_round = False
 
     def _round(self) -> bool:
         self.stats["rounds"] += 1
@@ -364,7 +365,7 @@ class Scheduler(ProgressLoop):
                                 slot,
                                 FailureInfo(Outcome.ENDPOINT_FAILURE, self._no_sub_left()),
                             )
-                            self._maybe_finish_run(slot.run)
+                            self.finish_if_done(slot.run)
                             did = True
                             continue
                         break
@@ -386,7 +387,7 @@ class Scheduler(ProgressLoop):
                             f"the pool has {capacity} that can run",
                         ),
                     )
-                    self._maybe_finish_run(slot.run)
+                    self.finish_if_done(slot.run)
                     continue
                 if len(idle) < n:
                     break
@@ -581,7 +582,7 @@ class Scheduler(ProgressLoop):
                     if capacity < n:
                         q.popleft()
                         self._fail_slot(slot, self._group_too_big(n, capacity))
-                        self._maybe_finish_run(slot.run)
+                        self.finish_if_done(slot.run)
                     elif len(idle) < n:
                         # The least-pass run waits for n idle workers: hold the idle ones
                         # for it (no one else dispatches this pass), else it would starve.
@@ -613,7 +614,7 @@ class Scheduler(ProgressLoop):
             slot = q.popleft()
             if slot.state == SlotState.READY:
                 self._fail_slot(slot, FailureInfo(Outcome.ENDPOINT_FAILURE, self._no_sub_left()))
-                self._maybe_finish_run(slot.run)
+                self.finish_if_done(slot.run)
                 did = True
         return did
 
@@ -643,7 +644,7 @@ class Scheduler(ProgressLoop):
                         Outcome.ENDPOINT_FAILURE, f"worker {wid} is gone: {reason}", worker_id=wid
                     ),
                 )
-                self._maybe_finish_run(slot.run)
+                self.finish_if_done(slot.run)
                 did = True
         return did
 
@@ -672,7 +673,7 @@ class Scheduler(ProgressLoop):
                 worker_id=gone.worker_id,
             ),
         )
-        self._maybe_finish_run(g.run)
+        self.finish_if_done(g.run)
         return True
 
     def _sub_capacity(self) -> int:

@@ -498,7 +498,7 @@ class Driver:
                     log.exception("background driver crashed; failing every unfinished run")
                     if self._scheduler is not None:
                         with contextlib.suppress(Exception):
-                            self._scheduler._fail_all("scheduler crashed on the background driver")
+                            self._scheduler.fail_all("scheduler crashed on the background driver")
                     return
                 finally:
                     self._bg_driving = False
@@ -684,7 +684,7 @@ class Driver:
         callback, a task-event listener): a wait there could never end, because the run
         it waits for finishes only in a later round, after the callback returned."""
         sched = self._scheduler
-        if sched is not None and sched._in_round and self.lock.held_here():
+        if sched is not None and sched.in_round and self.lock.held_here():
             raise RuntimeError(
                 "cannot wait for a run inside a done callback of this Worker (or other code "
                 "its Scheduler calls during a round): it runs on the thread that drives the "
@@ -743,7 +743,7 @@ class Driver:
                 # Watch the one word every child bumps, in C, not each mailbox, in short
                 # spins with a yield between them: a child woken onto this core (it was
                 # parked, e.g. after an idle gap) runs at once instead of after the
-                # whole spin, which it otherwise waited out (issue 14.3: 200+ µs).
+                # whole spin, which it otherwise waited out (measured: 200+ µs per run).
                 while not doorbell.spin(seen, SPIN_CHUNK):
                     os.sched_yield()
                     if wanting or self._foreign or time.monotonic() >= spin_until:

@@ -109,7 +109,7 @@ class ProgressLoop(RunCompletion):
                 if not ep.poisoned and hasattr(ep, "poison"):
                     ep.poison(reason)
                 self._suspect.add(lane)
-        if not self._in_round:
+        if not self.in_round:
             self._check_dead_lanes()
 
     def _check_dead_lanes(self) -> None:
@@ -179,10 +179,10 @@ class ProgressLoop(RunCompletion):
             raise
         except BaseException:
             log.exception("scheduler crashed; failing every run")
-            self._fail_all("scheduler crashed")
+            self.fail_all("scheduler crashed")
             raise
 
-    def _fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str) -> None:
         for run in self.admission.runs():
             run.record_error(None, FailureInfo(Outcome.ENDPOINT_FAILURE, reason))
             run.building = False

@@ -26,7 +26,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -74,8 +74,28 @@ class FailureInfo:
     worker_label: str | None = None
 
 
+#: The TaskSlot fields the C SUB pump reads to publish a slot (``mailbox/_mailbox_pump.c``
+#: lists the same names in ``mb_pump_init``; a test holds the two lists together):
+#: ``state`` (only a READY slot is taken), ``group_size`` (only 1), ``blobs`` (one args
+#: blob, bytes), ``config_bytes`` and ``digest`` (bytes, copied into the frame),
+#: ``run_id``, ``slot_id``, ``lease_slot`` and ``lease_generation`` (the frame's lease
+#: and trailer identity). Change a field's name or type at both ends.
+PUMP_SLOT_FIELDS: Final = (
+    "state",
+    "group_size",
+    "blobs",
+    "config_bytes",
+    "digest",
+    "run_id",
+    "slot_id",
+    "lease_slot",
+    "lease_generation",
+)
+
+
 class TaskSlot:
-    """Parent-side record of one task (or one group) inside a run."""
+    """Parent-side record of one task (or one group) inside a run (the fields the C SUB
+    pump reads are :data:`PUMP_SLOT_FIELDS`)."""
 
     __slots__ = (
         "blobs",
@@ -405,7 +425,7 @@ class Run:
         return f"Run({self.run_id}, {self.state.name}, slots={len(self.slots)}, remaining={self.remaining})"
 
 
-#: What a slot's ``run`` points at once its run retired (see Scheduler._maybe_finish_run).
+#: What a slot's ``run`` points at once its run retired (see Scheduler.finish_if_done).
 RETIRED_RUN = Run()
 RETIRED_RUN.state = RunState.COMPLETED
 RETIRED_RUN.building = False

@@ -78,6 +78,11 @@ class RunControl(Protocol):
     admission: Admission
     on_admit: Callable[[Run], None] | None
 
+    @property
+    def submit_sink(self) -> SubmitSink:
+        """What the run's ``Orchestrator`` submits into."""
+        ...
+
     def submit_run(self, run: Run) -> list[Run]:
         """Queue ``run`` for admission; returns the runs admitted now."""
         ...

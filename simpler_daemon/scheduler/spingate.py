@@ -3,7 +3,8 @@
 While a task is in flight the parent either spins (watching the doorbell word,
 yielding the core between looks) or parks on the doorbell eventfd (no CPU, but
 a wake-up on the completion path). Spinning pays while tasks finish within the
-spin budget; for long tasks it would only take CPU from the children (W3). The
+spin budget; for long tasks (500 µs of CPU each, say) it would only take CPU from
+the children. The
 gate keeps a smoothed *hit rate*: the share of completions that arrived within
 ``spin_s`` of their dispatch, which is exactly what a spin can observe::
 
@@ -14,7 +15,7 @@ gate keeps a smoothed *hit rate*: the share of completions that arrived within
 A rate, not a mean latency: a loaded machine's rare multi-millisecond
 completions would pull a mean over the budget while most tasks still arrive
 within it (a fresh Worker then parked on nearly every run, at twice the
-latency). Three rules keep park mode from locking itself in (issue 14.3: after
+latency). Three rules keep park mode from locking itself in (without them, after
 a slow warm-up the Scheduler parked on 1,592 of 2,000 one-task runs, because
 every parked observation includes the wake-up and so looked slow):
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from simpler_daemon.endpoints.base import EndpointEvent, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
@@ -36,12 +36,11 @@ from simpler_daemon.mailbox.layout import TASK_FRAMES
 from simpler_daemon.scheduler.runmodel import SlotState
 
 if TYPE_CHECKING:
-    from simpler_daemon.scheduler.completion import RunCompletion
     from simpler_daemon.scheduler.lanes import WorkerThread
     from simpler_daemon.scheduler.runmodel import TaskSlot
     from simpler_daemon.scheduler.spingate import SpinGate
 
-__all__ = ["PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "SubPump"]
+__all__ = ["PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump"]
 
 #: How long one pump call waits for a child to finish with nothing else to do (ns):
 #: an empty task's round trip fits, a longer task returns to the Scheduler (which
@@ -51,7 +50,7 @@ PUMP_SPIN_NS: Final = 50_000
 PUMP_MAX_PUBLISH: Final = 128
 #: The pump spins while at least this share of its spinning calls saw a task finish
 #: (smoothed): for tasks longer than the spin, spinning would only take a core from the
-#: children (W3's 500 µs tasks). A hit *rate*, not a mean latency: the rare slow
+#: children (tasks of 500 µs of CPU, say). A hit *rate*, not a mean latency: the rare slow
 #: completion of a loaded machine does not turn spinning off.
 PUMP_MIN_HIT_RATE: Final = 0.5
 #: While the pump does not spin, every this many calls spin once (a probe), so spinning
@@ -67,6 +66,24 @@ _DONE: Final = 7
 assert _mb.SUBPUMP_FIELDS == 8
 
 _READY: Final = SlotState.READY
+
+
+class PumpSink(Protocol):
+    """What the pump needs of the Scheduler (``completion.py`` implements it): the
+    bookkeeping a Python dispatch and a Python completion would have done, in bulk."""
+
+    #: Fed the dispatch-to-completion latency of the tasks the pump completed.
+    spin_gate: SpinGate
+
+    def claim_published(self, published: list[TaskSlot]) -> None:
+        """The slots the pump just published (one run) are RUNNING: counts, the fair
+        charge and the task events, as a dispatch does; ``published`` is emptied."""
+        ...
+
+    def complete_pumped(self, lane: WorkerThread, done: list[Any]) -> None:
+        """The tasks the pump saw end plainly on ``lane`` (a slot, or (slot, msgpack
+        bytes) when it returned a value) succeeded: what a completion does."""
+        ...
 
 
 class _Lane:
@@ -204,7 +221,7 @@ class SubPump:
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         return work
 
-    def round(self, sched: RunCompletion, q: deque[TaskSlot], spin: bool) -> bool:
+    def round(self, sched: PumpSink, q: deque[TaskSlot], spin: bool) -> bool:
         """The Scheduler round's part for the lanes ``select`` picked: run the C loop over
         ``q``, claim what it published and complete what it finished (in bulk, on
         ``sched``); then the child watch of the lanes it left busy, and the Python
@@ -213,14 +230,14 @@ class SubPump:
         ``spin``: the round belongs to a waiting driver, so the C loop may wait for the
         children, and what it completes feeds the spin gate. A round inside a submit
         sees a task as late as the orchestration's last submits took (a miss that says
-        nothing about the task), and W2's submit phase alone would then turn spinning
-        off for its wait."""
+        nothing about the task), and the submit phase of a run of 20,000 empty tasks alone
+        would then turn spinning off for its wait."""
         published = self._published
         lanes = self.pump(q, published, spin)
         did = False
         if published:
             did = True
-            sched._claim_published(published)
+            sched.claim_published(published)
         now = 0.0 if spin else -1.0
         for rec in lanes:
             done = rec.take_done()
@@ -230,7 +247,7 @@ class SubPump:
                     now = time.monotonic()
                 if now > 0.0:
                     self._observe(sched.spin_gate, rec.done_issued_at, len(done), now)
-                sched._complete_pumped(rec.lane, done)
+                sched.complete_pumped(rec.lane, done)
         stuck: list[_Lane] = []
         for rec in lanes:
             lane = rec.lane
@@ -253,7 +270,7 @@ class SubPump:
         the task in flight before the call (dispatched at ``issued_at``, 0.0: none) took
         until ``now``; the others were published and completed within the call, i.e.
         while the pump spun (latency ~0, a hit). Without these samples the gate never
-        learns that pumped SUB tasks are long (W3 would keep spinning)."""
+        learns that pumped SUB tasks are long (500 µs tasks would keep it spinning)."""
         if issued_at:
             gate.observe(issued_at, now)
             n -= 1
