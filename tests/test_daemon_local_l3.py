@@ -197,7 +197,7 @@ def test_local_l3_row_becomes_a_worker_info_tree() -> None:
 
 
 def test_a_failed_remote_row_says_why() -> None:
-    """remote/fleet.py names the cause ``reason``; it becomes ``WorkerInfo.message``."""
+    """engine/remote_l3.py names the cause ``reason``; it becomes ``WorkerInfo.message``."""
     row = {
         "kind": "remote",
         "worker_id": 1,
@@ -384,7 +384,7 @@ def test_local_tables_come_before_remote_tables_in_the_id_order(tmp_path: Path) 
                 timeout=30,
             )
             assert status.state == pb.RUN_STATE_COMPLETED, status
-            # A remote row carries no task count (remote/fleet.py lists none); the local does.
+            # A remote row carries no task count (engine/remote_l3.py lists none); the local does.
             assert c.list_workers()[0].tasks_completed == 1
     finally:
         remote.stop()

@@ -186,7 +186,7 @@ class ChipLoop(MailboxLoop):
                 timeout = 0.002 if self.active is not None else self.ctx.park_timeout
                 changed = _mb.child_wait(buf, watch, (bst, 0, seq, *states), spin, timeout)
                 # Spin only after something happened: an idle chip child re-parking
-                # after a timed-out park spins no more (as the SUB child, loop.py).
+                # after a timed-out park spins no more (as the SUB child, sub.py).
                 spin = 0 if changed < 0 and self.active is None else self.ctx.spin_ns
                 if changed < 0 and parent and os.getppid() != parent:
                     return 0

@@ -112,7 +112,7 @@ def cmd_callables(c: Client, a: argparse.Namespace, out: Out) -> int:
 
 
 def cmd_register(c: Client, a: argparse.Namespace, out: Out) -> int:
-    # --reload re-imports the module in every child (issue 13.4): same hashid, new code.
+    # --reload re-imports the module in every child: same hashid, new code.
     response = c.register_callable(a.path, a.kind, reload=a.reload)
     hashid, refcount = response.hashid, response.refcount
     if out.json:

@@ -17,7 +17,7 @@ This module is the facade only; the pieces are:
   ``close()`` cancels and that ``register()`` on another thread waits for;
 * ``pool.ChildPool``: forking, the startup barrier, rollback, replacing dead
   children, reaping them at close;
-* ``driver.Driver``: who runs the Scheduler's rounds. Used synchronously
+* ``scheduler.driver.Driver``: who runs the Scheduler's rounds. Used synchronously
   (``run``/``submit``/``wait``), the calling thread drives them and parks in
   poll(2), and a background thread takes over while runs are unfinished and no
   caller drives; used from a running loop (``run_async``) the Scheduler binds to
@@ -25,7 +25,7 @@ This module is the facade only; the pieces are:
 * ``handle.RunHandle``: a submitted run, used like a ``concurrent.futures.Future``;
 * ``registration``: the register/unregister broadcast (to every child at once, each
   control with a deadline) with rollback;
-* ``remote.fleet.RemoteFleet``: a level-4 Worker's remote L3 workers (sessions,
+* ``remote_l3.RemoteFleet``: a level-4 Worker's remote L3 workers (sessions,
   callables installed into them, their buffers);
 * ``local_l3.LocalL3Set`` (held by the pool): its local L3 children (``add_worker``),
   forked by the pool, run by ``children/nested.py``.

@@ -28,7 +28,7 @@ def fill_all(o: Any, args: Any, config: Any) -> None:
 
 
 def one_empty(o: Any, args: Any, config: Any) -> None:
-    """One empty SUB task: the remote round trip of benchmark W7."""
+    """One empty SUB task: the remote round trip the benchmarks time (``benchmarks/w7.py``)."""
     o.submit_sub(EMPTY)
 
 

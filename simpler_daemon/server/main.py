@@ -196,7 +196,8 @@ def tune_gc() -> None:
 
     A run in flight holds ~5 objects per task: with the default thresholds a
     20,000-task run triggered ~34 collections, some full ones traversing every
-    object. Measured (W6 W2 over gRPC, 26 runs / 120,020 tasks, same session): the
+    object. Measured (runs of 20,000 empty tasks submitted over gRPC, 26 runs / 120,020
+    tasks, same session): the
     default ran 882 collections (7 full) for 0.91-1.83 s of collector time; freezing
     the start-up objects (imports, the Worker: ~35,000 never garbage) and these
     thresholds: 12 collections, none full, 0.14-0.20 s. What the daemon drops is freed

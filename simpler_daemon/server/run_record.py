@@ -7,7 +7,7 @@ WatchRun streams. :mod:`simpler_daemon.server.runs` keeps the table of records.
 Once the run is terminal the record keeps a small status only (state, counts, error,
 times, the encoded task results while they are kept) and lets go of the engine's
 ``Run`` (``Run.release``: its task slots, args and dependency map), so a finished run
-costs the daemon about :data:`STATUS_BYTES` whatever its size (issue 14.2).
+costs the daemon about :data:`STATUS_BYTES` whatever its size.
 """
 
 from __future__ import annotations

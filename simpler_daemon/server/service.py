@@ -16,7 +16,7 @@ knows this module.
 The loop must stay responsive for every client: a big SubmitRun is planned and
 built in slices (plan.py), a RunOrchestration function runs on a worker thread
 (offloop.py), garbage request bytes never reach a handler as a message
-(wire.py), and a client is who the kernel or the transport says (peers.py).
+(decoding.py), and a client is who the kernel or the transport says (peers.py).
 
 Every run, buffer and registration has an owner (``Identity.owner``); only the owner
 or an admin acts on it, admin calls need an admin, and each owner has quotas

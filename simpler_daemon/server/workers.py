@@ -96,7 +96,7 @@ def _remote_worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
         state = pb.WORKER_STATE_BUSY if info.get("busy") else pb.WORKER_STATE_IDLE
     else:
         state = pb.WORKER_STATE_STARTING
-    # remote/fleet.py names a failed or removed session's cause "reason".
+    # engine/remote_l3.py names a failed or removed session's cause "reason".
     message = info.get("poisoned") or info.get("reason") or info.get("message") or ""
     return pb.WorkerInfo(
         worker_id=int(info.get("worker_id", 0)),

@@ -2,10 +2,10 @@
 
 ``poll_for`` waits with a deadline instead of sleeping and hoping;
 ``child_pids``, ``shm_files`` and ``leaked_shm`` are what the leak guards compare;
-``self_signed_cert`` makes a throwaway certificate for TLS tests. The remote
-test tools live beside the code they exercise: ``remote.proxy.ChaosProxy`` and
-``remote.session_proxy.SessionProxy`` (fault injection on frames),
-``remote.netns.TestHosts`` (test hosts in network namespaces).
+``self_signed_cert`` makes a throwaway certificate for TLS tests. The remote test
+tools are the modules beside this one: ``chaos_proxy.ChaosProxy`` and
+``session_proxy.SessionProxy`` (fault injection on frames), ``netns.TestHosts``
+(test hosts in network namespaces).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ does not parse (a refused handshake, garbage) is passed through as it is.
 
 Threads: one acceptor plus one per handshake connection, and each lane proxy's
 own thread. Start it only in a process that will not fork afterwards (see
-``proxy.py``): in tests, after ``Worker.init()``. Loopback addresses only.
+``chaos_proxy.py``): in tests, after ``Worker.init()``. Loopback addresses only.
 """
 
 from __future__ import annotations
