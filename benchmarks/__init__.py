@@ -1,4 +1,4 @@
-"""Benchmark suite of simpler-daemon: the workloads of PERFORMANCE.md, engine and peers side by side.
+"""Benchmark suite of simpler-daemon: engine and peers side by side on the same workloads.
 
 Run ``python -m benchmarks --help``; see ``benchmarks/README.md``.
 """

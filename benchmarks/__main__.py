@@ -1,4 +1,4 @@
-"""``python -m benchmarks``: run the PERFORMANCE.md workloads on the engine and its peers.
+"""``python -m benchmarks``: run the workloads (``benchmarks/README.md``) on engine and peers.
 
 Data flow::
 

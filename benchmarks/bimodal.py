@@ -1,6 +1,7 @@
-"""W1b: W1 in fresh Workers, one after another: is any Worker stuck in a slow mode?
+"""W1b: W1 (one empty task per run) in fresh Workers, one after another: is any
+Worker stuck in a slow mode?
 
-Issue 14 saw W1 run at 245-280 µs in 4 of 30 cells instead of about 30: the
+W1 was once seen at 245-280 µs in 4 of 30 cells instead of about 30: the
 Scheduler's spin gate had locked itself into parking during warm-up. A fresh
 Worker per W1 catches that where one long-lived Worker would hide it. Each
 repetition starts ``workers`` Workers in turn (``Worker(level=3)``, 2 SUB

@@ -10,8 +10,8 @@
 ``runs`` runs of ``n`` empty SUB tasks each, one ``SubmitRun`` that waits per run, in
 sequence; RSS and objects are read after the first run, after ``runs // 10`` and after
 ``runs``. A daemon that keeps a finished run's task slots grows by megabytes per run; one
-that keeps a small status per finished run stays flat. The target (issue 14): RSS after
-100 runs <= RSS after 1 run + 20 MiB.
+that keeps a small status per finished run stays flat. The target: RSS after 100 runs
+<= RSS after 1 run + 20 MiB.
 
 Run inside the suite (``python -m benchmarks --only M1``) or standalone::
 

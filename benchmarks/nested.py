@@ -1,4 +1,4 @@
-"""W1 nested: W1 through one nested level, L4 -> local L3 -> SUB, in the W1 cell.
+"""W1 nested: W1 (one empty task per run) through one nested level, L4 -> local L3 -> SUB.
 
 ::
 
@@ -7,7 +7,8 @@
 
 Each run submits ``one_empty`` (``simpler_daemon.examples.remote``), an L3
 orchestration that submits one empty SUB task, to the local L3 worker and waits
-for its completion: W1's one empty task, one level further down. The L3 has
+for its completion: W1's one empty task, one level further down, measured in the
+W1 cell. The L3 has
 W1's pool (2 SUB workers), so the only difference from W1 is the level; the
 report puts it next to W1 of the same cell as "W1 nested" and subtracts W1
 (``Worker.run`` both) for the cost of one level.

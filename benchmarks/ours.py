@@ -6,7 +6,8 @@ reported ``unavailable (<reason>)`` and the peers are measured all the same.
 
 Variants: ``ours`` drives ``Worker.run`` (blocking); ``ours_async`` awaits
 ``Worker.run_async`` under ``asyncio.Runner`` with uvloop when importable;
-W1's ``ours_nested`` is W1 through a local L3 (``benchmarks/nested.py``).
+``ours_nested`` is W1 (one empty task per run) through a local L3
+(``benchmarks/nested.py``).
 """
 
 from __future__ import annotations

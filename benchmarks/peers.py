@@ -122,7 +122,8 @@ class Ray(Peer):
         remote = self.remote.get(fn)
         if remote is None:
             remote = self.remote[fn] = self.ray.remote(fn)
-        # An ObjectRef argument is resolved to its value before the task runs (W4).
+        # An ObjectRef argument is resolved to its value before the task runs: W4's chain
+        # of dependent tasks passes each result on this way.
         return remote.remote(*args)
 
     def result(self, handle: Any) -> Any:
@@ -159,7 +160,8 @@ class Dask(Peer):
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         # pure=False: every call is a new task, never deduplicated by key. A
-        # future argument is resolved to its result before the task runs (W4).
+        # future argument is resolved to its result before the task runs: W4's chain of
+        # dependent tasks passes each result on this way.
         return self.client.submit(fn, *args, pure=False)
 
     def result(self, handle: Any) -> Any:

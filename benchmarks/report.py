@@ -130,7 +130,8 @@ def finalize(doc: Doc) -> Doc:
             for key in ("median", "min", "max"):
                 res[key] = {}
             for metric in spec.metrics:
-                # A metric some variants do not report (W7's x4 ratio needs the one-worker
+                # A metric some variants do not report (the x4 ratio of W7, the remote
+                # workload: four remote workers against one, which needs the one-worker
                 # figure of the same cell) is left out rather than invented.
                 values = [rep[metric.key] for rep in res["reps"] if metric.key in rep]
                 if not metric.applies(system) or not values:
@@ -152,8 +153,8 @@ def finalize(doc: Doc) -> Doc:
 
 
 def idle_gaps(doc: Doc) -> dict[str, Any]:
-    """W1g per gap: ours beside the futex floor (same spins, and park at once), medians
-    over repetitions, and ours ÷ the same-spins floor."""
+    """W1g (one-task runs after an idle gap) per gap: ours beside the futex floor (same
+    spins, and park at once), medians over repetitions, and ours ÷ the same-spins floor."""
     out: dict[str, Any] = {}
     for gap in ("0.1", "1", "10"):
         row: dict[str, Any] = {}
@@ -171,8 +172,9 @@ def value(doc: Doc, wid: str, system: str, metric: str) -> float | None:
 
 
 def transports(doc: Doc) -> dict[str, Any]:
-    """W6 per transport: the bare round trip (GetInfo), W1, and W1 minus the round trip
-    (the run path through the daemon), beside in-process W1 of the same invocation."""
+    """W6 (one-task runs through the daemon from another process) per transport: the bare
+    round trip (GetInfo), the one-task run (W1), and W1 minus the round trip (the run
+    path through the daemon), beside in-process W1 of the same invocation."""
     out: dict[str, Any] = {"w1_in_process_us": value(doc, "W1", "ours", "median_us")}
     for variant in ("ours_grpc", "ours_fast"):
         w6 = value(doc, "W6", variant, "median_us")
@@ -186,7 +188,8 @@ def transports(doc: Doc) -> dict[str, Any]:
 
 
 def remote_hop(doc: Doc) -> dict[str, Any]:
-    """W7 beside W1 of the same invocation: what the remote hop adds to a one-task run.
+    """W7 (one empty remote L3 task per run) beside W1 (one empty task per run, in
+    process) of the same invocation: what the remote hop adds to a one-task run.
 
     ``hop_us`` is W7's median minus W1's (same API: run or run_async); the x4
     figure is the median of per-repetition ratios measured inside the W7 cell.
@@ -212,7 +215,8 @@ def remote_hop(doc: Doc) -> dict[str, Any]:
 
 
 def nested_level(doc: Doc) -> dict[str, Any]:
-    """W1 nested beside W1 (both ``Worker.run``, same cell): what one local level costs.
+    """W1 nested (L4 -> local L3 -> SUB) beside W1 (one empty task per run; both
+    ``Worker.run``, same cell): what one local level costs.
 
     ``level_us`` / ``level_p99_us`` are W1 nested's median / p99 minus W1's.
     """
@@ -351,7 +355,8 @@ def _row_label(wid: str, metric_label: str, variant: str, variants: tuple[str, .
 def markdown(doc: Doc) -> str:
     notes = _Notes()
     peers = doc["peers"]
-    # Several targets may judge one row (W6 fast W1: at most 60 µs, at most 3 W1): a line each.
+    # Several targets may judge one row (W6's one-task run over the fast path: at most
+    # 60 µs, and at most 3 x the in-process one, W1): a line each.
     verdicts_of: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
     for v in doc["targets"]:
         verdicts_of.setdefault((v["workload"], v.get("metric"), v.get("variant")), []).append(v)
@@ -392,7 +397,9 @@ def markdown(doc: Doc) -> str:
                             if "ratio" in v
                             else "—"
                         )
-                        if "ratio" in v and v.get("offset"):  # W9: (ours - one task) / W1
+                        # W9 (a small run behind another client's big one): the ratio is
+                        # (ours - one task) / W1.
+                        if "ratio" in v and v.get("offset"):
                             ratio = f"(ours - {num(v['offset'])}) ÷ W1 = {num(v['ratio'])}"
                         verdict = v["verdict"]
                         if v.get("why"):
@@ -443,7 +450,8 @@ def _ratio_table(doc: Doc) -> list[str]:
     ]
     for wid, by_metric in doc["ratios"].items():
         spec = WORKLOADS[wid]
-        if not spec.peers:  # ours only (W6, W7, S1): no row of dashes
+        # Ours only (W6 daemon transports, W7 remote L3, S1 chip staging): no row of dashes.
+        if not spec.peers:
             continue
         for metric in spec.metrics:
             for variant, row in by_metric.get(metric.key, {}).items():
@@ -492,7 +500,8 @@ def _gap_lines(doc: Doc) -> list[str]:
 
 
 def _transport_lines(doc: Doc) -> list[str]:
-    """W6: what each transport costs by itself and what the run path adds."""
+    """W6 (the daemon's API from another process): what each transport costs by itself
+    and what the run path adds."""
     t = doc["transports"]
     lines = ["Daemon transports (W6), same invocation:", ""]
     for variant, name in (("ours_grpc", "gRPC"), ("ours_fast", "fast path")):
@@ -518,7 +527,8 @@ def _transport_lines(doc: Doc) -> list[str]:
 
 
 def _remote_lines(doc: Doc) -> list[str]:
-    """W7 beside W1: the cost of the hop, where it goes, and what 4 workers give."""
+    """W7 (one remote L3 task per run) beside W1 (the same in process): the cost of the
+    hop, where it goes, and what 4 workers give."""
     hop = doc["remote_hop"]
     lines = ["Remote L3 (W7) beside in-process W1, same invocation:", ""]
     for variant, api in (("ours", "run"), ("ours_async", "run_async")):

@@ -16,7 +16,8 @@ import numpy as np
 
 
 def empty(*_args: Any) -> None:
-    """Do nothing: W1, W2 and warm-ups (works for peers and for the engine)."""
+    """Do nothing: the empty task of W1 (one per run), W2 (20,000 in one run) and the
+    warm-ups (works for peers and for the engine)."""
     return None
 
 
@@ -24,7 +25,8 @@ def spin(us: int) -> None:
     """Burn ``us`` microseconds of this thread's CPU time (not wall time).
 
     Counting CPU time means a preempted task still does its full share of
-    work, so lost cores show up as lost efficiency in W3.
+    work, so lost cores show up as lost efficiency in W3 (CPU efficiency of 500 µs
+    tasks).
     """
     deadline = time.thread_time_ns() + int(us) * 1000
     while time.thread_time_ns() < deadline:
@@ -37,13 +39,15 @@ def spin_task(args: Any) -> None:
 
 
 def sleep_task(args: Any) -> None:
-    """Engine only: sleep ``args.scalars[0]`` microseconds (W9's busy worker: it holds
-    the worker without taking a core from the client and the daemon)."""
+    """Engine only: sleep ``args.scalars[0]`` microseconds (the long run of W9, which
+    measures a small run's latency behind it: it holds the worker without taking a core
+    from the client and the daemon)."""
     time.sleep(int(args.scalars[0]) / 1e6)
 
 
 def incr(prev: int) -> int:
-    """One link of the W4 chain for peers that pass results along (Ray, Dask)."""
+    """One link of W4's chain of 2,000 dependent tasks, for peers that pass results along
+    (Ray, Dask)."""
     return int(prev) + 1
 
 
@@ -54,7 +58,8 @@ def incr_task(args: Any) -> None:
 
 
 def sum_array(arr: np.ndarray, expected: float | None = None) -> float:
-    """Read the whole array (W5). Raises if the sum is not ``expected``."""
+    """Read the whole array (W5: a task reading an 8 MiB array). Raises if the sum is not
+    ``expected``."""
     total = float(arr.sum())
     if expected is not None and total != expected:
         raise ValueError(f"cannot verify W5 array: sum {total} != {expected}")

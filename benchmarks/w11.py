@@ -1,4 +1,5 @@
-"""W11: another client's W1 through the daemon while a 100,000-task SubmitRun is handled.
+"""W11: another client's one-task runs (W1) through the daemon while a 100,000-task
+SubmitRun is handled.
 
 ::
 

@@ -70,7 +70,8 @@ max_tasks_per_run = {max(n2, 100_000)}
 @contextlib.contextmanager
 def daemon(n2: int, extra: str = "") -> Iterator[tuple[str, int]]:
     """A ``simpler-daemon serve`` subprocess; yields ``(socket path, pid)``, stops it after.
-    ``extra``: more TOML sections for its configuration (W9's ``[scheduler]``)."""
+    ``extra``: more TOML sections for its configuration (the ``[scheduler]`` admission
+    policy of W9, fair against fifo)."""
     with tempfile.TemporaryDirectory(prefix="bench-w6-") as tmp:
         directory = Path(tmp)
         config = directory / "daemon.toml"

@@ -13,9 +13,10 @@ while A's run is executing, at a random moment (a pause of up to one task betwee
 probes). The figure is B's round trip: median and p90 over
 ``probes`` runs. Measured twice, each on its own daemon: ``scheduler.admission =
 "fair"`` (variant ``ours``, the daemon's default), where B's task takes the next
-worker that frees up, and ``"fifo"`` (variant ``ours_fifo``, the seed's whole-run
+worker that frees up, and ``"fifo"`` (variant ``ours_fifo``, the original whole-run
 order), where B's run waits for A's. Target (``workloads.TARGETS``): fair's median
-at most 3 x W1 of the same invocation plus one task duration (20 ms).
+at most 3 x W1 (our in-process one-task run) of the same invocation plus one task
+duration (20 ms).
 
 A and B are two connections of this process's user: the daemon sees one identity
 with two runs, which fair admission shares by run priority (equal here); clients of

@@ -1,4 +1,4 @@
-"""What is measured: the workloads of PERFORMANCE.md, their targets, and the timing loops.
+"""What is measured: the workloads, their targets, and the timing loops.
 
 Everything here is data or a plain function. The loops for peers are written
 once against the small :class:`benchmarks.peers.Peer` interface (submit one
@@ -70,13 +70,15 @@ class Workload:
 
 @dataclass(frozen=True)
 class Target:
-    """One line of the PERFORMANCE.md target table, as data.
+    """One line of the target table (``benchmarks/README.md``, *Targets*), as data.
 
     ``kind="ratio"``: ours / ``peer`` (same invocation) ``op`` ``bound``.
     ``kind="absolute"``: ours ``op`` ``bound`` in the metric's unit.
-    ``ref_workload``: take the peer's figure from that workload instead (W6 compares
-    with Ray's W1 and with our own in-process W2, ``peer="ours"``). ``offset``: the
-    ratio is (ours - offset) / peer (W9: at most 3 x W1 plus one task duration).
+    ``ref_workload``: take the peer's figure from that workload instead (W6, the daemon's
+    API from another process, compares with Ray's one-task run W1 and with our own
+    in-process 20,000-task run W2, ``peer="ours"``). ``offset``: the ratio is
+    (ours - offset) / peer (W9, a small run behind another client's big one: at most
+    3 x the one-task run W1 plus one task duration).
     """
 
     workload: str
@@ -87,7 +89,8 @@ class Target:
     peer: str | None = None
     text: str = ""
     ref_workload: str | None = None
-    # Subtracted from ours before the ratio (W9: one task duration, in the metric's unit).
+    # Subtracted from ours before the ratio (W9, a small run behind a big one: one task
+    # duration, in the metric's unit).
     offset: float = 0.0
     # The ours variants judged against this target (None: every variant of the workload).
     variants: tuple[str, ...] | None = None
@@ -307,7 +310,8 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 TARGETS: tuple[Target, ...] = (
-    # W1's targets judge the in-process variants; W1 nested is reported beside them.
+    # W1's targets (one empty task per run) judge the in-process variants; W1 nested is
+    # reported beside them.
     Target(
         "W1",
         "median_us",
@@ -515,7 +519,7 @@ def ok(reps: list[Result], **info: Any) -> Result:
     return {"status": "ok", "reps": reps, "info": info}
 
 
-# ------------------------------------------------------- CPU of a process tree (W8)
+# ------------------------------------------------------- CPU of a process tree (W8, idle CPU)
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
