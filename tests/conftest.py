@@ -1,5 +1,6 @@
 """Shared fixtures: leak guards (no child process, no /dev/shm file, no unobserved loop
-exception outlives a test) and the event-loop choice (SIMPLER_LOOP=asyncio|uvloop)."""
+exception outlives a test), the event-loop choice (SIMPLER_LOOP=asyncio|uvloop) and the
+one ``Pool`` fixture (``make_pool``, ``pool``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,32 @@ import logging
 import os
 import re
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files
+# The rigs in tests/support assert inside their methods; rewrite those asserts as in test
+# modules (registered before anything imports them). The callables children run are
+# left alone: their import must stay a plain import.
+pytest.register_assert_rewrite(
+    "tests.support.ctl",
+    "tests.support.chip_endpoint_rig",
+    "tests.support.chip_worker_rig",
+    "tests.support.daemon_harness",
+    "tests.support.endpoint_rig",
+    "tests.support.nested_rig",
+    "tests.support.remote_harness",
+    "tests.support.remote_worker",
+    "tests.support.scheduler_rig",
+    "tests.support.submit_sink",
+    "tests.support.two_clients",
+    "tests.support.worker_pool",
+)
+
+from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files  # noqa: E402
+from tests.support.remote_worker import start_worker, token_file  # noqa: E402, F401  (fixtures)
+from tests.support.worker_pool import TASKS, Pool  # noqa: E402
 
 # A shell without job control starts background commands with SIGINT ignored (``make
 # test &`` in a script, nohup), and Python then never raises KeyboardInterrupt; exec'd
@@ -96,3 +117,37 @@ def fail_on_unobserved_loop_exception() -> Iterator[None]:
     finally:
         logger.removeHandler(rec)
     assert not rec.records, f"unobserved exception in the event loop: {rec.records[0].getMessage()}"
+
+
+# -- the one Pool fixture -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_pool(request: pytest.FixtureRequest) -> Iterator[Callable[..., Pool]]:
+    """``make_pool(n=2, admission="fifo", tasks=None)``: a started ``Pool``, closed after
+    the test. ``tasks`` defaults to the test module's ``POOL_TASKS`` (``TASKS`` of
+    tests/support/worker_pool.py when it has none)."""
+    made: list[Pool] = []
+    default_tasks: Sequence[str] = getattr(request.module, "POOL_TASKS", TASKS)
+
+    def factory(n: int = 2, *, admission: str = "fifo", tasks: Sequence[str] | None = None) -> Pool:
+        p = Pool(n, admission=admission, tasks=default_tasks if tasks is None else tasks)
+        made.append(p)
+        return p
+
+    yield factory
+    for p in made:
+        p.w.close()
+
+
+@pytest.fixture
+def pool(request: pytest.FixtureRequest, make_pool: Callable[..., Pool]) -> Pool:
+    """``make_pool()``: two SUB children. In a module that sets ``POOL_ADMISSIONS`` every
+    test that uses it runs once per admission policy listed (see pytest_generate_tests)."""
+    return make_pool(admission=getattr(request, "param", "fifo"))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    admissions = getattr(metafunc.module, "POOL_ADMISSIONS", None)
+    if admissions and "pool" in metafunc.fixturenames:
+        metafunc.parametrize("pool", admissions, indirect=True)

@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from simpler_daemon import (
-    CallableHandle,
     RunState,
     StartupError,
-    Tag,
     Worker,
     WorkerState,
 )
 from simpler_daemon.testing import poll_for
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
+from tests.support.worker_pool import Pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -41,43 +39,17 @@ def only_main_thread() -> bool:
     return threading.active_count() == 1
 
 
-class Pool:
-    def __init__(self, admission: str) -> None:
-        self.w = Worker(num_sub_workers=2, admission=admission)
-        self.h: dict[str, CallableHandle] = {
-            name: self.w.register(getattr(tasks, name))
-            for name in ("wait_flag", "chain_step", "noop", "set_flag")
-        }
-        self.w.init()
-
-    def gated(self, flags: Any, index: int = 0) -> Any:
-        """An orchestration of one task that waits until ``flags[index]`` is set."""
-        h = self.h["wait_flag"]
-
-        def orch(o: Any, args: Any, config: Any) -> None:
-            o.submit_sub(h, targs((flags, Tag.NO_DEP), scalars=(index, 0, 30_000)))
-
-        return orch
-
-    def chain(self, counter: Any, n: int) -> Any:
-        """An orchestration of ``n`` INOUT-ordered steps on ``counter``."""
-        h = self.h["chain_step"]
-
-        def orch(o: Any, args: Any, config: Any) -> None:
-            for i in range(n):
-                o.submit_sub(h, targs((counter, Tag.INOUT), scalars=(i,)))
-
-        return orch
+#: What the ``pool`` fixture (tests/conftest.py) registers; each test that uses it runs
+#: under both admission policies.
+POOL_TASKS = ("wait_flag", "chain_step", "noop", "set_flag")
+POOL_ADMISSIONS = ("fifo", "fair")
 
 
-@pytest.fixture(params=["fifo", "fair"])
-def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
-    p = Pool(request.param)
-    try:
-        yield p
-    finally:
-        p.w.close()
-    # close joins the background thread: a fork right now would be allowed.
+@pytest.fixture(autouse=True)
+def no_thread_outlives_the_pool() -> Iterator[None]:
+    """Runs after the pool's teardown: close joins the background thread, so a fork right
+    after it would be allowed."""
+    yield
     assert only_main_thread(), f"threads outlived close: {threading.enumerate()}"
 
 
@@ -110,7 +82,7 @@ def test_several_submitted_runs_all_complete_on_their_own(pool: Pool) -> None:
 def test_a_caller_that_waits_takes_over_and_hands_back(pool: Pool) -> None:
     w = pool.w
     flags = w.alloc((2,), "int64")
-    slow = w.submit(pool.gated(flags, 0))
+    slow = w.submit(pool.waiting_on(flags, 0))
     # The background thread drives the gated run...
     poll_for(driver_threads, timeout=30, message="no background driver for an unfinished run")
     # ...a caller that waits takes the rounds over, and hands them back when it leaves.
@@ -129,7 +101,7 @@ def test_a_caller_that_waits_takes_over_and_hands_back(pool: Pool) -> None:
     assert slow.state is RunState.COMPLETED
     poll_for(only_main_thread, timeout=30)
     # A caller waiting while the background thread drives finishes its run itself.
-    second = w.submit(pool.gated(flags, 1))
+    second = w.submit(pool.waiting_on(flags, 1))
     poll_for(driver_threads, timeout=30)
     flags[1] = 1
     second.wait(timeout=60)
@@ -139,7 +111,7 @@ def test_a_caller_that_waits_takes_over_and_hands_back(pool: Pool) -> None:
 def test_wait_with_a_timeout_leaves_the_run_to_the_background(pool: Pool) -> None:
     w = pool.w
     flags = w.alloc((1,), "int64")
-    handle = w.submit(pool.gated(flags))
+    handle = w.submit(pool.waiting_on(flags))
     with pytest.raises(TimeoutError, match=f"run {handle.run_id} not finished"):
         handle.wait(timeout=0.05)
     flags[0] = 1
@@ -150,7 +122,7 @@ def test_wait_with_a_timeout_leaves_the_run_to_the_background(pool: Pool) -> Non
 def test_close_with_a_run_in_flight_joins_the_background_thread(pool: Pool) -> None:
     w = pool.w
     flags = w.alloc((1,), "int64")
-    handle = w.submit(pool.gated(flags))
+    handle = w.submit(pool.waiting_on(flags))
     poll_for(driver_threads, timeout=30)
     w.close(timeout=1.0)
     assert handle.done()
@@ -159,7 +131,7 @@ def test_close_with_a_run_in_flight_joins_the_background_thread(pool: Pool) -> N
 
 @pytest.mark.parametrize("admission", ["fifo", "fair"])
 def test_a_later_worker_init_forks_after_the_background_thread_exited(admission: str) -> None:
-    first = Pool(admission)
+    first = Pool(admission=admission, tasks=POOL_TASKS)
     second: Worker | None = None
     third: Worker | None = None
     try:
@@ -175,7 +147,7 @@ def test_a_later_worker_init_forks_after_the_background_thread_exited(admission:
         # While the first Worker's runs are in flight on its thread, a fork is refused
         # with a clear reason and the new Worker stays NEW (it can init later).
         flags = first.w.alloc((1,), "int64")
-        gated = first.w.submit(first.gated(flags))
+        gated = first.w.submit(first.waiting_on(flags))
         poll_for(driver_threads, timeout=30)
         third = Worker(num_sub_workers=1, admission=admission)
         with pytest.raises(StartupError, match=r"cannot init: another Worker .* unfinished run"):

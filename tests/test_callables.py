@@ -31,7 +31,7 @@ from simpler_daemon.callables import (
     verify_hashid,
 )
 from simpler_daemon.errors import RegistrationError
-from tests import helpers_engine
+from tests.support import sub_tasks
 
 
 def _lp(b: bytes) -> bytes:
@@ -46,14 +46,16 @@ def code_of(excinfo: pytest.ExceptionInfo[RegistrationError]) -> str:
 
 
 def test_import_descriptor_is_canonical() -> None:
-    desc = import_descriptor("tests.helpers_engine", "noop")
-    expected = struct.pack("<II", 1, 3) + _lp(b"tests.helpers_engine") + _lp(b"noop")
+    desc = import_descriptor("tests.support.sub_tasks", "noop")
+    expected = struct.pack("<II", 1, 3) + _lp(b"tests.support.sub_tasks") + _lp(b"noop")
     assert desc == expected
     hid = hashid_of(desc)
     assert hid == "sha256:" + hashlib.sha256(expected).hexdigest()
-    spec = spec_for_import(" tests.helpers_engine:noop ")  # trimmed
+    spec = spec_for_import(" tests.support.sub_tasks:noop ")  # trimmed
     assert spec.handle.hashid == hid and spec.handle.kind is CallableKind.PYTHON_IMPORT
-    assert spec.import_path == "tests.helpers_engine:noop" and spec.handle.name == spec.import_path
+    assert (
+        spec.import_path == "tests.support.sub_tasks:noop" and spec.handle.name == spec.import_path
+    )
     assert spec.handle.digest == bytes.fromhex(hid[7:]) == digest_of(hid)
     assert hashid_of_digest(spec.handle.digest) == hid
 
@@ -83,12 +85,12 @@ def test_serialized_and_chip_descriptors() -> None:
 
 
 def test_spec_for_object_importable_and_local() -> None:
-    spec = spec_for_object(helpers_engine.noop)
+    spec = spec_for_object(sub_tasks.noop)
     assert spec.handle.kind is CallableKind.PYTHON_SERIALIZED
-    assert spec.import_path == "tests.helpers_engine:noop"  # shipped by path after init
-    assert spec.obj is helpers_engine.noop and spec.payload is not None
+    assert spec.import_path == "tests.support.sub_tasks:noop"  # shipped by path after init
+    assert spec.obj is sub_tasks.noop and spec.payload is not None
     assert spec.handle.hashid == hashid_of(serialized_descriptor(spec.payload))
-    assert spec_for_object(helpers_engine.noop).handle.hashid == spec.handle.hashid  # stable
+    assert spec_for_object(sub_tasks.noop).handle.hashid == spec.handle.hashid  # stable
 
     def local(args: Any) -> int:
         return 41 + 1
@@ -103,13 +105,13 @@ def test_spec_for_object_importable_and_local() -> None:
 
 
 def test_importable_path() -> None:
-    assert importable_path(helpers_engine.gate) == "tests.helpers_engine:gate"
+    assert importable_path(sub_tasks.gate) == "tests.support.sub_tasks:gate"
     assert importable_path(lambda a: a) is None
-    alias = helpers_engine.noop
+    alias = sub_tasks.noop
 
     def shadow(args: Any) -> None: ...
 
-    shadow.__module__, shadow.__qualname__ = "tests.helpers_engine", "noop"
+    shadow.__module__, shadow.__qualname__ = "tests.support.sub_tasks", "noop"
     assert importable_path(alias) is not None
     assert importable_path(shadow) is None  # importing the path yields another object
 
@@ -185,9 +187,9 @@ def test_good_import_paths() -> None:
     with pytest.raises(ImportError):
         resolve_import("tests.helpers_missing", "fn")
     with pytest.raises(AttributeError):
-        resolve_import("tests.helpers_engine", "missing")
+        resolve_import("tests.support.sub_tasks", "missing")
     with pytest.raises(TypeError, match="is a int, not a callable"):
-        resolve_import("tests.helpers_engine", "NOT_A_CALLABLE")
+        resolve_import("tests.support.sub_tasks", "NOT_A_CALLABLE")
 
 
 def test_verify_hashid() -> None:
@@ -209,13 +211,13 @@ def test_unserializable_object_is_descriptor_mismatch(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(cloudpickle, "dumps", boom)
     with pytest.raises(RegistrationError) as ei:
-        spec_for_object(helpers_engine.noop)
+        spec_for_object(sub_tasks.noop)
     assert ei.value.code == "HASHID_DESCRIPTOR_MISMATCH" and "cannot pickle this" in str(ei.value)
 
 
 def test_load_spec() -> None:
-    assert load_spec("tests.helpers_engine:noop", None) is helpers_engine.noop
-    assert load_spec(None, cloudpickle.dumps(helpers_engine.add_one)) is helpers_engine.add_one
+    assert load_spec("tests.support.sub_tasks:noop", None) is sub_tasks.noop
+    assert load_spec(None, cloudpickle.dumps(sub_tasks.add_one)) is sub_tasks.add_one
     with pytest.raises(TypeError, match="not a callable"):
         load_spec(None, cloudpickle.dumps(7))
     with pytest.raises(ValueError, match="neither an import path nor a payload"):
@@ -234,7 +236,7 @@ def test_not_registered_message() -> None:
 
 def test_registry_refcounts_and_tombstones() -> None:
     reg = CallableRegistry()
-    spec = spec_for_import("tests.helpers_engine:noop")
+    spec = spec_for_import("tests.support.sub_tasks:noop")
     hid = spec.handle.hashid
     assert hid not in reg
     assert reg.begin_register(spec, frozenset({0, 1})) is True  # children must be told
@@ -277,7 +279,7 @@ def test_registry_refcounts_and_tombstones() -> None:
 
 def test_registry_abort_and_pending() -> None:
     reg = CallableRegistry()
-    spec = spec_for_import("tests.helpers_engine:noop")
+    spec = spec_for_import("tests.support.sub_tasks:noop")
     hid = spec.handle.hashid
     assert reg.begin_register(spec, frozenset({0}))
     with pytest.raises(RegistrationError) as busy:
@@ -297,8 +299,8 @@ def test_registry_abort_and_pending() -> None:
 
 def test_registry_role_mismatch() -> None:
     reg = CallableRegistry()
-    sub = spec_for_import("tests.helpers_engine:noop", "sub")
-    orch = spec_for_import("tests.helpers_engine:noop", "orchestration")
+    sub = spec_for_import("tests.support.sub_tasks:noop", "sub")
+    orch = spec_for_import("tests.support.sub_tasks:noop", "orchestration")
     assert sub.handle.hashid == orch.handle.hashid
     assert reg.begin_register(sub, frozenset())
     reg.commit_register(sub.handle.hashid)
@@ -323,18 +325,18 @@ def test_unknown_hashid_not_registered() -> None:
 def test_slot_table_exhaustion_and_reuse() -> None:
     table = SlotTable(capacity=2)
     d1, d2, d3 = (bytes([i]) * 32 for i in (1, 2, 3))
-    assert table.add(d1, helpers_engine.noop) == 0
-    assert table.add(d2, helpers_engine.add_one) == 1
+    assert table.add(d1, sub_tasks.noop) == 0
+    assert table.add(d2, sub_tasks.add_one) == 1
     with pytest.raises(RegistrationError) as ei:
-        table.add(d3, helpers_engine.double)
+        table.add(d3, sub_tasks.double)
     assert ei.value.code == "LOCAL_SLOT_EXHAUSTED" and "2 callables" in str(ei.value)
     assert table.resolve(d3) is None and len(table) == 2
     # Re-adding a known digest replaces in place and needs no new slot.
-    assert table.add(d1, helpers_engine.gate) == 0
-    assert table.resolve(d1) is helpers_engine.gate
+    assert table.add(d1, sub_tasks.gate) == 0
+    assert table.resolve(d1) is sub_tasks.gate
     assert table.remove(d1) is True
     assert table.remove(d1) is False
     assert table.resolve(d1) is None and table.slot_of(d1) is None
-    assert table.add(d3, helpers_engine.double) == 0  # the freed slot is reused
-    assert table.resolve(d3) is helpers_engine.double and table.slot_of(d2) == 1
+    assert table.add(d3, sub_tasks.double) == 0  # the freed slot is reused
+    assert table.resolve(d3) is sub_tasks.double and table.slot_of(d2) == 1
     assert len(table) == 2

@@ -27,8 +27,8 @@ from simpler_daemon import CallConfig, RunCancelled, Tag, TaskError, Worker
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.engine.orchestrator import Orchestrator, RunState
 from simpler_daemon.testing import alive, poll_for
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,7 +222,7 @@ def test_terminate_stops_a_stuck_chip_kernel(admission: str) -> None:
     w = Worker(num_sub_workers=1, num_chips=1, heap_bytes=4 << 20, admission=admission)
     try:
         hang = w.register(f"{__name__}:stuck_kernel", kind="chip")
-        write = w.register("tests.chip_kernels:write_scalar", kind="chip")
+        write = w.register("tests.support.chip_kernels:write_scalar", kind="chip")
         w.init()
         assert w.scheduler is not None
         lane = w.scheduler.manager.next_level[0]
@@ -287,7 +287,8 @@ def test_a_deadline_kill_logs_one_replaced_warning(caplog: pytest.LogCaptureFixt
 def test_terminate_stops_a_nested_l3_task() -> None:
     """A NEXT_LEVEL task on a local L3 child: the L3 child is killed (its SUB grandchild
     with it) and replaced with its subtree; the next run works."""
-    from tests.test_nested import forward, l3_worker, l4_worker, sub_fill
+    from tests.support.nested_rig import forward, l3_worker, l4_worker
+    from tests.support.sub_tasks import sub_fill
 
     l3 = l3_worker()
     hang = l3.register(stuck)

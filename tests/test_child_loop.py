@@ -37,8 +37,8 @@ from simpler_daemon.mailbox.layout import (
     MailboxState,
 )
 from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
-from tests import helpers_engine as H
-from tests.engine_helpers import Gate, Rig, blob_for, proc_state
+from tests.support import sub_tasks as H
+from tests.support.endpoint_rig import Gate, Rig, blob_for, proc_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -70,8 +70,8 @@ def test_init_ready_resolves_the_snapshot() -> None:
             "sub worker 0 init: ModuleNotFoundError: No module named 'tests.helpers_missing'",
         ),
         (
-            {"specs": [spec_for_import("tests.helpers_engine:NOT_A_CALLABLE")]},
-            "sub worker 0 init: TypeError: tests.helpers_engine:NOT_A_CALLABLE is a int, not a callable",
+            {"specs": [spec_for_import("tests.support.sub_tasks:NOT_A_CALLABLE")]},
+            "sub worker 0 init: TypeError: tests.support.sub_tasks:NOT_A_CALLABLE is a int, not a callable",
         ),
         (
             {"init_hook": lambda: (_ for _ in ()).throw(RuntimeError("boom"))},

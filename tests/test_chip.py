@@ -17,7 +17,6 @@ the test instead of hanging it).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -31,9 +30,9 @@ import pytest
 
 from simpler_daemon.args import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle, spec_for_chip
-from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
+from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.engine.orchestrator import Orchestrator, TaskSlot
-from simpler_daemon.engine.worker import RunHandle, Worker
+from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import TaskError
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.layout import (
@@ -47,6 +46,7 @@ from simpler_daemon.mailbox.layout import (
 )
 from simpler_daemon.scheduler.lanes import WorkerCompletion
 from simpler_daemon.testing import poll_for
+from tests.support.chip_worker_rig import Chips, wait_all
 
 pytestmark = pytest.mark.integration
 
@@ -54,215 +54,6 @@ KERNELS = ("add_one", "noop", "gate", "record_pid", "fail_prepare", "fail_launch
 
 
 # -- harness -----------------------------------------------------------------------------------
-
-
-class Gate:
-    """Three heap words driving ``chip_kernels.gate``: started, release, finished."""
-
-    def __init__(self, w: Worker) -> None:
-        self.words = w.alloc(3, "uint64")
-
-    def args(self) -> TaskArgs:
-        return TaskArgs().add_tensor(self.words, Tag.NO_DEP)
-
-    def started(self) -> bool:
-        return bool(self.words[0])
-
-    def release(self) -> None:
-        self.words[1] = 1
-
-    def finished(self) -> bool:
-        return bool(self.words[2])
-
-
-class Chips:
-    """A Worker with chip children, their traces and a recorder of Scheduler events."""
-
-    def __init__(self, w: Worker, trace_dir: Path, handles: dict[str, CallableHandle]) -> None:
-        self.w = w
-        self.trace_dir = trace_dir
-        self.k = handles
-        self.gates: list[Gate] = []
-        self.events: list[dict[str, Any]] = []
-        self.threads: list[threading.Thread] = []
-        self.closed = False
-        assert w.scheduler is not None and w.manager is not None
-        w.scheduler.on_task_event = self._on_task_event
-        for lane in w.manager.next_level.values():
-            lane.on_accept = self._accept_hook(lane.worker_id, lane.on_accept)
-
-    # -- recording -----------------------------------------------------------------------
-
-    def _on_task_event(self, slot: TaskSlot, kind: str, c: WorkerCompletion | None) -> None:
-        rec: dict[str, Any] = {
-            "kind": kind,
-            "run": slot.run_id,
-            "index": slot.index,
-            "t": time.monotonic(),
-        }
-        if c is not None:
-            rec.update(
-                worker=c.worker_id,
-                dispatch=c.dispatch.dispatch_id,
-                outcome=c.outcome,
-                message=c.message,
-            )
-            ep = self.endpoint(c.worker_id)
-            rec["child_exited"] = ep.child is not None and ep.child.exited
-        if kind == "staged":
-            # FRAME_STAGED is also a transient state of an ordinary active dispatch
-            # (TASK_READY -> FRAME_STAGED -> TASK_LAUNCHED); ``successor`` tells a
-            # staged successor (published prepare_only, held in the lane's staged
-            # capacity) from such an observation.
-            assert self.w.manager is not None
-            rec["successor"] = False
-            for lane in self.w.manager.next_level.values():
-                d = lane.staged
-                if d is not None and d.task_slot is slot:
-                    off = lane.endpoint.frame_for(d).off  # type: ignore[attr-defined]
-                    buf = lane.endpoint.buf  # type: ignore[attr-defined]
-                    rec.update(
-                        successor=True,
-                        worker=lane.worker_id,
-                        dispatch=d.dispatch_id,
-                        frame=TASK_FRAMES.index(off),
-                        state=_mb.load32(buf, off),
-                        accepted=_mb.load32(buf, off + OFF_ACCEPTED),
-                        disposition=_mb.load32(buf, off + OFF_DISPOSITION),
-                        trace=self.trace(lane.worker_id),
-                    )
-        self.events.append(rec)
-
-    def _accept_hook(
-        self, wid: int, inner: Callable[[WorkerDispatch], None]
-    ) -> Callable[[WorkerDispatch], None]:
-        def on_accept(d: WorkerDispatch) -> None:
-            self.events.append(
-                {
-                    "kind": "accepted",
-                    "run": d.task_slot.run_id,
-                    "index": d.task_slot.index,
-                    "worker": wid,
-                    "dispatch": d.dispatch_id,
-                    "t": time.monotonic(),
-                }
-            )
-            inner(d)
-
-        return on_accept
-
-    def of(
-        self, kind: str, run: int | None = None, index: int | None = None
-    ) -> list[dict[str, Any]]:
-        return [
-            e
-            for e in self.events
-            if e["kind"] == kind and run in (None, e["run"]) and index in (None, e["index"])
-        ]
-
-    def successors(self, run: int | None = None) -> list[dict[str, Any]]:
-        """ "staged" events of successors staged ahead of their run (not transient active ones)."""
-        return [e for e in self.of("staged", run) if e["successor"]]
-
-    def staged_before(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every "staged" observation (of any kind) recorded before ``event``."""
-        return [e for e in self.events[: self.events.index(event)] if e["kind"] == "staged"]
-
-    def one(self, kind: str, run: int, index: int = 0) -> dict[str, Any]:
-        found = self.of(kind, run, index)
-        assert len(found) == 1, (
-            f"expected one {kind} event of run {run} task {index}: {self.events}"
-        )
-        return found[0]
-
-    def pos(self, kind: str, run: int, index: int = 0) -> int:
-        return self.events.index(self.one(kind, run, index))
-
-    # -- traces ------------------------------------------------------------------------------
-
-    def records(self, chip: int) -> list[dict[str, Any]]:
-        path = self.trace_dir / f"chip-{chip}.jsonl"
-        if not path.exists():
-            return []
-        lines = path.read_text().splitlines(keepends=True)
-        return [json.loads(line) for line in lines if line.endswith("\n")]
-
-    def trace(self, chip: int) -> list[tuple[str, int]]:
-        return [(r["event"], r["dispatch_id"]) for r in self.records(chip)]
-
-    def at(self, chip: int, event: str, dispatch_id: int) -> int:
-        trace = self.trace(chip)
-        assert (event, dispatch_id) in trace, (
-            f"no {event} of dispatch {dispatch_id} on chip {chip}: {trace}"
-        )
-        return trace.index((event, dispatch_id))
-
-    def t(self, chip: int, event: str, dispatch_id: int) -> float:
-        rec = next(
-            (
-                r
-                for r in self.records(chip)
-                if (r["event"], r["dispatch_id"]) == (event, dispatch_id)
-            ),
-            None,
-        )
-        assert rec is not None, f"no {event} of dispatch {dispatch_id} on chip {chip}"
-        return float(rec["t"])
-
-    def count(self, chip: int, event: str, dispatch_id: int) -> int:
-        return self.trace(chip).count((event, dispatch_id))
-
-    # -- helpers ---------------------------------------------------------------------------------
-
-    def endpoint(self, wid: int) -> Any:
-        return self.w.chip_endpoints[wid]
-
-    def gate(self) -> Gate:
-        g = Gate(self.w)
-        self.gates.append(g)
-        return g
-
-    def release_when(self, g: Gate, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-        """Release ``g`` from a helper thread once ``cond()`` holds (or after ``timeout``)."""
-
-        def run() -> None:
-            deadline = time.monotonic() + timeout
-            while not self.closed and time.monotonic() < deadline:
-                try:
-                    if cond():
-                        break
-                except Exception:
-                    pass
-                time.sleep(0.002)
-            if not self.closed:
-                g.release()
-
-        t = threading.Thread(target=run, name="gate-releaser", daemon=True)
-        self.threads.append(t)
-        t.start()
-
-    def quiet_rounds(self, n: int = 10, seconds: float = 0.05) -> Callable[[], bool]:
-        """A condition that holds once the Scheduler ran ``n`` more rounds and ``seconds`` passed."""
-        assert self.w.scheduler is not None
-        stats = self.w.scheduler.stats
-        start: list[tuple[int, float]] = []
-
-        def cond() -> bool:
-            if not start:
-                start.append((stats["rounds"], time.monotonic()))
-                return False
-            r0, t0 = start[0]
-            return stats["rounds"] - r0 >= n and time.monotonic() - t0 >= seconds
-
-        return cond
-
-    def close(self) -> None:
-        self.closed = True  # releaser threads stop waiting
-        for g in self.gates:  # a held kernel would delay the child's exit
-            g.release()
-        for t in self.threads:
-            t.join(15.0)
-        self.w.close(timeout=10.0)
 
 
 @pytest.fixture
@@ -279,7 +70,9 @@ def make_chips(tmp_path: Path) -> Iterator[Callable[..., Chips]]:
             chip_trace_dir=str(trace_dir),
             heap_bytes=4 << 20,
         )
-        handles = {name: w.register(f"tests.chip_kernels:{name}", kind="chip") for name in KERNELS}
+        handles = {
+            name: w.register(f"tests.support.chip_kernels:{name}", kind="chip") for name in KERNELS
+        }
         w.init()
         c = Chips(w, trace_dir, handles)
         made.append(c)
@@ -302,11 +95,6 @@ def single(
         o.submit_next_level(k, args, config, worker=worker)
 
     return orch
-
-
-def wait_all(*handles: RunHandle, timeout: float = 20.0) -> None:
-    for h in handles:
-        h.wait(timeout)
 
 
 # -- data and placement ------------------------------------------------------------------------------
@@ -340,10 +128,10 @@ def test_register_chip_after_init_sends_a_register_chip_control(
             return await _orig(op, *a, **kw)
 
         ep.control = spy  # type: ignore[method-assign]
-    h = c.w.register("tests.chip_kernels:write_scalar", kind="chip")
+    h = c.w.register("tests.support.chip_kernels:write_scalar", kind="chip")
     assert (
         h.role == "chip"
-        and h.hashid == spec_for_chip("tests.chip_kernels:write_scalar").handle.hashid
+        and h.hashid == spec_for_chip("tests.support.chip_kernels:write_scalar").handle.hashid
     )
     assert sorted(sent) == [(0, ControlOp.REGISTER_CHIP), (1, ControlOp.REGISTER_CHIP)]
     out = c.w.alloc(4, "int64")
@@ -660,7 +448,7 @@ def test_register_during_a_long_run_completes_after_it_while_ping_answers_at_onc
     assert pong.result0 == ep.child.pid
     assert not g.finished()
     # Registry-mutating control: deferred until the native run is finalized.
-    spec = spec_for_chip("tests.chip_kernels:write_scalar")
+    spec = spec_for_chip("tests.support.chip_kernels:write_scalar")
     ep.begin_control(ControlOp.REGISTER_CHIP, spec.handle.digest, (spec.import_path or "").encode())
     end = time.monotonic() + 0.1
     while time.monotonic() < end:
@@ -681,7 +469,7 @@ def test_register_control_from_a_thread_waits_for_the_run(make_chips: Callable[.
     ep = c.endpoint(0)
     h = c.w.submit(single(c.k["gate"], g.args()))
     poll_for(g.started, 10.0, message="gate kernel never started")
-    spec = spec_for_chip("tests.chip_kernels:write_scalar")
+    spec = spec_for_chip("tests.support.chip_kernels:write_scalar")
     done: list[float] = []
     errors: list[BaseException] = []
 

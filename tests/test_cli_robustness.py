@@ -35,8 +35,14 @@ from simpler_daemon.cli.output import Out
 from simpler_daemon.cli.runs import watch_run
 from simpler_daemon.client import Client
 from simpler_daemon.testing import poll_for
-from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_daemon, module_leak_guard
-from tests.test_simplerctl import Ctl
+from tests.support.ctl import Ctl
+from tests.support.daemon_harness import (
+    EXAMPLES,
+    REPO,
+    DaemonProcess,
+    module_daemon,
+    module_leak_guard,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -14,7 +14,7 @@ import pytest
 
 from simpler_daemon.cli import simplerctl as cli
 from simpler_daemon.cli.runspec import SPEC_FORMAT, SpecError, decode_spec, load_spec
-from tests.daemon_harness import REPO
+from tests.support.daemon_harness import REPO
 
 EXAMPLES = "simpler_daemon.examples.tasks"
 

@@ -21,8 +21,14 @@ from typing import Any
 import pytest
 
 from simpler_daemon.cli import simplerctl as cli
-from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_daemon, module_leak_guard
-from tests.test_simplerctl import Ctl
+from tests.support.ctl import Ctl
+from tests.support.daemon_harness import (
+    EXAMPLES,
+    REPO,
+    DaemonProcess,
+    module_daemon,
+    module_leak_guard,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -45,8 +51,8 @@ scalars = [7]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     # A 16 MiB heap: three 6 MiB submits that leaked their buffers would exhaust it.
-    # tests.client_api_tasks: a callable that returns a value (echo).
-    modules = ["simpler_daemon.examples", "tests.client_api_tasks"]
+    # tests.support.daemon_tasks: a callable that returns a value (echo).
+    modules = ["simpler_daemon.examples", "tests.support.daemon_tasks"]
     yield from module_daemon(
         tmp_path_factory, "ctl-submit", {"callables": {"allowed_modules": modules}}
     )
@@ -181,7 +187,7 @@ def test_huge_shape_is_refused_before_allocating(ctl: Ctl, tmp_path: Path) -> No
 
 def test_submit_wait_prints_task_results(ctl: Ctl, tmp_path: Path) -> None:
     spec = tmp_path / "echo.json"
-    spec.write_text('{"tasks": [{"callable": "tests.client_api_tasks:echo", "scalars": [41]}]}')
+    spec.write_text('{"tasks": [{"callable": "tests.support.daemon_tasks:echo", "scalars": [41]}]}')
     for follow in ("--wait", "--watch"):
         code, out, err = ctl("submit", str(spec), follow)
         assert code == 0, err

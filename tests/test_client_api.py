@@ -43,18 +43,18 @@ from simpler_daemon.errors import RunCancelled, SimplerError, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.metadata import FIELD_METADATA
 from simpler_daemon.server.run_record import RESULT_KEPT_OVERHEAD
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
     module_daemon,
     module_leak_guard,
     wait_until,
 )
-from tests.two_clients import TcpAccess
+from tests.support.two_clients import TcpAccess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-TASKS = "tests.client_api_tasks"
+TASKS = "tests.support.daemon_tasks"
 KEPT = 6  # limits.max_finished_runs_kept
 RUN_RESULTS = 600  # limits.max_run_result_bytes: five big echo results fit, six do not
 # limits.max_finished_result_bytes: two runs of five results fit, three not (a kept

@@ -38,8 +38,6 @@ by the fork server (the replacement), whose death status must be forwarded too (
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import faulthandler
 import logging
 import os
 import re
@@ -47,7 +45,6 @@ import select
 import signal
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,26 +54,30 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon import CallConfig, RunCancelled, RunState, Tag, TaskArgs, TaskError, Worker
-from simpler_daemon.callables import CallableHandle, spec_for_object
+from simpler_daemon import CallConfig, RunCancelled, RunState, Tag, TaskError, Worker
+from simpler_daemon.callables import CallableHandle
 from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.errors import RegistrationError
 from simpler_daemon.testing import alive, child_pids, descendants, poll_for, stopped
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.crash_tasks import (
+    ARM_EXIT,
+    MODE,
+    QUICK,
+    WAIT_S,
+    misbehave,
+    misbehave_orch,
+    probe_orch,
+)
+from tests.support.sub_tasks import targs
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(60)]
 
 HEAP = 1 << 20
 #: ``deadline_ms`` of the task that ignores its deadline.
 DEADLINE_MS = 300
-#: How long that task keeps running when nobody stops it: far past the deadline, short
-#: enough that an engine which lets it finish fails the cell quickly.
-IGNORE_S = 5.0
 #: The control deadline these cells use (the engine's default is 30 s).
 SHORT_CONTROL_TIMEOUT_S = 3.0
-#: Longest wait for one failure, replacement or run (generous: the machine is shared).
-WAIT_S = 30.0
 #: A register still waiting this long has no working control deadline (even the engine's
 #: default, 30 s, is shorter).
 WATCHDOG_S = 40.0
@@ -85,9 +86,6 @@ FAULTS = ["sigkill", "sigsegv", "exit3", "sigstop", "deadline"]
 KINDS = ["sub", "chip", "l3"]
 PHASES = ["idle", "running", "control"]
 
-# What the task does: the faults, plus a quick success and the idle-exit arming.
-MODE = {"sigkill": 1, "sigsegv": 2, "exit3": 3, "sigstop": 4, "deadline": 5}
-QUICK, ARM_EXIT = 0, 6
 
 CAUSE = {
     "sigkill": "killed by SIGKILL",
@@ -98,78 +96,6 @@ CAUSE = {
 }
 #: In a control the blocked child is caught by the control deadline.
 CONTROL_CAUSE = {**CAUSE, "sigstop": r"stopped|timed out", "deadline": r"timed out"}
-
-
-# -- what runs in the children (module level: inherited through fork) -----------------------------
-
-
-def _misbehave(rec: Any, flag: Any, mode: int) -> None:
-    """rec[0] = pid; then fault the way ``mode`` says.
-
-    Before a fault a grandchild (``sleep``) is spawned into the child's process group and
-    its pid stored in rec[1]: killing and replacing the child must not leave it behind.
-    """
-    rec[0] = os.getpid()
-    if mode == QUICK:
-        return
-    if mode == ARM_EXIT:
-        # The child exits on its own once it is idle again: the test raises flag[0]
-        # only after this run has completed.
-        def exit_when_told() -> None:
-            deadline = time.monotonic() + WAIT_S
-            while flag[0] == 0 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            os._exit(3)
-
-        threading.Thread(target=exit_when_told, daemon=True).start()
-        return
-    rec[1] = os.posix_spawn("/bin/sleep", ["sleep", "60"], dict(os.environ))
-    if mode == MODE["sigkill"]:
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif mode == MODE["sigsegv"]:
-        faulthandler.disable()  # keep the test output quiet
-        ctypes.string_at(0)
-    elif mode == MODE["exit3"]:
-        os._exit(3)
-    elif mode == MODE["sigstop"]:
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return  # only reached if someone sends SIGCONT
-    elif mode == MODE["deadline"]:
-        _ignore_alarms()
-        time.sleep(IGNORE_S)
-        return  # reported as COMPLETED by an engine that trusts the task
-    raise AssertionError(f"mode {mode}: still alive")
-
-
-def _ignore_alarms() -> None:
-    """Swallow and block SIGALRM: the cooperative deadline cannot stop this task."""
-    with contextlib.suppress(ValueError):  # not the main thread (a chip's device thread)
-        signal.signal(signal.SIGALRM, lambda *_: None)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-
-
-def misbehave(args: Any) -> None:
-    """SUB task: tensors = [rec int64[4], flag int64[2]], scalars = [mode]."""
-    _misbehave(args.tensors[0], args.tensors[1], args.scalars[0])
-
-
-def misbehave_kernel(args: Any, config: Any) -> None:
-    """Chip kernel: the same, on the chip child's device thread."""
-    _misbehave(args.tensors[0], args.tensors[1], args.scalars[0])
-
-
-def misbehave_orch(o: Any, a: Any, c: Any) -> None:
-    """L3 orchestration: the same, inside the L3 child itself."""
-    _misbehave(a.tensors[0], a.tensors[1], a.scalars[0])
-
-
-SUB_PROBE = spec_for_object(tasks.record_pid).handle  # what the inner Worker registers
-
-
-def probe_orch(o: Any, a: Any, c: Any) -> None:
-    """L3 orchestration: rec[0] = the L3 child's pid; rec[2] = its SUB grandchild's pid."""
-    a.tensors[0][0] = os.getpid()
-    o.submit_sub(SUB_PROBE, TaskArgs().add_tensor(a.tensors[0], Tag.NO_DEP).add_scalar(2))
 
 
 IMPORT_FAULT = {
@@ -311,12 +237,12 @@ def make_rig(kind: str) -> Rig:
     else:
         w = Worker(num_sub_workers=1, num_chips=1, heap_bytes=HEAP, startup_timeout=20.0)
         w.register(tasks.record_pid)
-        w.register("tests.chip_kernels:record_pid", kind="chip")
+        w.register("tests.support.chip_kernels:record_pid", kind="chip")
         if kind == "sub":
             bad, probe = w.register(misbehave), w.register(tasks.record_pid)
         else:
-            bad = w.register("tests.test_crash_table:misbehave_kernel", kind="chip")
-            probe = w.register("tests.chip_kernels:record_pid", kind="chip")
+            bad = w.register("tests.support.crash_tasks:misbehave_kernel", kind="chip")
+            probe = w.register("tests.support.chip_kernels:record_pid", kind="chip")
     w.init()
     rig = Rig(kind, w, bad, probe, w.alloc((4,), "int64"), w.alloc((2,), "int64"))
     rig.note()

@@ -25,7 +25,7 @@ from simpler_daemon.client import AsyncClient, make_args, sub_task, tensor
 from simpler_daemon.errors import TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import leaked_shm, shm_files
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
     module_daemon,

@@ -25,7 +25,7 @@ from simpler_daemon.client import Client, make_args, sub_task, tensor
 from simpler_daemon.errors import RunCancelled
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import self_signed_cert
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     EXAMPLES,
     REPO,
     DaemonProcess,

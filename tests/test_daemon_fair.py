@@ -1,7 +1,7 @@
 """Issue 12, item 1 (daemon side): runs of different clients share the workers.
 
 A real daemon with two SUB workers and two client identities (the Unix socket and
-TCP, see tests/two_clients.py). Under ``scheduler.admission = "fair"`` (the
+TCP, see tests/support/two_clients.py). Under ``scheduler.admission = "fair"`` (the
 daemon's default) a one-task run of client B submitted behind client A's
 200 x 20 ms run finishes long before A's run; under ``"fifo"`` it waits for A's
 whole run, as before. Two clients submitting runs in a loop with priorities 1 and
@@ -20,18 +20,18 @@ import pytest
 
 from simpler_daemon.client import Client, RunFuture, RunPhase, RunResult, sub_task
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
     module_leak_guard,
     running_daemon,
     wait_until,
 )
-from tests.two_clients import TcpAccess
+from tests.support.two_clients import TcpAccess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-TASKS = "tests.client_api_tasks"
+TASKS = "tests.support.daemon_tasks"
 CONFIG: dict[str, dict[str, Any]] = {
     "workers": {"num_sub_workers": 2},
     "callables": {"allowed_modules": ["simpler_daemon.examples", "tests"]},

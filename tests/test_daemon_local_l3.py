@@ -2,7 +2,7 @@
 tree (L4 -> L3 -> SUB / chip) and a NEXT_LEVEL task that runs an L3 orchestration.
 
 The config cases and the row mapping need no daemon; the last test starts a real
-``simpler-daemon serve`` (tests/daemon_harness.py) whose one local L3 has one SUB
+``simpler-daemon serve`` (tests/support/daemon_harness.py) whose one local L3 has one SUB
 worker, and checks that every pid of the tree is gone after SIGTERM.
 """
 
@@ -27,7 +27,7 @@ from simpler_daemon.server import config as cfg
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.workers import worker_info
 from simpler_daemon.testing import poll_for
-from tests.daemon_harness import EXAMPLES, REPO, running_daemon, tree_pids
+from tests.support.daemon_harness import EXAMPLES, REPO, running_daemon, tree_pids
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -347,7 +347,7 @@ def test_level4_daemon_start_fails_when_a_local_callable_cannot_be_imported(
 def test_local_tables_come_before_remote_tables_in_the_id_order(tmp_path: Path) -> None:
     """One ``[[workers.local]]`` and one ``[[workers.remote]]`` table: ids 0 (local) and 1
     (remote), and one run reaches both."""
-    from tests.test_daemon_remote import RemoteWorkerProcess
+    from tests.support.remote_worker import RemoteWorkerProcess
 
     remote = RemoteWorkerProcess(tmp_path)
     runner_pids: list[int] = []

@@ -34,19 +34,19 @@ from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.run_record import STATUS_BYTES
 from simpler_daemon.server.runs import RunTable
-from tests import tasks
-from tests.daemon_harness import (
+from tests.support import sub_tasks as tasks
+from tests.support.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
     module_daemon,
     module_leak_guard,
     wait_until,
 )
-from tests.tasks import targs
+from tests.support.sub_tasks import targs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-TASKS = "tests.client_api_tasks"
+TASKS = "tests.support.daemon_tasks"
 
 
 def answer(args: Any) -> int:

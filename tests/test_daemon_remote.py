@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.workers import worker_info
 from simpler_daemon.testing import poll_for
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     EXAMPLES,
     REPO,
     DaemonProcess,
@@ -37,6 +35,7 @@ from tests.daemon_harness import (
     module_leak_guard,
     running_daemon,
 )
+from tests.support.remote_worker import RemoteWorkerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -292,60 +291,6 @@ def test_remote_metrics_survive_a_failing_source() -> None:
 
 
 # --------------------------------------------------------------------------- end to end
-
-
-class RemoteWorkerProcess:
-    """``simpler-remote-worker serve --listen 127.0.0.1:0``; ``address`` once it listens."""
-
-    def __init__(self, directory: Path) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("NOTIFY_SOCKET", None)
-        cmd = [sys.executable, "-m", "simpler_daemon.remote_worker.service", "serve"]
-        cmd += ["--listen", "127.0.0.1:0"]
-        self.stderr_path = directory / "remote-worker.stderr"
-        self._err = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.address = poll_for(self._listening, timeout=30.0, message="no 'listening on' line")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.lines.append(raw.decode(errors="replace").strip())
-
-    def _listening(self) -> str | None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"simpler-remote-worker exited with {self.proc.returncode}:\n"
-                + self.stderr_path.read_text(errors="replace")
-            )
-        for line in self.lines:
-            m = re.search(r"listening on (\S+:\d+)", line)
-            if m:
-                return m[1]
-        return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._reader.join(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._err.close()
 
 
 @pytest.mark.skipif(not HAS_REMOTE_API, reason="Worker has no remote L3 API yet")

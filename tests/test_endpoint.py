@@ -34,14 +34,14 @@ from simpler_daemon.mailbox.layout import (
     MailboxState,
 )
 from simpler_daemon.testing import poll_for
-from tests import helpers_engine as H
-from tests.engine_helpers import EMPTY_BLOB, Gate, Rig, blob_for, completed, settle
+from tests.support import sub_tasks as H
+from tests.support.endpoint_rig import EMPTY_BLOB, Gate, Rig, blob_for, completed, settle
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
 SPECS = {
     name: spec_for_object(getattr(H, name))
-    for name in ("noop", "store_scalar", "raise_value_error", "gate", "record_pid", "add_one")
+    for name in ("noop", "store_scalar", "raise_value_error", "gate", "record_pid_first", "add_one")
 }
 
 
@@ -65,7 +65,9 @@ def test_task_in_task_frame_0_completes_with_success(rig: Rig) -> None:
     ep = rig.endpoint
     assert ep.caps.task_frame_count == 1 and not ep.caps.supports_frame_staging
     pid = rig.heap.alloc(1, "int64")
-    d = rig.submit(digest("record_pid"), blob_for(rig.heap, [pid]), run_id=7, lease_generation=3)
+    d = rig.submit(
+        digest("record_pid_first"), blob_for(rig.heap, [pid]), run_id=7, lease_generation=3
+    )
     assert ep.owned() == 1
     # Published into task frame 0 (region frame 1); the base frame never carries a task.
     assert _mb.read_trailer(rig.mailbox.buf, TASK_FRAMES[0]) == (
@@ -75,7 +77,7 @@ def test_task_in_task_frame_0_completes_with_success(rig: Rig) -> None:
         3,
         d.dispatch_id,
     )
-    assert _mb.read_task(rig.mailbox.buf, TASK_FRAMES[0])[3] == digest("record_pid")
+    assert _mb.read_task(rig.mailbox.buf, TASK_FRAMES[0])[3] == digest("record_pid_first")
     assert rig.mailbox.state(BASE_FRAME) == MailboxState.IDLE
     assert rig.mailbox.state(TASK_FRAMES[1]) == MailboxState.IDLE
     events: list[EndpointEvent] = []
@@ -325,7 +327,7 @@ def test_control_is_single_flight(rig: Rig) -> None:
 def test_register_by_import_path_then_run() -> None:
     with Rig() as rig:  # nothing inherited: every callable arrives by control
         ep = rig.endpoint
-        spec = spec_for_import("tests.helpers_engine:double")
+        spec = spec_for_import("tests.support.sub_tasks:double")
         x = rig.heap.alloc(4, "float32")
         x[:] = [1, 2, 3, 4]
         before = rig.run(spec.handle.digest, blob_for(rig.heap, [x]))
@@ -377,8 +379,8 @@ def test_register_serialized_payload_then_run() -> None:
             b"tests.helpers_missing:fn",
             "ModuleNotFoundError: No module named 'tests.helpers_missing'",
         ),
-        (ControlOp.REGISTER_IMPORT, b"tests.helpers_engine:missing", "AttributeError"),
-        (ControlOp.REGISTER_IMPORT, b"tests.helpers_engine:NOT_A_CALLABLE", "TypeError"),
+        (ControlOp.REGISTER_IMPORT, b"tests.support.sub_tasks:missing", "AttributeError"),
+        (ControlOp.REGISTER_IMPORT, b"tests.support.sub_tasks:NOT_A_CALLABLE", "TypeError"),
         (ControlOp.REGISTER_IMPORT, b"os.path", "HASHID_FORMAT_INVALID"),
         (ControlOp.REGISTER_SERIALIZED, b"not a pickle", "UnpicklingError|Error"),
         (ControlOp.REGISTER_SERIALIZED, cloudpickle.dumps(7), "not a callable"),
@@ -437,8 +439,8 @@ def _slow_import_rig(
 def _begin_slow_register(rig: Rig, marker: str) -> None:
     import sys
 
-    assert "tests.helpers_slow_import" not in sys.modules  # the parent must never import it
-    spec = spec_for_import("tests.helpers_slow_import:fn")
+    assert "tests.support.slow_import" not in sys.modules  # the parent must never import it
+    spec = spec_for_import("tests.support.slow_import:fn")
     rig.endpoint.begin_control(
         ControlOp.REGISTER_IMPORT, spec.handle.digest, spec.import_path.encode()
     )  # type: ignore[union-attr]
@@ -496,7 +498,7 @@ def test_control_timeout_poisons(tmp_path: Any, monkeypatch: pytest.MonkeyPatch)
     rig, _marker = _slow_import_rig(tmp_path, monkeypatch, sleep="20")
     with rig:
         ep = rig.endpoint
-        spec = spec_for_import("tests.helpers_slow_import:fn")
+        spec = spec_for_import("tests.support.slow_import:fn")
         with pytest.raises(EndpointError, match=r"REGISTER_IMPORT on sub worker 0 .* timed out"):
             ep.control_sync(
                 ControlOp.REGISTER_IMPORT,

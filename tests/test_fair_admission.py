@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-import tests.test_chip as tc
-import tests.test_scheduler as ts
+import tests.support.chip_worker_rig as tc
+import tests.support.scheduler_rig as ts
 from simpler_daemon import CallableHandle, Tag, TaskArgs, Worker
 from simpler_daemon.args import MAX_PRIORITY, check_priority
 from simpler_daemon.endpoints.base import WorkerDispatch
@@ -31,8 +31,8 @@ from simpler_daemon.engine.orchestrator import Orchestrator, Run, RunState
 from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.fair import FairAdmission
-from tests import tasks
-from tests.tasks import targs
+from tests.support.sub_tasks import targs
+from tests.support.worker_pool import Pool
 
 BIG_TASKS = 200
 BIG_TASK_MS = 20
@@ -41,33 +41,8 @@ BIG_TASK_MS = 20
 # -- real children ------------------------------------------------------------------------------
 
 
-class Pool:
-    """A started Worker whose Scheduler uses ``admission``; handles for the helper tasks."""
-
-    def __init__(self, admission: str, n: int) -> None:
-        self.w = Worker(num_sub_workers=n, admission=admission)
-        self.sleep = self.w.register(tasks.sleep_ms)
-        self.noop = self.w.register(tasks.noop)
-        self.w.init()
-        assert self.w.scheduler is not None
-        assert self.w.scheduler.admission_policy == admission
-
-    def submit(self, orch: Callable[..., None], priority: int = 1) -> RunHandle:
-        return self.w.submit(orch, priority=priority)
-
-
-@pytest.fixture
-def make_pool() -> Iterator[Callable[[str, int], Pool]]:
-    made: list[Pool] = []
-
-    def factory(admission: str, n: int) -> Pool:
-        p = Pool(admission, n)
-        made.append(p)
-        return p
-
-    yield factory
-    for p in made:
-        p.w.close()
+#: What ``make_pool`` (tests/conftest.py) registers.
+POOL_TASKS = ("sleep_ms", "noop")
 
 
 def _tasks(handle: CallableHandle, n: int, ms: int) -> Callable[[Orchestrator, Any, Any], None]:
@@ -81,8 +56,8 @@ def _tasks(handle: CallableHandle, n: int, ms: int) -> Callable[[Orchestrator, A
 def _small_behind_big(pool: Pool) -> tuple[int, RunHandle, RunHandle]:
     """Submit the big run, then the one-task run; return the big run's remaining task
     count at the moment the small run ended."""
-    big = pool.submit(_tasks(pool.sleep, BIG_TASKS, BIG_TASK_MS))
-    small = pool.submit(_tasks(pool.noop, 1, 0))
+    big = pool.submit(_tasks(pool.h["sleep_ms"], BIG_TASKS, BIG_TASK_MS))
+    small = pool.submit(_tasks(pool.h["noop"], 1, 0))
     seen: list[int] = []
     small.run.add_done_callback(lambda _r: seen.append(big.run.remaining))
     small.wait(timeout=60)
@@ -94,7 +69,7 @@ def _small_behind_big(pool: Pool) -> tuple[int, RunHandle, RunHandle]:
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fair_one_task_run_finishes_long_before_the_big_run(make_pool: Any) -> None:
-    pool = make_pool("fair", 2)
+    pool = make_pool(2, admission="fair")
     left, big, small = _small_behind_big(pool)
     assert left > BIG_TASKS // 2, f"the small run ended when the big one had {left} tasks left"
     assert small.state is RunState.COMPLETED and big.state is RunState.COMPLETED
@@ -103,7 +78,7 @@ def test_fair_one_task_run_finishes_long_before_the_big_run(make_pool: Any) -> N
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fifo_one_task_run_waits_for_the_big_run(make_pool: Any) -> None:
-    pool = make_pool("fifo", 2)
+    pool = make_pool(2, admission="fifo")
     left, big, small = _small_behind_big(pool)
     assert left == 0  # whole-run FIFO: B's partition dispatches only once A is done
     assert small.state is RunState.COMPLETED and big.state is RunState.COMPLETED
@@ -112,10 +87,10 @@ def test_fifo_one_task_run_waits_for_the_big_run(make_pool: Any) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fair_priorities_share_the_workers_in_proportion(make_pool: Any) -> None:
-    pool = make_pool("fair", 1)
+    pool = make_pool(1, admission="fair")
     n = 60
-    low = pool.submit(_tasks(pool.sleep, n, 2), priority=1)
-    high = pool.submit(_tasks(pool.sleep, n, 2), priority=3)
+    low = pool.submit(_tasks(pool.h["sleep_ms"], n, 2), priority=1)
+    high = pool.submit(_tasks(pool.h["sleep_ms"], n, 2), priority=3)
     started: list[int] = []
 
     def low_started(_r: Run) -> None:
@@ -141,7 +116,9 @@ def test_fair_chip_runs_take_turns_and_keep_the_two_frame_pipeline(tmp_path: Pat
         chip_trace_dir=str(tmp_path),
         heap_bytes=4 << 20,
     )
-    handles = {k: w.register(f"tests.chip_kernels:{k}", kind="chip") for k in ("add_one", "gate")}
+    handles = {
+        k: w.register(f"tests.support.chip_kernels:{k}", kind="chip") for k in ("add_one", "gate")
+    }
     w.init()
     c = tc.Chips(w, tmp_path, handles)
     try:
@@ -461,7 +438,7 @@ def test_priority_and_admission_settings_are_validated() -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_worker_submit_rejects_a_bad_priority(make_pool: Any) -> None:
-    pool = make_pool("fair", 1)
+    pool = make_pool(1, admission="fair")
     with pytest.raises(ValueError, match="priority 0 is out of range"):
-        pool.submit(_tasks(pool.noop, 1, 0), priority=0)
-    pool.submit(_tasks(pool.noop, 1, 0), priority=MAX_PRIORITY).wait(timeout=30)
+        pool.submit(_tasks(pool.h["noop"], 1, 0), priority=0)
+    pool.submit(_tasks(pool.h["noop"], 1, 0), priority=MAX_PRIORITY).wait(timeout=30)

@@ -48,7 +48,7 @@ from simpler_daemon.protocol.fastwire import (
     frame_limit,
 )
 from simpler_daemon.system.runtimedir import fast_socket_path
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
     module_leak_guard,
@@ -56,7 +56,7 @@ from tests.daemon_harness import (
     wait_until,
 )
 
-TASKS = "tests.client_api_tasks"
+TASKS = "tests.support.daemon_tasks"
 MAX_MESSAGE = 1 << 20
 STREAMS = 2  # limits.max_streams_per_client: quota sharing shows with few streams
 CONFIG: dict[str, dict[str, Any]] = {

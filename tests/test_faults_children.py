@@ -33,9 +33,9 @@ from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.errors import EndpointError
 from simpler_daemon.mailbox.layout import ControlOp
 from simpler_daemon.testing import alive, poll_for
-from tests.test_chip_loop import SPECS as CHIP_SPECS
-from tests.test_chip_loop import ChipRig
-from tests.test_nested import closing, l3_worker, l4_worker, subtree
+from tests.support.chip_endpoint_rig import SPECS as CHIP_SPECS
+from tests.support.chip_endpoint_rig import ChipRig
+from tests.support.nested_rig import closing, l3_worker, l4_worker, subtree
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(90)]
 
@@ -169,8 +169,8 @@ def test_a_cooperative_deadline_uses_the_same_words_and_keeps_the_child() -> Non
 
 def test_a_chip_kernel_ignoring_its_deadline_is_killed_and_replaced() -> None:
     with Worker(num_sub_workers=1, num_chips=1) as w:
-        k = w.register("tests.chip_kernels:sleep_ms", kind="chip")
-        probe = w.register("tests.chip_kernels:record_pid", kind="chip")
+        k = w.register("tests.support.chip_kernels:sleep_ms", kind="chip")
+        probe = w.register("tests.support.chip_kernels:record_pid", kind="chip")
         (old,) = _pids(w, "chip")
         t0 = time.monotonic()
         with pytest.raises(TaskError) as info:
@@ -306,7 +306,7 @@ def test_a_fork_server_crash_loop_is_bounded_then_work_fails_naming_it(
     monkeypatch.setattr(forkserver_mod, "FORKSERVER_RESTARTS", 2)
     with Worker(num_sub_workers=1, num_chips=1) as w:
         h = w.register(record_pid)
-        k = w.register("tests.chip_kernels:record_pid", kind="chip")
+        k = w.register("tests.support.chip_kernels:record_pid", kind="chip")
         _kill_every_server(w)
         assert 0 < w.restarts["forkserver"] <= 2
         for pid in [*_pids(w), *_pids(w, "chip")]:

@@ -21,7 +21,7 @@ import pytest
 
 from simpler_daemon.client import Client, make_args, sub_task, task, tensor
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     EXAMPLES,
     REPO,
     DaemonProcess,

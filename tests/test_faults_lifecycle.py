@@ -29,7 +29,7 @@ from simpler_daemon import (
     WorkerState,
 )
 from simpler_daemon.testing import child_pids, poll_for
-from tests import tasks
+from tests.support import sub_tasks as tasks
 
 pytestmark = pytest.mark.integration
 

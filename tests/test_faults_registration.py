@@ -27,13 +27,13 @@ from simpler_daemon import (
 from simpler_daemon.engine import registration as registration_mod
 from simpler_daemon.errors import EndpointError, RunCancelled
 from simpler_daemon.testing import alive, poll_for
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.integration
 
-RENDEZVOUS = "tests.helpers_rendezvous_import:fn"
-SLOW = "tests.helpers_slow_import:fn"
+RENDEZVOUS = "tests.support.rendezvous_import:fn"
+SLOW = "tests.support.slow_import:fn"
 
 
 @pytest.fixture
@@ -178,7 +178,9 @@ def test_an_uncertain_unregister_can_be_retried_or_registered_over(
 async def test_eight_tasks_registering_the_same_callable_join_one() -> None:
     w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
     async with w:
-        handles = await asyncio.gather(*(w.register_async("tests.tasks:noop") for _ in range(8)))
+        handles = await asyncio.gather(
+            *(w.register_async("tests.support.sub_tasks:noop") for _ in range(8))
+        )
         assert len(set(handles)) == 1
         h = handles[0]
         assert w.registry.get(h.hashid).refcount == 8
@@ -188,7 +190,7 @@ async def test_eight_tasks_registering_the_same_callable_join_one() -> None:
             assert (entry.refcount if entry is not None else 0) == left
         # A registration that fails fails every caller that joined it, with its own error.
         results = await asyncio.gather(
-            *(w.register_async("tests.tasks:no_such_function") for _ in range(8)),
+            *(w.register_async("tests.support.sub_tasks:no_such_function") for _ in range(8)),
             return_exceptions=True,
         )
         codes = {getattr(r, "code", type(r).__name__) for r in results}
@@ -256,9 +258,9 @@ def test_a_sub_callable_on_a_worker_without_sub_workers_is_refused() -> None:
         with pytest.raises(ValueError, match=r"cannot register: .*noop.*no SUB workers"):
             w.register(tasks.noop)
         with pytest.raises(ValueError, match="no SUB workers"):
-            w.register("tests.tasks:noop")
+            w.register("tests.support.sub_tasks:noop")
         orch = w.register(lambda o, a, c: None, kind="orchestration")  # runs in the parent
-        kernel = w.register("tests.chip_kernels:add_one", kind="chip")
+        kernel = w.register("tests.support.chip_kernels:add_one", kind="chip")
         w.init()
         with pytest.raises(ValueError, match=r"cannot register: .*noop.*no SUB workers"):
             w.register(tasks.noop)
@@ -271,10 +273,10 @@ def test_a_chip_kernel_on_a_worker_without_chips_is_refused() -> None:
     w = Worker(num_sub_workers=1, heap_bytes=4 << 20)
     try:
         with pytest.raises(ValueError, match=r"cannot register: .*add_one.*no chips"):
-            w.register("tests.chip_kernels:add_one", kind="chip")
+            w.register("tests.support.chip_kernels:add_one", kind="chip")
         w.init()
         with pytest.raises(ValueError, match=r"cannot register: .*add_one.*no chips"):
-            w.register("tests.chip_kernels:add_one", kind="chip")
+            w.register("tests.support.chip_kernels:add_one", kind="chip")
         assert not w.registry.active()
     finally:
         w.close()
@@ -306,7 +308,7 @@ async def test_a_cancelled_register_ends_its_broadcast_and_drops_its_reference(
     monkeypatch.setenv("SIMPLER_TEST_IMPORT_SLEEP", "0.5")
     w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
     async with w:
-        slow = asyncio.ensure_future(w.register_async("tests.helpers_slow_import:fn"))
+        slow = asyncio.ensure_future(w.register_async("tests.support.slow_import:fn"))
         deadline = asyncio.get_running_loop().time() + 20
         while not marker.exists():
             assert asyncio.get_running_loop().time() < deadline, "no child started the import"
@@ -314,14 +316,14 @@ async def test_a_cancelled_register_ends_its_broadcast_and_drops_its_reference(
         slow.cancel()
         with pytest.raises(asyncio.CancelledError):
             await slow
-        hashid = registration_mod.spec_for("tests.helpers_slow_import:fn", "sub").handle.hashid
+        hashid = registration_mod.spec_for("tests.support.slow_import:fn", "sub").handle.hashid
         while w.registry.lookup(hashid) is not None:
             assert asyncio.get_running_loop().time() < deadline, "the abandoned reference stayed"
             await asyncio.sleep(0.01)
         # Every endpoint is free for the next control, and a new register works everywhere.
         h = await w.register_async(tasks.noop)
         await w.run_async(lambda o, a, c: [o.submit_sub(h, targs()) for _ in range(4)])
-        h2 = await w.register_async("tests.helpers_slow_import:fn")
+        h2 = await w.register_async("tests.support.slow_import:fn")
         assert w.registry.get(h2.hashid).refcount == 1
         await w.unregister_async(h2)
         assert w.registry.lookup(h2.hashid) is None
@@ -384,7 +386,7 @@ async def test_a_register_control_waits_for_busy_children_instead_of_killing_the
             await _until(lambda: all(pids), 60.0, "the tasks never started")
             assert sorted(int(p) for p in pids) == before  # one task on each child
             w.cancel(runs[0])  # without terminate: its running task runs to its end
-            register = asyncio.ensure_future(w.register_async("tests.tasks:noop"))
+            register = asyncio.ensure_future(w.register_async("tests.support.sub_tasks:noop"))
             await _past_the_control_deadline(register, w)
             assert w.restarts["sub"] == 0, "a busy child was killed for a control"
             assert not register.done(), register  # busy children: nobody could answer yet
@@ -425,7 +427,7 @@ async def test_an_idle_child_missing_a_control_deadline_is_replaced_a_busy_one_i
             (idle_id,) = [r["worker_id"] for r in rows if r["pid"] == idle]
             os.kill(idle, signal.SIGSTOP)
             try:
-                register = asyncio.ensure_future(w.register_async("tests.tasks:noop"))
+                register = asyncio.ensure_future(w.register_async("tests.support.sub_tasks:noop"))
                 await _until(
                     lambda: w.restarts["sub"] >= 1 or register.done(),
                     60.0,

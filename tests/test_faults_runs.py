@@ -22,19 +22,10 @@ from simpler_daemon import CallableHandle, CallConfig, RunCancelled, RunState, T
 from simpler_daemon.args import MAX_DEADLINE_MS
 from simpler_daemon.heap import Heap
 from simpler_daemon.testing import poll_for
-from tests.tasks import targs
-from tests.test_worker import Pool
+from tests.support.sub_tasks import targs
+from tests.support.worker_pool import Pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def pool() -> Iterator[Pool]:
-    p = Pool(2)
-    try:
-        yield p
-    finally:
-        p.w.close()
 
 
 def address(a: np.ndarray[Any, Any]) -> int:
@@ -183,7 +174,8 @@ def test_two_written_arguments_that_overlap_are_refused(
         o.submit_sub(h["add_one"], targs((buf[views[0]], tags[0]), (buf[views[1]], tags[1])))
 
     with pytest.raises(
-        ValueError, match=r"cannot submit_sub: task 0 \(tests\.tasks:add_one\) writes overlapping"
+        ValueError,
+        match=r"cannot submit_sub: task 0 \(tests\.support\.sub_tasks:add_one\) writes overlapping",
     ) as info:
         w.run(orch)
     assert "args[0].tensors[0]" in str(info.value) and "args[0].tensors[1]" in str(info.value)
@@ -202,7 +194,7 @@ def test_overlapping_written_members_of_a_group_are_refused(pool: Pool) -> None:
 
     with pytest.raises(
         ValueError,
-        match=r"task 1 \(tests\.tasks:add_one\).*args\[0\]\.tensors\[0\] \(INOUT\) and args\[1\]\.tensors\[0\] \(OUTPUT\)",
+        match=r"task 1 \(tests\.support\.sub_tasks:add_one\).*args\[0\]\.tensors\[0\] \(INOUT\) and args\[1\]\.tensors\[0\] \(OUTPUT\)",
     ):
         w.run(orch)
 
@@ -445,7 +437,7 @@ async def test_inside_orchestration_in_an_async_orchestration() -> None:
 
 @pytest.fixture
 def harness() -> Iterator[Any]:
-    from tests.test_scheduler import Harness
+    from tests.support.scheduler_rig import Harness
 
     made: list[Any] = []
 

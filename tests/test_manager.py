@@ -23,8 +23,8 @@ from simpler_daemon.endpoints.base import (
 from simpler_daemon.errors import EndpointError
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread, WorkerType
 from simpler_daemon.testing import poll_for
-from tests import helpers_engine as H
-from tests.engine_helpers import Gate, Rig, Slot, blob_for
+from tests.support import sub_tasks as H
+from tests.support.endpoint_rig import Gate, Rig, Slot, blob_for
 
 NOOP = spec_for_object(H.noop)
 GATE = spec_for_object(H.gate)

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from simpler_daemon import __version__
 from simpler_daemon.client.requests import sub_task, tensor
 from simpler_daemon.server.metrics import Metrics, child_usage
-from tests.daemon_harness import EXAMPLES, running_daemon, wait_until
+from tests.support.daemon_harness import EXAMPLES, running_daemon, wait_until
 
 HEAP = 16 << 20  # the harness's workers.heap_bytes
 

@@ -31,136 +31,26 @@ from simpler_daemon.callables import CallableHandle, spec_for_object
 from simpler_daemon.engine.worker import Worker, WorkerState
 from simpler_daemon.errors import RegistrationError, StartupError, TaskError, WorkerClosedError
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
-from simpler_daemon.testing import alive, child_pids, poll_for
+from simpler_daemon.testing import child_pids, poll_for
+from tests.support.l3_jobs import orch_double
+from tests.support.nested_rig import (
+    HEAP,
+    assert_gone,
+    closing,
+    forward,
+    l3_worker,
+    l4_call,
+    l4_worker,
+    subtree,
+)
+from tests.support.sub_tasks import sub_add, sub_fail, sub_fill, sub_gate, sub_scale
 
 pytestmark = pytest.mark.timeout(90)
 
 REPO = Path(__file__).resolve().parent.parent
-HEAP = 1 << 20
-
-
-# -- callables (module level: inherited through fork or imported by path) ---------------------------
-
-
-def sub_fill(args: Any) -> None:
-    """tensors[0][:] = scalars[0]; tensors[1] (int64) = [pid, parent pid, address of tensors[0]]."""
-    args.tensors[0][:] = args.scalars[0]
-    if len(args.tensors) > 1:
-        rec = args.tensors[1]
-        rec[0] = os.getpid()
-        rec[1] = os.getppid()
-        rec[2] = args.tensors[0].__array_interface__["data"][0]
-
-
-def sub_scale(args: Any) -> None:
-    """tensors[1] = tensors[0] * scalars[0] + scalars[2]; tensors[2] (uint64) = scalars."""
-    time.sleep(0.05)  # a dependency that is not honored shows up as a race
-    args.tensors[1][:] = args.tensors[0] * args.scalars[0] + args.scalars[2]
-    args.tensors[2][: len(args.scalars)] = args.scalars
-
-
-def sub_add(args: Any) -> None:
-    """tensors[1] = tensors[0] + 1 (reads what the previous SUB task wrote)."""
-    args.tensors[1][:] = args.tensors[0] + 1
-
-
-def sub_double(args: Any) -> None:
-    args.tensors[0][:] *= 2
-
-
-def sub_fail(args: Any) -> None:
-    raise ValueError(f"bottom boom {args.scalars[0]}")
-
-
-def sub_gate(args: Any) -> None:
-    """flag[0] = 1 (started), then wait (20 s at most) until flag[1] is set."""
-    flag = args.tensors[0]
-    flag[0] = 1
-    deadline = time.monotonic() + 20.0
-    while flag[1] == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("gate never opened")
-        time.sleep(0.001)
 
 
 FILL = spec_for_object(sub_fill).handle
-
-
-def forward(handle: CallableHandle) -> Callable[[Any, Any, Any], None]:
-    """An L3 orchestration: one SUB task with the parent's tensors (INOUT) and scalars."""
-
-    def orch(o: Any, a: Any, c: Any) -> None:
-        t = TaskArgs()
-        for x in a.tensors:
-            t.add_tensor(x, Tag.INOUT)
-        for s in a.scalars:
-            t.add_scalar(s)
-        o.submit_sub(handle, t)
-
-    return orch
-
-
-def l4_call(
-    orch: CallableHandle, worker: int, tensors: list[Any], scalars: tuple[int, ...] | list[int] = ()
-) -> Callable[[Any, Any, Any], None]:
-    """An L4 orchestration: one NEXT_LEVEL task on ``worker`` with tensors (INOUT), scalars."""
-
-    def run(o: Any, a: Any, c: Any) -> None:
-        t = TaskArgs()
-        for x in tensors:
-            t.add_tensor(x, Tag.INOUT)
-        for s in scalars:
-            t.add_scalar(s)
-        o.submit_next_level(orch, t, CallConfig(), worker=worker)
-
-    return run
-
-
-# -- process bookkeeping ---------------------------------------------------------------------------------
-
-
-def subtree(w4: Worker) -> set[int]:
-    """Every process below ``w4``'s L3 children: the children, their SUB / chip children and
-    their inner fork servers (the /proc children of each L3 child)."""
-    pids: set[int] = set()
-    for row in w4.list_workers():
-        if row["kind"] == "l3" and row["pid"]:
-            pids.add(row["pid"])
-            pids |= child_pids(row["pid"])
-            pids |= {r["pid"] for r in row["children"] if r.get("pid")}
-    return pids
-
-
-def assert_gone(pids: set[int], timeout: float = 10.0) -> None:
-    poll_for(
-        lambda: not [p for p in pids if alive(p)],
-        timeout=timeout,
-        message=f"processes outlived the tree: {[p for p in pids if alive(p)]}",
-    )
-
-
-@contextlib.contextmanager
-def closing(w4: Worker) -> Iterator[set[int]]:
-    """Close ``w4`` at the end; then every pid the yielded set collected must be gone."""
-    seen: set[int] = set()
-    try:
-        yield seen
-    finally:
-        with contextlib.suppress(Exception):
-            if w4.state is WorkerState.READY:
-                seen |= subtree(w4)
-        w4.close(timeout=5.0)
-        assert_gone(seen)
-
-
-def l3_worker(num_sub_workers: int = 1, **kw: Any) -> Worker:
-    kw.setdefault("startup_timeout", 20.0)
-    return Worker(level=3, num_sub_workers=num_sub_workers, heap_bytes=HEAP, **kw)
-
-
-def l4_worker(**kw: Any) -> Worker:
-    kw.setdefault("startup_timeout", 20.0)
-    return Worker(level=4, heap_bytes=HEAP, **kw)
 
 
 # -- the issue's example and the tree shapes -------------------------------------------------------------
@@ -230,7 +120,7 @@ def test_zero_copy_down_to_the_grandchild() -> None:
         assert rec[2] == big[4:8].__array_interface__["data"][0]
 
 
-ADD_ONE = "tests.chip_kernels:add_one"
+ADD_ONE = "tests.support.chip_kernels:add_one"
 
 
 def test_a_chip_grandchild_reads_and_writes_the_l4_buffer() -> None:
@@ -252,7 +142,7 @@ def test_a_chip_grandchild_reads_and_writes_the_l4_buffer() -> None:
         t = w4.alloc((3,), "float32")
         w4.run(l4_call(orch, i, [t]))
         assert t.tolist() == [2.0, 2.0, 2.0]
-        again = w4.register("tests.chip_kernels:write_scalar", kind="chip", workers=[i])
+        again = w4.register("tests.support.chip_kernels:write_scalar", kind="chip", workers=[i])
         w4.unregister(again)
 
 
@@ -337,7 +227,7 @@ def test_l3_orchestration_error_and_unknown_handle() -> None:
         with pytest.raises(TaskError, match=r"child_worker 0: RuntimeError: orchestration broke"):
             w4.run(l4_call(orch, i, []))
         # A SUB handle the inner Worker never registered fails inside the L3 orchestration.
-        ghost = w4.register(forward(CallableHandle.for_import("tests.test_nested:sub_add")))
+        ghost = w4.register(forward(CallableHandle.for_import("tests.support.sub_tasks:sub_add")))
         with pytest.raises(TaskError, match=r"child_worker 0: ValueError: .* is not registered"):
             w4.run(l4_call(ghost, i, []))
 
@@ -427,13 +317,6 @@ def test_grandchild_ignoring_sigterm_is_killed_in_the_rollback(tmp_path: Path) -
 
 # -- registration after init ---------------------------------------------------------------------------------
 
-DOUBLE = CallableHandle.for_import("tests.test_nested:sub_double")
-
-
-def orch_double(o: Any, a: Any, c: Any) -> None:
-    """L3 orchestration that names its SUB callable by import path (installed after init)."""
-    o.submit_sub(DOUBLE, TaskArgs().add_tensor(a.tensors[0], Tag.INOUT))
-
 
 def test_register_and_unregister_after_init_cascade() -> None:
     l3 = l3_worker(num_sub_workers=2)
@@ -445,7 +328,7 @@ def test_register_and_unregister_after_init_cascade() -> None:
         t = w4.alloc((4,), "float32")
         t[:] = 1
         # L4 -> L3 -> SUB: the SUB callable into the inner Worker, the orchestration into L3.
-        sub = w4.register("tests.test_nested:sub_double", kind="sub", workers=[i])
+        sub = w4.register("tests.support.sub_tasks:sub_double", kind="sub", workers=[i])
         orch = w4.register(orch_double)
         w4.run(l4_call(orch, i, [t]))
         assert np.all(t == 2)
@@ -462,7 +345,7 @@ def test_register_and_unregister_after_init_cascade() -> None:
         with pytest.raises(ValueError, match="is not registered"):
             w4.run(l4_call(orch, i, [t]))
         # ... and comes back.
-        w4.register("tests.test_nested:sub_double", kind="sub", workers=[i])
+        w4.register("tests.support.sub_tasks:sub_double", kind="sub", workers=[i])
         orch = w4.register(orch_double)
         w4.run(l4_call(orch, i, [t]))
         assert np.all(t == 12)
@@ -486,7 +369,7 @@ def test_grandchild_register_failure_names_its_path() -> None:
             assert f"worker {w}: child_worker {w}: sub_worker 0: ModuleNotFoundError" in text
         assert f"child_worker {j}: sub_worker 1: ModuleNotFoundError" in text
         # Nothing is stuck: the same callable is not half-registered, a good one works.
-        w4.register("tests.test_nested:sub_double", kind="sub", workers=[j])
+        w4.register("tests.support.sub_tasks:sub_double", kind="sub", workers=[j])
         orch = w4.register(orch_double)
         t = w4.alloc((2,), "float32")
         t[:] = 4
@@ -517,11 +400,11 @@ def test_register_before_init_into_the_inner_worker_and_rules() -> None:
     with pytest.raises(ValueError, match="only a level-4 Worker"):
         l3_worker().add_worker(l3_worker())
     with pytest.raises(ValueError, match="worker 7 is not an L3 worker"):
-        w4.register("tests.test_nested:sub_double", kind="sub", workers=[7])
+        w4.register("tests.support.sub_tasks:sub_double", kind="sub", workers=[7])
     with pytest.raises(ValueError, match="register the function itself"):
-        w4.register(RemoteCallable("tests.test_nested:orch_double"), workers=[i])
-    sub = w4.register("tests.test_nested:sub_double", kind="sub", workers=[i])
-    dropped = w4.register("tests.test_nested:sub_add", kind="sub", workers=[i])
+        w4.register(RemoteCallable("tests.support.l3_jobs:orch_double"), workers=[i])
+    sub = w4.register("tests.support.sub_tasks:sub_double", kind="sub", workers=[i])
+    dropped = w4.register("tests.support.sub_tasks:sub_add", kind="sub", workers=[i])
     w4.unregister(dropped)
     orch = w4.register(orch_double)
     w4.init()

@@ -20,9 +20,9 @@ from simpler_daemon.client.results import RunPhase
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
 from simpler_daemon.system.logsetup import JournalFormatter, syslog_priority
-from tests.daemon_harness import EXAMPLES, running_daemon
+from tests.support.daemon_harness import EXAMPLES, running_daemon
 
-OPS = "tests.ops_tasks"
+OPS = "tests.support.daemon_tasks"
 
 
 def records(text: str, stream: str) -> list[dict[str, Any]]:
@@ -62,7 +62,7 @@ def test_json_stream_of_a_session_with_failures_a_crash_and_a_cancel(tmp_path: P
         # The dump's gist is in the task's error, not on the daemon's stderr.
         message = crashed.error.message
         assert "killed by SIGSEGV (Fatal Python error: Segmentation fault; at " in message
-        assert ", from ops_tasks.py:" in message and " in segfault)" in message
+        assert ", from daemon_tasks.py:" in message and " in segfault)" in message
         assert run(sub_task(vanish)).state == RunPhase.FAILED
         # A cancel: the flag is never set, the task gives up after 300 ms.
         flag = c.alloc_array(np.zeros(2, dtype=np.uint8))
@@ -87,7 +87,7 @@ def test_json_stream_of_a_session_with_failures_a_crash_and_a_cancel(tmp_path: P
     [crash] = [r for r in err if r.get("event") == "child_crashed"]
     assert crash["level"] == "warning"
     assert "Fatal Python error: Segmentation fault" in crash["message"]
-    assert 'ops_tasks.py", line' in crash["message"] and "in segfault" in crash["message"]
+    assert 'daemon_tasks.py", line' in crash["message"] and "in segfault" in crash["message"]
     assert not any(m.startswith(("Fatal Python error", "Traceback")) for m in messages)
 
 

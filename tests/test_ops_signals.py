@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from simpler_daemon.testing import leaked_shm, shm_files
-from tests.daemon_harness import DaemonProcess, merged, wait_until, write_config
+from tests.support.daemon_harness import DaemonProcess, merged, wait_until, write_config
 
 SMALL: dict[str, dict[str, Any]] = {"workers": {"num_sub_workers": 1}}
 
@@ -156,8 +156,8 @@ def test_sigterm_during_start_up_rolls_back(tmp_path: Path) -> None:
     overrides: dict[str, dict[str, Any]] = {
         **SMALL,
         "callables": {
-            "allowed_modules": ["simpler_daemon.examples", "tests.helpers_slow_import"],
-            "preload": ["tests.helpers_slow_import:fn"],
+            "allowed_modules": ["simpler_daemon.examples", "tests.support.slow_import"],
+            "preload": ["tests.support.slow_import:fn"],
         },
     }
     d = DaemonProcess(

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from simpler_daemon.testing import leaked_shm, poll_for, shm_files
-from tests.daemon_harness import REPO
+from tests.support.daemon_harness import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -25,8 +25,8 @@ from simpler_daemon.callables import import_policy, restrict_imports
 from simpler_daemon.client.requests import make_args, register_request, task, tensor
 from simpler_daemon.errors import ConfigError, RegistrationError, TaskError
 from simpler_daemon.server import config as cfg
-from tests.daemon_harness import running_daemon
-from tests.tasks import targs
+from tests.support.daemon_harness import running_daemon
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -179,7 +179,7 @@ async def test_a_held_callable_is_not_dispatched_until_released(
     w = Worker(num_sub_workers=2, heap_bytes=4 << 20, admission="fair")
     async with w:
         h = await w.register_async(f"{name}:stamp")
-        other = await w.register_async("tests.tasks:fill")
+        other = await w.register_async("tests.support.sub_tasks:fill")
         out = w.alloc((2, 2), np.int64)
         filled = w.alloc((4,), np.int64)
         sched = w.scheduler

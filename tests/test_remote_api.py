@@ -19,7 +19,7 @@ from simpler_daemon import Tag, TaskArgs, TaskError, Worker
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for
 from simpler_daemon.testing.netns import TestHosts
-from tests.remote_harness import (
+from tests.support.remote_harness import (
     RemoteWorkerProcess,
     our_shm_files,
     start_worker,
@@ -29,7 +29,7 @@ from tests.remote_harness import (
 
 pytestmark = pytest.mark.timeout(120)
 
-JOBS = "tests.remote_jobs"
+JOBS = "tests.support.l3_jobs"
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,9 @@ def l4(worker: RemoteWorkerProcess) -> Iterator[tuple[Worker, list[int]]]:
         w4.add_remote_worker(RemoteWorkerSpec(endpoint=worker.endpoint, num_sub_workers=1))
         for _ in range(2)
     ]
-    w4.register("tests.tasks:fill", kind="sub", workers=ids)
-    w4.register("tests.tasks:consume", kind="sub", workers=ids)
-    w4.register("tests.tasks:sleep_ms", kind="sub", workers=ids)
+    w4.register("tests.support.sub_tasks:fill", kind="sub", workers=ids)
+    w4.register("tests.support.sub_tasks:consume", kind="sub", workers=ids)
+    w4.register("tests.support.sub_tasks:sleep_ms", kind="sub", workers=ids)
     for name in ("fill_remote", "consume_remote", "sleep_sub_remote"):
         w4.register(RemoteCallable(f"{JOBS}:{name}"), workers=ids)
     w4.init()
@@ -197,7 +197,7 @@ def test_the_async_forms_work_on_the_workers_loop(worker: RemoteWorkerProcess) -
     async def main() -> list[float]:
         w4 = Worker(level=4, startup_timeout=20.0)
         r = w4.add_remote_worker(RemoteWorkerSpec(endpoint=worker.endpoint, num_sub_workers=1))
-        w4.register("tests.tasks:fill", kind="sub", workers=[r])
+        w4.register("tests.support.sub_tasks:fill", kind="sub", workers=[r])
         fill = w4.register(RemoteCallable(f"{JOBS}:fill_remote"), workers=[r])
         async with w4:
             x = await w4.alloc_remote_async(r, (3,), "float32")

@@ -40,7 +40,7 @@ from simpler_daemon.remote.manifest import (
 )
 from simpler_daemon.remote_worker import config as cfg
 from simpler_daemon.remote_worker.config import RemoteWorkerConfig
-from simpler_daemon.testing import self_signed_cert
+from tests.support.remote_worker import self_signed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,13 +230,6 @@ def test_token_file_is_read_stripped_and_guarded(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read") as info:
         cfg.load_credentials(config)
     assert info.value.key == "auth.token_file"
-
-
-def self_signed(directory: Path, name: str = "worker") -> tuple[Path, Path]:
-    pair = self_signed_cert(directory, name)
-    if pair is None:
-        pytest.skip("the openssl CLI is not available")
-    return pair
 
 
 def test_tls_context(tmp_path: Path) -> None:

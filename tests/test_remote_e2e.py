@@ -10,7 +10,7 @@ The hosts are network namespaces with veth pairs when this process is root (the
 run prints ``remote e2e hosts: network namespaces ...``), else loopback aliases
 ``127.77.<i>.2``; tests that need a link to take down are skipped then. Every test
 ends with no runner, no inner child and no ``/dev/shm`` file of ours left (checked
-in ``/proc`` by the environment mark of ``tests.remote_harness``).
+in ``/proc`` by the environment mark of ``tests.support.remote_harness``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from simpler_daemon.engine.worker import Worker, WorkerState
 from simpler_daemon.errors import StartupError, TaskError
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for
-from tests.remote_harness import (
+from tests.support.remote_harness import (
     REPO,
     SEEN_PIDS,
     RemoteHosts,
@@ -53,7 +53,7 @@ from tests.remote_harness import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 EX = "simpler_daemon.examples.remote"
-JOBS = "tests.remote_jobs"
+JOBS = "tests.support.l3_jobs"
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def level4(
             for e in endpoints
         ]
         for name in ("fill", "consume", "fail"):
-            w4.register(f"tests.tasks:{name}", kind="sub", workers=ids)
+            w4.register(f"tests.support.sub_tasks:{name}", kind="sub", workers=ids)
         w4.init()
         yield w4, ids
     finally:
@@ -225,9 +225,13 @@ def test_a_sub_failure_inside_the_remote_l3_surfaces_with_its_traceback(
         assert err.worker_id == ids[0], text
         assert err.outcome == "TASK_FAILURE", text
         assert f"remote worker {ids[0]} (host " in text, text
-        assert "SUB tests.tasks:fail" in text, text
+        assert "SUB tests.support.sub_tasks:fail" in text, text
         # The bottom traceback: the SUB child's frame inside the remote L3.
-        assert "Traceback" in text and 'tests/tasks.py", line' in text and "in fail" in text, text
+        assert (
+            "Traceback" in text
+            and 'tests/support/sub_tasks.py", line' in text
+            and "in fail" in text
+        ), text
         assert "ValueError: producer exploded on purpose (42)" in text, text
         assert "producer exploded on purpose (42)" in err.remote_text, err.remote_text
         # The session goes on: the next run on the same worker works.
@@ -399,7 +403,7 @@ endpoints, timeout, target, ms = json.loads(sys.argv[1]), float(sys.argv[2]), sy
 w4 = Worker(level=4)
 ids = [w4.add_remote_worker(RemoteWorkerSpec(endpoint=e, num_sub_workers=1,
        session_timeout_s=timeout, heap_bytes=8 << 20)) for e in endpoints]
-w4.register("tests.tasks:sleep_ms", kind="sub", workers=ids)
+w4.register("tests.support.sub_tasks:sleep_ms", kind="sub", workers=ids)
 job = w4.register(RemoteCallable(target), workers=ids)
 w4.init()
 def orch(o, a, c):

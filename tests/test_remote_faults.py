@@ -574,7 +574,7 @@ def test_wrong_token_is_refused_before_anything_spawns(
 
 
 def test_callable_outside_the_allow_list_is_a_startup_error(wk: RemoteWorkerProc) -> None:
-    target = "tests.remote_jobs:noop_remote"
+    target = "tests.support.l3_jobs:noop_remote"
     log_start = len(wk.log_text())
     w4 = Worker(level=4, startup_timeout=10.0)
     try:

@@ -84,15 +84,15 @@ def callables(*items: tuple[str, str]) -> list[dict[str, str]]:
 
 
 DEFAULT_CALLABLES = (
-    ("sub", "tests.tasks:fill"),
-    ("sub", "tests.tasks:consume"),
-    ("sub", "tests.tasks:fail"),
-    ("orchestration", "tests.remote_jobs:fill_remote"),
-    ("orchestration", "tests.remote_jobs:consume_remote"),
-    ("orchestration", "tests.remote_jobs:fail_remote"),
-    ("orchestration", "tests.remote_jobs:block_remote"),
-    ("sub", "tests.tasks:sleep_ms"),
-    ("orchestration", "tests.remote_jobs:sleep_sub_remote"),
+    ("sub", "tests.support.sub_tasks:fill"),
+    ("sub", "tests.support.sub_tasks:consume"),
+    ("sub", "tests.support.sub_tasks:fail"),
+    ("orchestration", "tests.support.l3_jobs:fill_remote"),
+    ("orchestration", "tests.support.l3_jobs:consume_remote"),
+    ("orchestration", "tests.support.l3_jobs:fail_remote"),
+    ("orchestration", "tests.support.l3_jobs:block_remote"),
+    ("sub", "tests.support.sub_tasks:sleep_ms"),
+    ("orchestration", "tests.support.l3_jobs:sleep_sub_remote"),
 )
 
 
@@ -398,7 +398,7 @@ def test_task_writes_remote_buffer(runner: Runner) -> None:
         ),
     )
     done = runner.task(
-        "tests.remote_jobs:fill_remote", [tensor(buf, [8], "int64", byte_offset=64)], [7]
+        "tests.support.l3_jobs:fill_remote", [tensor(buf, [8], "int64", byte_offset=64)], [7]
     )
     assert done.error_code == E_OK, done.error_text
     raw = runner.ok(
@@ -412,7 +412,7 @@ def test_task_writes_remote_buffer(runner: Runner) -> None:
     src = np.arange(4, dtype=np.int64)
     inline = InlineTensor(data=src.tobytes(), dtype="int64", shape=[4], tag=1)
     out_t = tensor(buf, [4], "int64", strides=[16])
-    done = runner.task("tests.remote_jobs:consume_remote", [inline, out_t], [100])
+    done = runner.task("tests.support.l3_jobs:consume_remote", [inline, out_t], [100])
     assert done.error_code == E_OK, done.error_text
     raw = runner.ok(
         "copy_from",
@@ -431,18 +431,20 @@ def test_task_writes_remote_buffer(runner: Runner) -> None:
 
 
 def test_failing_sub_task_carries_traceback(runner: Runner) -> None:
-    done = runner.task("tests.remote_jobs:fail_remote", scalars=[42])
+    done = runner.task("tests.support.l3_jobs:fail_remote", scalars=[42])
     assert done.error_code == E_TASK_FAILED
-    h = hashid("tests.remote_jobs:fail_remote")
+    h = hashid("tests.support.l3_jobs:fail_remote")
     assert done.error_text.startswith(f"remote worker {WID} (host ")
     assert f"hashid={h}, sequence=1" in done.error_text
     assert "producer exploded on purpose (42)" in done.error_text
     assert "Traceback (most recent call last)" in done.traceback
-    assert "tests/tasks.py" in done.traceback and "ValueError" in done.traceback
+    assert "tests/support/sub_tasks.py" in done.traceback and "ValueError" in done.traceback
     # The session goes on.
     buf = runner.alloc([2], "int32")
     assert (
-        runner.task("tests.remote_jobs:fill_remote", [tensor(buf, [2], "int32")], [3]).error_code
+        runner.task(
+            "tests.support.l3_jobs:fill_remote", [tensor(buf, [2], "int32")], [3]
+        ).error_code
         == E_OK
     )
 
@@ -456,18 +458,20 @@ def test_unknown_digest_and_bad_args(runner: Runner) -> None:
     )
     buf = runner.alloc([4], "float32")
     bad = tensor(buf, [4], "float32", generation=buf.generation + 9)
-    done = runner.task("tests.remote_jobs:fill_remote", [bad], [1])
+    done = runner.task("tests.support.l3_jobs:fill_remote", [bad], [1])
     assert done.error_code == E_BAD_ARGS
     assert f"tensor 0 (owner {WID}, buffer {buf.buffer_id}" in done.error_text
     assert "stale generation" in done.error_text
     over = tensor(buf, [4], "float32", byte_offset=4)
-    done = runner.task("tests.remote_jobs:fill_remote", [over], [1])
+    done = runner.task("tests.support.l3_jobs:fill_remote", [over], [1])
     assert done.error_code == E_BAD_ARGS and "outside" in done.error_text
     foreign = tensor(buf, [4], "float32", owner=WID + 1)
-    done = runner.task("tests.remote_jobs:fill_remote", [foreign], [1])
+    done = runner.task("tests.support.l3_jobs:fill_remote", [foreign], [1])
     assert done.error_code == E_BAD_ARGS and "not imported" in done.error_text
     assert (
-        runner.task("tests.remote_jobs:fill_remote", [tensor(buf, [4], "float32")], [1]).error_code
+        runner.task(
+            "tests.support.l3_jobs:fill_remote", [tensor(buf, [4], "float32")], [1]
+        ).error_code
         == E_OK
     )
 
@@ -498,13 +502,15 @@ def test_control_errors_and_registration(runner: Runner) -> None:
     reply = runner.control(
         "register_prepare",
         RegisterPrepare(
-            hashid=hashid("tests.tasks:noop"), kind="sub", target="tests.tasks:add_one"
+            hashid=hashid("tests.support.sub_tasks:noop"),
+            kind="sub",
+            target="tests.support.sub_tasks:add_one",
         ),
     )
     assert reply.error_code == E_CONTROL_FAILED and "does not match" in reply.error_text
 
     # Two-phase: an orchestration resolves only after commit, and not after unregister.
-    orch = "tests.remote_jobs:raise_remote"
+    orch = "tests.support.l3_jobs:raise_remote"
     h = hashid(orch, "orchestration")
     runner.ok("register_prepare", RegisterPrepare(hashid=h, kind="orchestration", target=orch))
     assert runner.task(orch).error_code == E_UNKNOWN_CALLABLE
@@ -519,7 +525,7 @@ def test_control_errors_and_registration(runner: Runner) -> None:
     assert reply.error_code == E_CONTROL_FAILED and "not registered" in reply.error_text
 
     # A SUB callable prepared (registered on the inner children), aborted, then committed.
-    sub = "tests.tasks:add_one"
+    sub = "tests.support.sub_tasks:add_one"
     hs = hashid(sub)
     runner.ok("register_prepare", RegisterPrepare(hashid=hs, kind="sub", target=sub))
     runner.ok("register_abort", HashidBody(hashid=hs))
@@ -540,13 +546,17 @@ def test_control_errors_and_registration(runner: Runner) -> None:
     src = RemoteTensor(
         **key, byte_offset=0, nbytes=24, dtype="int32", shape=[6], strides=[4], tag=1
     )
-    done = runner.task("tests.remote_jobs:consume_remote", [src, tensor(out, [6], "int32")], [1])
+    done = runner.task(
+        "tests.support.l3_jobs:consume_remote", [src, tensor(out, [6], "int32")], [1]
+    )
     assert done.error_code == E_BAD_ARGS and "not complete" in done.error_text
     runner.ok(
         "import",
         ImportBody(**key, dtype="int32", shape=[6], offset=12, data=data[3:].tobytes(), final=True),
     )
-    done = runner.task("tests.remote_jobs:consume_remote", [src, tensor(out, [6], "int32")], [1])
+    done = runner.task(
+        "tests.support.l3_jobs:consume_remote", [src, tensor(out, [6], "int32")], [1]
+    )
     assert done.error_code == E_OK, done.error_text
     raw = runner.ok(
         "copy_from",
@@ -561,18 +571,18 @@ def test_control_errors_and_registration(runner: Runner) -> None:
 def test_task_deadline(runner: Runner) -> None:
     start = time.monotonic()
     done = runner.task(
-        "tests.remote_jobs:sleep_sub_remote", scalars=[1500], config=WireConfig(deadline_ms=200)
+        "tests.support.l3_jobs:sleep_sub_remote", scalars=[1500], config=WireConfig(deadline_ms=200)
     )
     assert done.error_code == E_DEADLINE
     assert "deadline_ms=200; the run was cancelled" in done.error_text
     assert time.monotonic() - start < 10
-    assert runner.task("tests.remote_jobs:sleep_sub_remote", scalars=[1]).error_code == E_OK
+    assert runner.task("tests.support.l3_jobs:sleep_sub_remote", scalars=[1]).error_code == E_OK
 
 
 def test_health_beats_while_orchestration_blocks_the_loop(runner: Runner) -> None:
     poll_for(lambda: len(runner.health_times) >= 2, timeout=5)
     start = time.monotonic()
-    done = runner.task("tests.remote_jobs:block_remote", scalars=[2000])
+    done = runner.task("tests.support.l3_jobs:block_remote", scalars=[2000])
     end = time.monotonic()
     assert done.error_code == E_OK and end - start >= 2.0
     poll_for(lambda: runner.health_times[-1] > end, timeout=5)
@@ -602,7 +612,10 @@ def test_tls_lanes(tmp_path: Path, runners: list[Runner]) -> None:
     assert r.ready["ok"], r.ready
     r.attach()
     buf = r.alloc([3], "int16")
-    assert r.task("tests.remote_jobs:fill_remote", [tensor(buf, [3], "int16")], [9]).error_code == 0
+    assert (
+        r.task("tests.support.l3_jobs:fill_remote", [tensor(buf, [3], "int16")], [9]).error_code
+        == 0
+    )
     raw = r.ok(
         "copy_from",
         CopyFrom(buffer_id=buf.buffer_id, generation=buf.generation, offset=0, nbytes=6),
@@ -634,7 +647,9 @@ def test_wrong_attach_key_rejected_then_right_key_attaches(
     bad_h.close()
     r.attach()
     buf = r.alloc([1], "int8")
-    assert r.task("tests.remote_jobs:fill_remote", [tensor(buf, [1], "int8")], [1]).error_code == 0
+    assert (
+        r.task("tests.support.l3_jobs:fill_remote", [tensor(buf, [1], "int8")], [1]).error_code == 0
+    )
 
 
 def test_command_eof_ends_session(runner: Runner) -> None:
@@ -700,19 +715,19 @@ def test_attach_deadline_missed(tmp_path: Path, runners: list[Runner]) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "expect"),
     [
-        ({"allowed": ("simpler_daemon.",)}, "callables[0] (sub 'tests.tasks:fill')"),
+        ({"allowed": ("simpler_daemon.",)}, "callables[0] (sub 'tests.support.sub_tasks:fill')"),
         ({"allowed": ()}, "is not allowed"),
         (
             {
                 "extra_callables": [
                     {
-                        "hashid": hashid("tests.tasks:noop"),
+                        "hashid": hashid("tests.support.sub_tasks:noop"),
                         "kind": "sub",
-                        "target": "tests.tasks:add_one",
+                        "target": "tests.support.sub_tasks:add_one",
                     }
                 ]
             },
-            "does not match target 'tests.tasks:add_one'",
+            "does not match target 'tests.support.sub_tasks:add_one'",
         ),
         (
             {

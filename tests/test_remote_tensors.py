@@ -20,7 +20,7 @@ from simpler_daemon.remote.spec import (
     RemoteWorkerSpec,
     parse_endpoint,
 )
-from tests.test_orchestrator import CHIP, SUB, Sink
+from tests.support.submit_sink import CHIP, SUB, Sink
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -38,7 +38,9 @@ def fleet() -> RemoteFleet:
     f.add(1, RemoteWorkerSpec("127.0.0.1:19073"))
     f.add(2, RemoteWorkerSpec("127.0.0.1:19074"))
     # The NEXT_LEVEL callable the tests submit is installed on both remote workers.
-    f.installs[CHIP.hashid] = _Install(spec_for_chip("tests.tasks:kernel"), "orchestration", {1, 2})
+    f.installs[CHIP.hashid] = _Install(
+        spec_for_chip("tests.support.sub_tasks:kernel"), "orchestration", {1, 2}
+    )
     return f
 
 
@@ -94,7 +96,10 @@ def test_spec_field_errors_name_the_field() -> None:
 
 
 def test_remote_callable_normalises_and_checks_the_path() -> None:
-    assert RemoteCallable(" tests.remote_jobs:fill_all ").target == "tests.remote_jobs:fill_all"
+    assert (
+        RemoteCallable(" tests.support.l3_jobs:fill_all ").target
+        == "tests.support.l3_jobs:fill_all"
+    )
     with pytest.raises(ValueError):
         RemoteCallable("no_colon")
 

@@ -101,7 +101,7 @@ def test_without_restart_sub_tasks_fail_once_no_worker_is_left() -> None:
 
 def test_chip_child_is_replaced_and_runs_kernels_again() -> None:
     with Worker(num_sub_workers=1, num_chips=1) as w:
-        k = w.register("tests.chip_kernels:record_pid", kind="chip")
+        k = w.register("tests.support.chip_kernels:record_pid", kind="chip")
         out = w.alloc((1,), "int64")
         (old,) = _pids(w, "chip")
         _kill(old)

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from simpler_daemon import (
-    CallableHandle,
     RunCancelled,
     RunHandle,
     RunState,
@@ -29,75 +26,17 @@ from simpler_daemon import (
 )
 from simpler_daemon.engine import worker as worker_module
 from simpler_daemon.testing import poll_for
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
+from tests.support.worker_pool import Pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-# -- SUB callables (module level: the children inherit them) ------------------------------------
-
-
-def double(args: Any) -> int:
-    return int(args.scalars[0]) * 2
-
-
-def gated_double(args: Any) -> int:
-    """Wait until tensors[0][0] != 0 (30 s at most), then return 2 * scalars[0]."""
-    flags = args.tensors[0]
-    deadline = time.monotonic() + 30
-    while flags[0] == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the gate never opened")
-        time.sleep(0.0005)
-    return int(args.scalars[0]) * 2
-
-
-class Pool:
-    def __init__(self, admission: str) -> None:
-        self.w = Worker(num_sub_workers=2, admission=admission)
-        self.double = self.w.register(double)
-        self.gated_double = self.w.register(gated_double)
-        self.fail = self.w.register(tasks.fail)
-        self.noop = self.w.register(tasks.noop)
-        self.wait_flag = self.w.register(tasks.wait_flag)
-        self.w.init()
-
-    def gated(self, flags: Any, value: int = 7) -> Any:
-        h = self.gated_double
-
-        def orch(o: Any, args: Any, config: Any) -> None:
-            o.submit_sub(h, targs((flags, Tag.NO_DEP), scalars=(value,)))
-
-        return orch
-
-    def stuck(self) -> tuple[RunHandle, Any]:
-        """A run whose one task records its pid, then waits 60 s for a flag nobody sets."""
-        flags = self.w.alloc((1,), "int64")
-        started = self.w.alloc((1,), "int64")
-        h = self.wait_flag
-
-        def orch(o: Any, args: Any, config: Any) -> None:
-            o.submit_sub(
-                h, targs((flags, Tag.NO_DEP), (started, Tag.NO_DEP), scalars=(0, 0, 60_000))
-            )
-
-        return self.w.submit(orch), started
-
-    def one(self, handle: CallableHandle, *scalars: int) -> Any:
-        def orch(o: Any, args: Any, config: Any) -> None:
-            o.submit_sub(handle, targs(scalars=scalars))
-
-        return orch
-
-
-@pytest.fixture(params=["fifo", "fair"])
-def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
-    p = Pool(request.param)
-    try:
-        yield p
-    finally:
-        p.w.close()
+#: What the ``pool`` fixture (tests/conftest.py) registers; each test that uses it runs
+#: under both admission policies.
+POOL_TASKS = ("double_scalar", "gated_double", "fail", "noop", "wait_flag")
+POOL_ADMISSIONS = ("fifo", "fair")
 
 
 def test_run_handle_lives_in_its_own_module_and_is_re_exported() -> None:
@@ -110,9 +49,9 @@ def test_result_blocks_and_returns_the_task_results_in_order(pool: Pool) -> None
     p = pool
 
     def orch(o: Any, args: Any, config: Any) -> None:
-        o.submit_sub(p.double, targs(scalars=(1,)))
-        o.submit_sub_group(p.double, [targs(scalars=(2,)), targs(scalars=(3,))])
-        o.submit_sub(p.noop, targs())
+        o.submit_sub(p.h["double_scalar"], targs(scalars=(1,)))
+        o.submit_sub_group(p.h["double_scalar"], [targs(scalars=(2,)), targs(scalars=(3,))])
+        o.submit_sub(p.h["noop"], targs())
 
     handle = p.w.submit(orch)
     assert handle.result(timeout=60) == [2, [4, 6], None]
@@ -123,7 +62,7 @@ def test_result_blocks_and_returns_the_task_results_in_order(pool: Pool) -> None
 
 def test_result_with_a_timeout_raises_timeout_error_on_a_slow_run(pool: Pool) -> None:
     flags = pool.w.alloc((1,), "int64")
-    handle = pool.w.submit(pool.gated(flags, 7))
+    handle = pool.w.submit(pool.gated_double(flags, 7))
     with pytest.raises(TimeoutError, match=f"run {handle.run_id} not finished"):
         handle.result(timeout=0.05)
     with pytest.raises(TimeoutError):
@@ -140,7 +79,7 @@ def test_add_done_callback_fires_on_its_own_and_at_once_when_done(
     pool: Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
     flags = pool.w.alloc((1,), "int64")
-    handle = pool.w.submit(pool.gated(flags))
+    handle = pool.w.submit(pool.gated_double(flags))
     seen: list[tuple[RunHandle, str]] = []
     fired = threading.Event()
 
@@ -169,13 +108,13 @@ def test_add_done_callback_fires_on_its_own_and_at_once_when_done(
     handle.add_done_callback(record)
     assert seen[-1] == (handle, threading.current_thread().name)
     # The scheduler carried on: the worker serves the next run.
-    again = pool.w.submit(pool.one(pool.double, 5))
+    again = pool.w.submit(pool.one(pool.h["double_scalar"], 5))
     assert again.result(timeout=60) == [10]
 
 
 def test_cancel_returns_true_then_false_and_the_handle_reports_it(pool: Pool) -> None:
     flags = pool.w.alloc((1,), "int64")
-    handle = pool.w.submit(pool.gated(flags))
+    handle = pool.w.submit(pool.gated_double(flags))
     assert handle.running()
     assert handle.cancel() is True
     flags[0] = 1  # the running task finishes; the run ends cancelled
@@ -188,7 +127,7 @@ def test_cancel_returns_true_then_false_and_the_handle_reports_it(pool: Pool) ->
 
 
 def test_a_failed_run_raises_from_result_and_is_returned_by_exception(pool: Pool) -> None:
-    handle = pool.w.submit(pool.one(pool.fail, 3))
+    handle = pool.w.submit(pool.one(pool.h["fail"], 3))
     error = handle.exception(timeout=60)
     assert isinstance(error, TaskError) and "exploded on purpose (3)" in str(error.remote_text)
     with pytest.raises(TaskError):
@@ -208,7 +147,7 @@ def test_an_orchestration_exception_is_the_result_error(pool: Pool) -> None:
 
 def test_await_from_a_foreign_loop_while_the_background_thread_drives(pool: Pool) -> None:
     flags = pool.w.alloc((1,), "int64")
-    handle = pool.w.submit(pool.gated(flags, 4))
+    handle = pool.w.submit(pool.gated_double(flags, 4))
 
     async def main() -> list[Any]:
         asyncio.get_running_loop().call_later(0.05, flags.__setitem__, 0, 1)
@@ -229,7 +168,7 @@ def test_worker_cancel_with_terminate_stops_a_running_task(pool: Pool) -> None:
     with pytest.raises(RunCancelled):
         handle.result()
     # The killed worker was replaced and the pool serves on.
-    assert pool.w.submit(pool.one(pool.double, 21)).result(timeout=60) == [42]
+    assert pool.w.submit(pool.one(pool.h["double_scalar"], 21)).result(timeout=60) == [42]
     after = {row["pid"] for row in pool.w.list_workers()}
     assert len(after) == len(before) and after != before
 
@@ -245,7 +184,7 @@ def test_handle_cancel_with_terminate(pool: Pool) -> None:
 @pytest.mark.asyncio
 async def test_await_on_the_bound_loop() -> None:
     w = Worker(num_sub_workers=1, admission="fair")
-    h = w.register(double)
+    h = w.register(tasks.double_scalar)
     async with w:
         handle = await w.submit_async(lambda o, a, c: o.submit_sub(h, targs(scalars=(11,))))
         assert await handle == [22]
@@ -259,7 +198,7 @@ async def test_await_on_the_bound_loop() -> None:
 
 def test_await_from_a_foreign_loop_of_a_bound_worker() -> None:
     w = Worker(num_sub_workers=1, admission="fifo")
-    h = w.register(double)
+    h = w.register(tasks.double_scalar)
     w.init()
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, name="bound-loop")
@@ -290,7 +229,7 @@ def test_waiting_in_one_thread_never_blocks_submit_or_cancel_in_another() -> Non
     Before the fix both calls waited for the big run to complete."""
     w = Worker(num_sub_workers=2, admission="fair")
     sleep = w.register(tasks.sleep_ms)
-    dbl = w.register(double)
+    dbl = w.register(tasks.double_scalar)
     w.init()
     try:
         big = w.submit(lambda o, a, c: o.submit_sub(sleep, targs(scalars=(20_000,))))
@@ -333,22 +272,22 @@ def test_a_done_callback_that_waits_on_its_worker_gets_a_clear_error(
     def waits(h: RunHandle) -> None:
         try:
             try:
-                p.w.run(p.one(p.double, 1))
+                p.w.run(p.one(p.h["double_scalar"], 1))
             except RuntimeError as exc:
                 errors.append(exc)
             try:
-                p.w.submit(p.one(p.double, 2)).result()
+                p.w.submit(p.one(p.h["double_scalar"], 2)).result()
             except RuntimeError as exc:
                 errors.append(exc)
             # Submitting (without waiting) keeps working.
-            submitted.append(p.w.submit(p.one(p.double, 3)))
+            submitted.append(p.w.submit(p.one(p.h["double_scalar"], 3)))
         finally:
             fired.set()
 
     def raises(h: RunHandle) -> None:
-        p.w.run(p.one(p.double, 4))
+        p.w.run(p.one(p.h["double_scalar"], 4))
 
-    handle = p.w.submit(p.one(p.double, 5))
+    handle = p.w.submit(p.one(p.h["double_scalar"], 5))
     handle.add_done_callback(waits)
     handle.add_done_callback(raises)
     assert fired.wait(60), "the done callback never ran (or hangs)"
@@ -360,7 +299,7 @@ def test_a_done_callback_that_waits_on_its_worker_gets_a_clear_error(
     poll_for(lambda: any("done callback" in r.getMessage() for r in caplog.records), timeout=30)
     assert submitted and submitted[0].result(timeout=60) == [6]
     # The worker keeps working.
-    assert p.w.submit(p.one(p.double, 8)).result(timeout=60) == [16]
+    assert p.w.submit(p.one(p.h["double_scalar"], 8)).result(timeout=60) == [16]
 
 
 def test_cancel_has_one_meaning_under_both_policies(pool: Pool) -> None:
@@ -370,7 +309,7 @@ def test_cancel_has_one_meaning_under_both_policies(pool: Pool) -> None:
     p = pool
     busy = p.w.alloc((1,), "int64")
     gate = p.w.alloc((1,), "int64")
-    h = p.gated_double
+    h = p.h["gated_double"]
 
     def two(o: Any, args: Any, config: Any) -> None:
         for v in (1, 2):
@@ -378,7 +317,7 @@ def test_cancel_has_one_meaning_under_both_policies(pool: Pool) -> None:
 
     running = p.w.submit(two)  # holds both workers until busy[0] is set
     poll_for(lambda: running.run.counts["running"] == 2, timeout=30)
-    waiting = p.w.submit(p.gated(gate))  # no worker is free: none of its tasks runs
+    waiting = p.w.submit(p.gated_double(gate))  # no worker is free: none of its tasks runs
     assert waiting.cancel() is True
     assert waiting.done() and waiting.cancelled()
     with pytest.raises(RunCancelled, match=f"run {waiting.run_id} cancelled"):
@@ -393,8 +332,8 @@ def test_cancel_has_one_meaning_under_both_policies(pool: Pool) -> None:
 def test_a_thread_in_worker_run_lets_another_thread_submit_and_wait() -> None:
     """``w.run`` drives from its submit to its end: it hands the Scheduler over too."""
     w = Worker(num_sub_workers=2, admission="fair")
-    gate = w.register(gated_double)
-    dbl = w.register(double)
+    gate = w.register(tasks.gated_double)
+    dbl = w.register(tasks.double_scalar)
     w.init()
     try:
         flags = w.alloc((1,), "int64")

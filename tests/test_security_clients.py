@@ -30,8 +30,14 @@ import pytest
 from simpler_daemon.client import Client, sub_task, tensor
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import leaked_shm, shm_files
-from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_leak_guard, running_daemon
-from tests.users import User, throwaway_user
+from tests.support.daemon_harness import (
+    EXAMPLES,
+    REPO,
+    DaemonProcess,
+    module_leak_guard,
+    running_daemon,
+)
+from tests.support.users import User, throwaway_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

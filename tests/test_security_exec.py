@@ -31,7 +31,7 @@ from simpler_daemon.callables import (
 from simpler_daemon.client import sub_task, tensor
 from simpler_daemon.errors import TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from tests.daemon_harness import (
+from tests.support.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
     running_daemon,
@@ -225,10 +225,10 @@ def test_daemon_refuses_a_stride0_view_of_2_40_elements(tmp_path: Path) -> None:
 def test_max_task_seconds_kills_a_stuck_task(tmp_path: Path) -> None:
     overrides: dict[str, dict[str, Any]] = {
         "limits": {"max_task_seconds": 1.0},
-        "callables": {"allowed_modules": ["simpler_daemon.examples", "tests.tasks"]},
+        "callables": {"allowed_modules": ["simpler_daemon.examples", "tests.support.sub_tasks"]},
     }
     with running_daemon(tmp_path, overrides) as daemon, daemon.client() as c:
-        sleep = c.register("tests.tasks:sleep_ms")
+        sleep = c.register("tests.support.sub_tasks:sleep_ms")
         run_id = c.submit([sub_task(sleep, [], [60_000])])
         with pytest.raises(TaskError, match=r"deadline exceeded \(1000 ms\)"):
             c.wait(run_id, timeout=60)

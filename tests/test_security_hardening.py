@@ -39,18 +39,13 @@ from simpler_daemon.system.authguard import (
     read_token_file,
 )
 from simpler_daemon.testing import leaked_shm, poll_for, self_signed_cert, shm_files
-from tests.daemon_harness import EXAMPLES, DaemonProcess, module_leak_guard, wait_until
-from tests.test_remote_worker_service import (  # noqa: F401  (fixtures)
-    TOKEN,
-    RunningWorker,
-    start_worker,
-    token_file,
-)
+from tests.support.daemon_harness import EXAMPLES, DaemonProcess, module_leak_guard, wait_until
+from tests.support.remote_worker import TOKEN, RunningWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 Code = grpc.StatusCode
-SLOW = "tests.helpers_slow_import:fn"
+SLOW = "tests.support.slow_import:fn"
 GOOD_TOKEN = "hardening-token-0123456789abcdef"
 METRICS_TOKEN = "metrics-token-0123456789abcdef"
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
@@ -164,13 +159,13 @@ async def test_a_register_cancelled_inside_its_control_leaves_registration_worki
         with pytest.raises(asyncio.CancelledError):
             await slow
         # The next registration waits for the abandoned control, then goes through.
-        h = await asyncio.wait_for(w.register_async("tests.tasks:noop"), 30)
+        h = await asyncio.wait_for(w.register_async("tests.support.sub_tasks:noop"), 30)
         assert w.registry.get(h.hashid).refcount == 1
         # Tiny deadlines again and again: every control still ends, none is left busy.
         for name in ("record_pid", "add_one", "set_flag"):
             with contextlib.suppress(TimeoutError, RegistrationError):
-                await asyncio.wait_for(w.register_async(f"tests.tasks:{name}"), 0.0003)
-        h2 = await asyncio.wait_for(w.register_async("tests.tasks:record_pid"), 30)
+                await asyncio.wait_for(w.register_async(f"tests.support.sub_tasks:{name}"), 0.0003)
+        h2 = await asyncio.wait_for(w.register_async("tests.support.sub_tasks:record_pid"), 30)
         assert w.registry.get(h2.hashid) is not None
         deadline = time.monotonic() + 30
         while any(ep.control_busy for ep in w.sub_endpoints):
@@ -325,7 +320,7 @@ def test_tcp_host_with_too_many_failed_auths_is_refused_and_named(hardened: Hard
 
 
 def test_remote_worker_refuses_a_host_after_failed_auths(
-    start_worker: Callable[..., RunningWorker],  # noqa: F811
+    start_worker: Callable[..., RunningWorker],
 ) -> None:
     w = start_worker()
     for _ in range(FailedAuthLimiter().max_failures):
@@ -538,9 +533,9 @@ async def test_local_slot_exhausted_is_resource_exhausted(
     monkeypatch.setattr(SlotTable.__init__, "__defaults__", (2,))
     w = Worker(num_sub_workers=1, heap_bytes=4 << 20)
     async with w:
-        await w.register_async("tests.tasks:noop")
-        await w.register_async("tests.tasks:record_pid")
+        await w.register_async("tests.support.sub_tasks:noop")
+        await w.register_async("tests.support.sub_tasks:record_pid")
         with pytest.raises(RegistrationError) as info:
-            await w.register_async("tests.tasks:add_one")
+            await w.register_async("tests.support.sub_tasks:add_one")
     assert "LOCAL_SLOT_EXHAUSTED" in str(info.value)
     assert status_of(info.value) == Code.RESOURCE_EXHAUSTED

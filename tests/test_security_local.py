@@ -29,8 +29,8 @@ from simpler_daemon.errors import StartupError, UntrustedPathError
 from simpler_daemon.heap import Heap, heap_name
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import poll_for
-from tests.daemon_harness import REPO, DaemonProcess, NotifySocket, merged, write_config
-from tests.users import User, throwaway_user
+from tests.support.daemon_harness import REPO, DaemonProcess, NotifySocket, merged, write_config
+from tests.support.users import User, throwaway_user
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +16,14 @@ from simpler_daemon.cli import simplerctl as cli
 from simpler_daemon.cli.output import Out
 from simpler_daemon.cli.runs import watch_run
 from simpler_daemon.client import Client
-from tests.daemon_harness import EXAMPLES, REPO, DaemonProcess, module_daemon, module_leak_guard
+from tests.support.ctl import Ctl
+from tests.support.daemon_harness import (
+    EXAMPLES,
+    REPO,
+    DaemonProcess,
+    module_daemon,
+    module_leak_guard,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -69,23 +75,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 def no_leaked_children(daemon: DaemonProcess) -> Iterator[None]:
     """Overrides the conftest guard: the module daemon lives across tests on purpose."""
     yield from module_leak_guard(lambda: {daemon.pid})
-
-
-class Ctl:
-    def __init__(self, socket: str, capsys: pytest.CaptureFixture[str]) -> None:
-        self.socket = socket
-        self.capsys = capsys
-
-    def __call__(self, *argv: str) -> tuple[int, str, str]:
-        self.capsys.readouterr()
-        code = cli.main(["--socket", self.socket, *argv])
-        out, err = self.capsys.readouterr()
-        return code, out, err
-
-    def json(self, *argv: str) -> Any:
-        code, out, err = self("--json", *argv)
-        assert code == 0, err
-        return json.loads(out)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from simpler_daemon.errors import ConfigError
 from simpler_daemon.scheduler.spingate import PROBE_MAX_S, PROBE_MIN_S, SpinGate
 from simpler_daemon.server import config as cfg
 from simpler_daemon.server.daemon import Daemon
-from tests.tasks import noop, sleep_ms
+from tests.support.sub_tasks import noop, sleep_ms
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,7 @@ from simpler_daemon.engine.orchestrator import Orchestrator
 from simpler_daemon.mailbox import _mailbox
 from simpler_daemon.scheduler.dispatch import SUBMIT_BATCH, Scheduler
 from simpler_daemon.scheduler.runmodel import SlotState
-from tests.tasks import targs
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,8 +28,8 @@ from simpler_daemon.args import encode_args
 from simpler_daemon.engine.orchestrator import Orchestrator, TaskRef
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.layout import MAX_RESULT_BYTES, OFF_ARGS, OFF_RESERVED, TASK_FRAMES
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
 

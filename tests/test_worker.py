@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,52 +27,11 @@ from simpler_daemon import (
     WorkerState,
 )
 from simpler_daemon.testing import poll_for
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
+from tests.support.worker_pool import Pool
 
 pytestmark = pytest.mark.integration
-
-TASKS = (
-    "fill",
-    "consume",
-    "marked_fill",
-    "marked_consume",
-    "rendezvous",
-    "record_pid",
-    "record_pid_rendezvous",
-    "fail",
-    "wait_flag",
-    "sleep_ms",
-    "chain_step",
-    "noop",
-    "add_one",
-)
-
-
-class Pool:
-    """A started Worker plus a handle per helper task (registered before init)."""
-
-    def __init__(self, n: int = 2) -> None:
-        self.w = Worker(num_sub_workers=n)
-        self.h: dict[str, CallableHandle] = {
-            name: self.w.register(getattr(tasks, name)) for name in TASKS
-        }
-        self.w.init()
-
-    def pids(self) -> set[int]:
-        return {info["pid"] for info in self.w.list_workers()}
-
-    def worker_of(self, pid: int) -> int:
-        return next(info["worker_id"] for info in self.w.list_workers() if info["pid"] == pid)
-
-
-@pytest.fixture
-def pool() -> Iterator[Pool]:
-    p = Pool(2)
-    try:
-        yield p
-    finally:
-        p.w.close()
 
 
 def test_quick_usage_fills_a_heap_tensor(pool: Pool) -> None:
@@ -427,14 +385,14 @@ def test_deadline_fails_the_task_with_a_deadline_message(pool: Pool) -> None:
 def test_register_after_init_by_object_by_path_and_by_value(pool: Pool) -> None:
     w = pool.w
     by_object = w.register(tasks.add_one)  # importable: shipped by its path
-    by_path = w.register("tests.tasks:set_flag")
+    by_path = w.register("tests.support.sub_tasks:set_flag")
     offset = 40
 
     def closure(args: Any) -> None:  # not importable: shipped serialized
         args.tensors[0][:] += offset
 
     by_value = w.register(closure)
-    assert by_path.name == "tests.tasks:set_flag"
+    assert by_path.name == "tests.support.sub_tasks:set_flag"
     xs = [w.alloc((4,), "float64") for _ in range(2)]
     flags = [w.alloc((2,), "int64") for _ in range(2)]
 
@@ -451,8 +409,8 @@ def test_register_after_init_by_object_by_path_and_by_value(pool: Pool) -> None:
 
 def test_register_twice_returns_the_same_handle_and_unregister_is_refcounted(pool: Pool) -> None:
     w = pool.w
-    h1 = w.register("tests.tasks:noop")
-    h2 = w.register("tests.tasks:noop")
+    h1 = w.register("tests.support.sub_tasks:noop")
+    h2 = w.register("tests.support.sub_tasks:noop")
     assert h1 == h2
     w.unregister(h1)
     w.run(lambda o, a, c: o.submit_sub(h2))  # one reference left
@@ -466,11 +424,11 @@ def test_unregister_then_submitting_it_fails_clearly(pool: Pool) -> None:
     w.unregister(h["add_one"])
     with pytest.raises(
         ValueError,
-        match=r"cannot submit_sub: callable tests\.tasks:add_one \(sha256:[0-9a-f]{64}\) is not registered",
+        match=r"cannot submit_sub: callable tests\.support\.sub_tasks:add_one \(sha256:[0-9a-f]{64}\) is not registered",
     ):
         w.run(lambda o, a, c: o.submit_sub(h["add_one"]))
     with pytest.raises(TypeError, match="expected a CallableHandle"):
-        w.unregister("tests.tasks:add_one")  # type: ignore[arg-type]
+        w.unregister("tests.support.sub_tasks:add_one")  # type: ignore[arg-type]
     w.run(orch_noop(h["noop"]))  # the worker still works
     again = w.register(tasks.add_one)  # and the callable can come back
     x = w.alloc((2,), "float64")
@@ -484,7 +442,7 @@ def test_unregister_then_submitting_it_fails_clearly(pool: Pool) -> None:
 def test_argument_validation(pool: Pool) -> None:
     w, h = pool.w, pool.h
     with pytest.raises(ValueError, match="chip kernel, but this worker has no chips"):
-        w.register("tests.tasks:kernel", kind="chip")
+        w.register("tests.support.sub_tasks:kernel", kind="chip")
 
     with pytest.raises(TypeError, match=r"Worker\.register"):
         w.run(lambda o, a, c: o.submit_sub(17))
@@ -507,7 +465,7 @@ def test_argument_validation(pool: Pool) -> None:
 
 def test_chip_argument_validation() -> None:
     w = Worker(num_sub_workers=1, num_chips=1, startup_timeout=30)
-    k = w.register("tests.tasks:kernel", kind="chip")
+    k = w.register("tests.support.sub_tasks:kernel", kind="chip")
     with w:
         with pytest.raises(ValueError, match="not as a SUB callable"):
             w.run(lambda o, a, c: o.submit_sub(k))

@@ -27,8 +27,8 @@ from simpler_daemon import (
     WorkerState,
 )
 from simpler_daemon.testing import child_pids
-from tests import tasks
-from tests.tasks import targs
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.integration
 
@@ -274,7 +274,7 @@ async def test_the_blocking_api_works_from_another_thread_while_bound() -> None:
 async def test_register_and_unregister_async_after_start() -> None:
     async with started() as (w, _h):
         add_one = await w.register_async(tasks.add_one)
-        by_path = await w.register_async("tests.tasks:set_flag")
+        by_path = await w.register_async("tests.support.sub_tasks:set_flag")
         x = w.alloc((4,), "float64")
         flags = w.alloc((2,), "int64")
         await w.run_async(

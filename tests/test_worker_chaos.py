@@ -10,53 +10,26 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from simpler_daemon import (
-    CallableHandle,
     RunCancelled,
     RunState,
     Tag,
     TaskError,
-    Worker,
     WorkerClosedError,
 )
 from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
-from tests import tasks
-from tests.tasks import targs
+from tests.support.sub_tasks import targs
+from tests.support.worker_pool import Pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
-class Pool:
-    def __init__(self, n: int = 2) -> None:
-        self.w = Worker(num_sub_workers=n)
-        self.h: dict[str, CallableHandle] = {
-            name: self.w.register(getattr(tasks, name))
-            for name in ("fill", "consume", "wait_flag", "record_pid", "die", "chain_step", "noop")
-        }
-        self.w.init()
-
-    def sub_info(self) -> list[dict[str, Any]]:
-        return [i for i in self.w.list_workers() if i["kind"] == "sub"]
-
-    def worker_of(self, pid: int) -> int:
-        return next(i["worker_id"] for i in self.sub_info() if i["pid"] == pid)
-
-    def live_pids(self) -> set[int]:
-        return {i["pid"] for i in self.sub_info() if i["alive"] and i["poisoned"] is None}
-
-
-@pytest.fixture
-def pool() -> Iterator[Pool]:
-    p = Pool(2)
-    try:
-        yield p
-    finally:
-        p.w.close()
+#: What the ``pool`` fixture (tests/conftest.py) and the Pools made here register.
+POOL_TASKS = ("fill", "consume", "wait_flag", "record_pid", "die", "chain_step", "noop")
 
 
 def assert_healthy_without(pool: Pool, dead_pid: int, n: int = 6) -> None:
@@ -141,7 +114,7 @@ def test_a_child_dying_inside_a_task_is_an_endpoint_failure_naming_it(
 
 @pytest.mark.timeout(60)
 def test_close_with_a_run_in_flight_drains_it_within_the_budget() -> None:
-    pool = Pool(2)
+    pool = Pool(2, tasks=POOL_TASKS)
     w, h = pool.w, pool.h
     counter = w.alloc((1,), "int64")
     n = 50
@@ -164,7 +137,7 @@ def test_close_with_a_run_in_flight_drains_it_within_the_budget() -> None:
 
 @pytest.mark.timeout(60)
 def test_close_cancels_a_wedged_run_and_the_runs_behind_it_and_leaves_nothing() -> None:
-    pool = Pool(2)
+    pool = Pool(2, tasks=POOL_TASKS)
     w, h = pool.w, pool.h
     flags = w.alloc((1,), "int64")
     started = w.alloc((1,), "int64")
@@ -206,7 +179,7 @@ def test_close_cancels_a_wedged_run_and_the_runs_behind_it_and_leaves_nothing() 
 
 @pytest.mark.timeout(60)
 def test_close_right_after_a_kill_reaps_everything() -> None:
-    pool = Pool(2)
+    pool = Pool(2, tasks=POOL_TASKS)
     w, h = pool.w, pool.h
     flags = w.alloc((1,), "int64")
     started = w.alloc((1,), "int64")

@@ -26,7 +26,7 @@ import pytest
 from simpler_daemon.client import Client
 from simpler_daemon.testing import child_pids, poll_for, settled_shm_leaks, shm_files
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = "simpler_daemon.examples.tasks"
 
 BASE_CONFIG: dict[str, dict[str, Any]] = {

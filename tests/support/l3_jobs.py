@@ -1,8 +1,10 @@
-"""L3 orchestration functions the remote session tests run inside a runner.
+"""L3 orchestration functions an L3 runs by import path (``tests.support.l3_jobs:<name>``):
+a remote session runner (the remote session, API and e2e tests) or a local L3 child (the
+nested tests).
 
 Each has the ordinary ``(o, args, config)`` signature and submits SUB tasks of
-``tests.tasks`` by import path (the session manifest installs them), so it cannot
-tell a remote call from a local one.
+``tests.support.sub_tasks`` by import path (the session manifest installs them), so it
+cannot tell a remote call from a local one.
 """
 
 from __future__ import annotations
@@ -11,22 +13,22 @@ import time
 from typing import Any
 
 from simpler_daemon import Tag, TaskArgs
-from simpler_daemon.callables import spec_for_import
+from simpler_daemon.callables import CallableHandle, spec_for_import
 
 
 def _sub(name: str) -> Any:
-    return spec_for_import(f"tests.tasks:{name}", "sub").handle
+    return spec_for_import(f"tests.support.sub_tasks:{name}", "sub").handle
 
 
 def fill_remote(o: Any, args: Any, config: Any) -> None:
-    """SUB ``tests.tasks:fill``: tensors[0][:] = scalars[0]."""
+    """SUB ``tests.support.sub_tasks:fill``: tensors[0][:] = scalars[0]."""
     o.submit_sub(
         _sub("fill"), TaskArgs().add_tensor(args.tensors[0], Tag.OUTPUT).add_scalar(args.scalars[0])
     )
 
 
 def consume_remote(o: Any, args: Any, config: Any) -> None:
-    """SUB ``tests.tasks:consume``: tensors[1][:] = tensors[0] + scalars[0]."""
+    """SUB ``tests.support.sub_tasks:consume``: tensors[1][:] = tensors[0] + scalars[0]."""
     sub_args = (
         TaskArgs()
         .add_tensor(args.tensors[0], Tag.INPUT)
@@ -37,7 +39,7 @@ def consume_remote(o: Any, args: Any, config: Any) -> None:
 
 
 def fail_remote(o: Any, args: Any, config: Any) -> None:
-    """SUB ``tests.tasks:fail`` raises ValueError("producer exploded on purpose (N)")."""
+    """SUB ``tests.support.sub_tasks:fail`` raises ValueError("producer exploded on purpose (N)")."""
     o.submit_sub(_sub("fail"), TaskArgs().add_scalar(args.scalars[0]))
 
 
@@ -56,10 +58,20 @@ def noop_remote(o: Any, args: Any, config: Any) -> None:
 
 
 def empty_sub_remote(o: Any, args: Any, config: Any) -> None:
-    """One SUB ``tests.tasks:noop`` (round trip through an inner child)."""
+    """One SUB ``tests.support.sub_tasks:noop`` (round trip through an inner child)."""
     o.submit_sub(_sub("noop"))
 
 
 def sleep_sub_remote(o: Any, args: Any, config: Any) -> None:
-    """One SUB ``tests.tasks:sleep_ms`` of scalars[0] ms (holds the run open)."""
+    """One SUB ``tests.support.sub_tasks:sleep_ms`` of scalars[0] ms (holds the run open)."""
     o.submit_sub(_sub("sleep_ms"), TaskArgs().add_scalar(args.scalars[0]))
+
+
+# -- a local L3 child (the nested tests) --------------------------------------------------------
+
+DOUBLE = CallableHandle.for_import("tests.support.sub_tasks:sub_double")
+
+
+def orch_double(o: Any, a: Any, c: Any) -> None:
+    """L3 orchestration that names its SUB callable by import path (installed after init)."""
+    o.submit_sub(DOUBLE, TaskArgs().add_tensor(a.tensors[0], Tag.INOUT))

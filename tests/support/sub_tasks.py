@@ -1,10 +1,13 @@
-"""Module-level task functions for the Worker / Scheduler tests.
+"""SUB callables the in-process engine tests run: one module for every test that forks
+SUB children from this process (Worker and Scheduler, lanes and endpoints, child loops,
+nested local L3s, run futures and task results).
 
-They run inside SUB children (inherited through fork, or imported by path as
-``tests.tasks:<name>``). Order and concurrency are proven by what they record
-in heap tensors (pids, monotonic marks, flags), never by timing: a task that
-waits for something waits on a shared heap word with a deadline that fails the
-task, so a broken engine shows up as a clear ``TaskError`` instead of a hang.
+They run inside SUB children, inherited through fork (registered as objects) or
+imported by path (``tests.support.sub_tasks:<name>``). Order and concurrency are
+proven by what they record in heap tensors (pids, monotonic marks, flags), never by
+timing: a task that waits for something waits on a shared heap word with a deadline
+that fails the task, so a broken engine shows up as a clear ``TaskError`` instead of
+a hang. ``targs`` (the last function) runs in the parent: it builds their arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from typing import Any
 
 from simpler_daemon import Tag, TaskArgs
+
+# -- the Worker and Scheduler tests ------------------------------------------------------------
 
 #: Default spin deadline for tasks that wait on a heap flag (milliseconds).
 WAIT_MS = 20_000
@@ -128,10 +133,12 @@ def chain_step(args: Any) -> None:
 
 
 def noop(args: Any) -> None:
+    """Do nothing."""
     return None
 
 
 def add_one(args: Any) -> None:
+    """tensors[0] += 1, in place."""
     args.tensors[0][:] += 1
 
 
@@ -160,6 +167,121 @@ def die(args: Any) -> None:
         faulthandler.disable()  # keep the test output quiet
         ctypes.string_at(0)
     raise AssertionError("still alive")
+
+
+# -- the endpoint, lane and child-loop tests (one child behind a hand-built endpoint) ------
+
+
+#: How long a gated task waits for its release before failing (seconds).
+GATE_WAIT_S = 20.0
+
+
+def store_scalar(args: Any) -> None:
+    """tensors[0][scalars[1]] = scalars[0] (tensors[0] is a uint64 vector)."""
+    args.tensors[0][args.scalars[1]] = args.scalars[0]
+
+
+def double(args: Any) -> None:
+    """tensors[0] *= 2, in place."""
+    args.tensors[0] *= 2
+
+
+def record_pid_first(args: Any) -> None:
+    """tensors[0][0] = os.getpid()."""
+    args.tensors[0][0] = os.getpid()
+
+
+def raise_value_error(args: Any) -> None:
+    raise ValueError(f"bad value {args.scalars[0]}")
+
+
+def sleep_long(args: Any) -> None:
+    """Sleep far longer than any test deadline (stopped by CallConfig.deadline_ms)."""
+    time.sleep(30.0)
+
+
+def gate(args: Any) -> None:
+    """Mark started (word 0), wait for release (word 1), then mark finished (word 2).
+
+    ``tensors[0]`` is a uint64 vector of at least 3 words on the shared heap.
+    """
+    words = args.tensors[0]
+    words[0] = 1
+    deadline = time.monotonic() + GATE_WAIT_S
+    while words[1] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("gate was never released")
+        time.sleep(0.0002)
+    words[2] = 1
+
+
+NOT_A_CALLABLE = 42
+
+
+# -- run futures: tasks that return a value ----------------------------------------------------
+
+
+def double_scalar(args: Any) -> int:
+    """Return 2 * scalars[0]."""
+    return int(args.scalars[0]) * 2
+
+
+def gated_double(args: Any) -> int:
+    """Wait until tensors[0][0] != 0 (30 s at most), then return 2 * scalars[0]."""
+    flags = args.tensors[0]
+    deadline = time.monotonic() + 30
+    while flags[0] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the gate never opened")
+        time.sleep(0.0005)
+    return int(args.scalars[0]) * 2
+
+
+# -- nested local L3s: the SUB grandchildren of an L3 child ------------------------------------
+
+
+def sub_fill(args: Any) -> None:
+    """tensors[0][:] = scalars[0]; tensors[1] (int64) = [pid, parent pid, address of tensors[0]]."""
+    args.tensors[0][:] = args.scalars[0]
+    if len(args.tensors) > 1:
+        rec = args.tensors[1]
+        rec[0] = os.getpid()
+        rec[1] = os.getppid()
+        rec[2] = args.tensors[0].__array_interface__["data"][0]
+
+
+def sub_scale(args: Any) -> None:
+    """tensors[1] = tensors[0] * scalars[0] + scalars[2]; tensors[2] (uint64) = scalars."""
+    time.sleep(0.05)  # a dependency that is not honored shows up as a race
+    args.tensors[1][:] = args.tensors[0] * args.scalars[0] + args.scalars[2]
+    args.tensors[2][: len(args.scalars)] = args.scalars
+
+
+def sub_add(args: Any) -> None:
+    """tensors[1] = tensors[0] + 1 (reads what the previous SUB task wrote)."""
+    args.tensors[1][:] = args.tensors[0] + 1
+
+
+def sub_double(args: Any) -> None:
+    args.tensors[0][:] *= 2
+
+
+def sub_fail(args: Any) -> None:
+    raise ValueError(f"bottom boom {args.scalars[0]}")
+
+
+def sub_gate(args: Any) -> None:
+    """flag[0] = 1 (started), then wait (20 s at most) until flag[1] is set."""
+    flag = args.tensors[0]
+    flag[0] = 1
+    deadline = time.monotonic() + 20.0
+    while flag[1] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("gate never opened")
+        time.sleep(0.001)
+
+
+# -- the parent's side -------------------------------------------------------------------------
 
 
 def targs(*tensors: tuple[Any, Tag], scalars: tuple[int, ...] = ()) -> TaskArgs:

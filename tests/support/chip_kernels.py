@@ -1,4 +1,5 @@
-"""Chip kernels used by the chip tests: ``kernel(args, config)`` over heap views."""
+"""Chip kernels the tests register by path (``tests.support.chip_kernels:<name>``):
+``kernel(args, config)`` over heap views, run on a chip child's device thread."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def slow_prepare(args: Any, config: Any) -> None:
 slow_prepare.sim_prepare_s = 0.005  # type: ignore[attr-defined]
 
 
-# -- kernels added for tests/test_chip.py and tests/test_chip_loop.py ------------------------------
+# -- kernels of the chip child tests (children/test_chip.py, children/test_chip_loop.py) ---------
 
 #: How long a gated kernel waits for its release before failing (seconds).
 GATE_WAIT_S = 20.0

@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 from simpler_daemon.testing import poll_for, shm_files
 from simpler_daemon.testing.netns import TestHosts
 
-log = logging.getLogger("tests.remote_harness")
+log = logging.getLogger("tests.support.remote_harness")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PORT = 19073
 T = TypeVar("T")
 LOOPBACK_ENV = "SIMPLER_E2E_LOOPBACK"

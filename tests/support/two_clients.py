@@ -16,7 +16,7 @@ import pytest
 
 from simpler_daemon.client import AsyncClient, Client
 from simpler_daemon.testing import self_signed_cert
-from tests.daemon_harness import DaemonProcess
+from tests.support.daemon_harness import DaemonProcess
 
 TOKEN = "two-clients-token-0123456789"
 

@@ -1,10 +1,11 @@
-"""Hand-built engine pieces for the endpoint, lane and child-loop tests (no Scheduler).
+"""One SUB child behind a hand-built endpoint, for the endpoint, lane and child-loop tests
+(no Scheduler, no Worker).
 
 ``Rig`` owns one heap, one doorbell, one mailbox, one forked SUB child and the
 ``LocalMailboxEndpoint`` that drives it, and tears all of it down in ``close``
 (also when a test fails half-way), so the autouse leak guards stay quiet::
 
-    with Rig([spec_for_object(helpers_engine.noop)]) as rig:
+    with Rig([spec_for_object(sub_tasks.noop)]) as rig:
         d = rig.submit(digest, blob)
         ev = rig.wait_completed()
 """
@@ -59,7 +60,7 @@ def blob_for(
 
 
 class Gate:
-    """Three heap words driving ``helpers_engine.gate``: started, release, finished."""
+    """Three heap words driving ``sub_tasks.gate``: started, release, finished."""
 
     def __init__(self, heap: Heap) -> None:
         self.words = heap.alloc(3, "uint64")
