@@ -34,7 +34,6 @@ pytest.register_assert_rewrite(
 )
 
 from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files  # noqa: E402
-from tests.support.remote_worker import start_worker, token_file  # noqa: E402, F401  (fixtures)
 from tests.support.worker_pool import TASKS, Pool  # noqa: E402
 
 # A shell without job control starts background commands with SIGINT ignored (``make

@@ -1,4 +1,4 @@
-"""A Scheduler over in-memory lanes, for the scheduler-table tests (scheduler/test_dispatch.py)
+"""A Scheduler over in-memory lanes, for the scheduler-table tests (scheduler/test_scheduler_tables.py)
 and the fair-admission and run-fault tests that reuse its tables.
 
 The lanes sit on a small in-memory endpoint (``MemEndpoint``) that implements the

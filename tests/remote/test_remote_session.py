@@ -67,7 +67,7 @@ from simpler_daemon.testing import child_pids, poll_for, self_signed_cert
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
-REPO = str(Path(__file__).resolve().parent.parent)
+REPO = str(Path(__file__).resolve().parents[2])
 WID = 2
 
 

@@ -7,7 +7,7 @@ Two layers:
   (``fair``) or only after it (``fifo``); two runs of priority 1 and 3 share one
   worker 1 : 3, counted in dispatches;
 * the Scheduler's NEXT_LEVEL rules under ``fair`` on the in-memory lanes of
-  ``tests/test_scheduler.py`` (round-robin on one chip, staging into the free
+  ``tests/support/scheduler_rig.py`` (round-robin on one chip, staging into the free
   frame only, the admission bound, cancel releasing admission at once).
 
 The Worker tests use ``Worker(admission=...)`` and ``Worker.submit(..., priority=)``.

@@ -14,7 +14,7 @@ import pytest
 
 from simpler_daemon.testing import child_pids, poll_for
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(200)]
 

@@ -17,7 +17,7 @@ import pytest
 from simpler_daemon import client
 from simpler_daemon.client import discovery
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 VENV = REPO / ".venv"
 

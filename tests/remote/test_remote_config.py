@@ -44,7 +44,7 @@ from tests.support.remote_worker import self_signed
 
 pytestmark = pytest.mark.timeout(60)
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 EXAMPLE = DEPLOY / "config" / "remote-worker.toml"
 UNIT = DEPLOY / "systemd" / "simpler-remote-worker.service"
 

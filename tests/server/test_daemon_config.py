@@ -90,7 +90,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "heap_bytes": 4096,
         "heap_shared": False,
         # No callables here: the section test keeps the default allowed_modules, the
-        # whole-config test does not (tests/test_daemon_local_l3.py round-trips them).
+        # whole-config test does not (tests/server/test_daemon_local_l3.py round-trips them).
         "local": [
             cfg.LocalWorkerConfig(num_sub_workers=2, num_chips=1, chip_pipeline_depth=1),
             cfg.LocalWorkerConfig(num_sub_workers=0, heap_bytes=4096),

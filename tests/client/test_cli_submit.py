@@ -8,7 +8,7 @@
   ``test_full_heap_is_its_own_exit_status``, ``test_unregister_and_info_heap``.
 
 Review of simplerctl (round 3): defect 1 ``test_huge_shape_is_refused_before_allocating``
-(and the fill overflows in tests/test_cli_spec.py), defect 6
+(and the fill overflows in tests/client/test_cli_spec.py), defect 6
 ``test_submit_wait_prints_task_results``.
 """
 

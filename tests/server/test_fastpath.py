@@ -4,7 +4,7 @@ client_fast.py) and the client's transport selection.
 Codec units first (no daemon); then one real daemon for the module, reached over its
 fast socket both with raw frames (what a misbehaving client sends) and with the
 Python clients. The client API suite itself runs over both transports in
-tests/test_client_api.py.
+tests/client/test_client_api.py.
 """
 
 from __future__ import annotations
@@ -629,7 +629,7 @@ def test_a_forked_child_gets_its_own_fast_connections(daemon: DaemonProcess) -> 
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=str(Path(__file__).resolve().parent.parent),
+        cwd=str(Path(__file__).resolve().parents[2]),
     )
     assert out.returncode == 0, out.stderr
     assert "child True 100" in out.stdout and "parent 100 0" in out.stdout, out.stdout

@@ -4,7 +4,7 @@
 13.8: ``test_first_run_id_is_1``, ``test_closed_stdout_is_not_a_traceback``,
 ``test_out_of_range_values_are_usage_errors``, ``test_watch_timeout_is_honoured``,
 ``test_json_watch_carries_what_text_shows``, ``test_shell_completion``
-(the progress bar's elapsed/rate/ETA: tests/test_simplerctl.py::test_progress_bar_on_a_tty).
+(the progress bar's elapsed/rate/ETA: tests/client/test_simplerctl.py::test_progress_bar_on_a_tty).
 12: ``test_cancel_terminate_stops_a_running_task``, ``test_ctrl_c_*``, ``test_runs_listing``,
 ``test_drain_then_resume``.
 

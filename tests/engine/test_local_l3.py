@@ -47,7 +47,7 @@ from tests.support.sub_tasks import sub_add, sub_fail, sub_fill, sub_gate, sub_s
 
 pytestmark = pytest.mark.timeout(90)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 FILL = spec_for_object(sub_fill).handle

@@ -16,7 +16,7 @@ import pytest
 
 from simpler_daemon.server import config as cfg
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 EXAMPLE = DEPLOY / "config" / "daemon.toml"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 

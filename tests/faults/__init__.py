@@ -1,0 +1,2 @@
+"""Tests whose point is a fault: killed, stopped or wedged children, daemons and links. All
+marked chaos."""

@@ -1,0 +1,2 @@
+"""The Scheduler: its tables, fair admission, spin modes, the C SUB pump, lanes and
+background progress."""
