@@ -66,7 +66,7 @@ def _workload_ids(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Benchmarks of PERFORMANCE.md: the engine beside its peers, one table.",
+        description="The workloads of benchmarks/README.md: the engine beside its peers, one table.",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny counts, mp + ppe + ours, < 1 min")
     ap.add_argument(

@@ -14,7 +14,7 @@
  * A spin is the engine's: pause instructions, the clock read and sched_yield() every 64
  * turns (child_wait in _mailbox.c; the Scheduler yields between short spins too), so a
  * process woken onto the spinner's core runs at once. parent_yields = 0 spins without
- * yielding (the engine before issue 14.3): a child woken onto the parent's core then
+ * yielding (as the engine did before its spins yielded): a child woken onto the parent's core then
  * waits for the parent's whole spin. Both parks are Dekker-style (flag, re-check,
  * sleep), like child_wait and the doorbell, so a wake-up costs a syscall only when the
  * other side sleeps. With spins of 0 both sides park at once: two wake-ups.

@@ -1,6 +1,6 @@
 """The ``fair`` admission policy: many runs execute at once and share the workers.
 
-``fifo`` (the seed's rule, :class:`~simpler_daemon.engine.orchestrator.Admission`) lets
+``fifo`` (the original rule, :class:`~simpler_daemon.scheduler.runmodel.Admission`) lets
 only the run at the head of admission dispatch; the next one may build and
 stage one chip task. ``fair`` admits up to ``max_active_runs`` runs at once and
 every one of them dispatches. The workers are shared in two levels, by
