@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d
 TEST_STAMP := $(VENV)/.installed-test-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 BENCH_STAMP := $(VENV)/.installed-bench-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 
-.PHONY: run test lint bench bench-smoke clean install proto build
+.PHONY: run test test-fast lint bench bench-smoke clean install proto build
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_PROCS) --dist loadf
 test: $(TEST_STAMP) build lint
 	$(PYTEST) $(PYTEST_ARGS)
 	SIMPLER_LOOP=asyncio $(PYTEST) -q -m asyncio $(PYTEST_ARGS)
+
+# The suite while you work: without the chaos tests (everything under tests/faults/, and
+# the few elsewhere that kill children on purpose) and the slow ones, under uvloop only.
+test-fast: $(TEST_STAMP) build
+	$(PYTEST) -m "not chaos and not slow" $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP) build
 	$(PY) -m benchmarks $(BENCH_ARGS)

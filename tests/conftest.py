@@ -1,6 +1,7 @@
 """Shared fixtures: leak guards (no child process, no /dev/shm file, no unobserved loop
-exception outlives a test), the event-loop choice (SIMPLER_LOOP=asyncio|uvloop) and the
-one ``Pool`` fixture (``make_pool``, ``pool``)."""
+exception outlives a test), the event-loop choice (SIMPLER_LOOP=asyncio|uvloop), the
+markers by folder (everything under tests/faults/ is ``chaos``) and the one ``Pool``
+fixture (``make_pool``, ``pool``)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,17 @@ def no_leaked_process_policy() -> Iterator[None]:
     yield
     callables.restrict_imports(policy)
     local._max_task_ms = ceiling
+
+
+FAULTS = Path(__file__).parent / "faults"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/faults/ is marked ``chaos``: its point is a fault."""
+    for item in items:
+        if item.path.is_relative_to(FAULTS):
+            item.add_marker(pytest.mark.chaos)
 
 
 def pytest_asyncio_loop_factories(

@@ -48,8 +48,6 @@ from simpler_daemon.scheduler.lanes import WorkerCompletion
 from simpler_daemon.testing import poll_for
 from tests.support.chip_worker_rig import Chips, wait_all
 
-pytestmark = pytest.mark.integration
-
 KERNELS = ("add_one", "noop", "gate", "record_pid", "fail_prepare", "fail_launch", "boom")
 
 

@@ -35,8 +35,6 @@ from simpler_daemon.testing import poll_for
 from tests.support.chip_endpoint_rig import SPECS, ChipRig
 from tests.support.endpoint_rig import Slot, blob_for
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[ChipRig]:

@@ -37,7 +37,7 @@ from simpler_daemon.testing import poll_for
 from tests.support import sub_tasks as H
 from tests.support.endpoint_rig import EMPTY_BLOB, Gate, Rig, blob_for, completed, settle
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 SPECS = {
     name: spec_for_object(getattr(H, name))

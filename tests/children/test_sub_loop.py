@@ -40,7 +40,7 @@ from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
 from tests.support import sub_tasks as H
 from tests.support.endpoint_rig import Gate, Rig, blob_for, proc_state
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 SPECS = [spec_for_object(f) for f in (H.noop, H.add_one, H.gate, H.raise_value_error)]
 NOOP, ADD_ONE, GATE, RAISE = (s.handle.digest for s in SPECS)

@@ -44,7 +44,7 @@ from tests.support.daemon_harness import (
     module_leak_guard,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 FIRST_RUN: dict[str, int] = {}
 

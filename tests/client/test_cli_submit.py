@@ -30,7 +30,7 @@ from tests.support.daemon_harness import (
     module_leak_guard,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 RUN_TOML = (REPO / "examples" / "run.toml").read_text()
 EXPECTED_OUT = [(i + 10) * 2.0 for i in range(8)]

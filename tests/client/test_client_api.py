@@ -52,7 +52,7 @@ from tests.support.daemon_harness import (
 )
 from tests.support.two_clients import TcpAccess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 TASKS = "tests.support.daemon_tasks"
 KEPT = 6  # limits.max_finished_runs_kept

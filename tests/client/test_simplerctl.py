@@ -25,7 +25,7 @@ from tests.support.daemon_harness import (
     module_leak_guard,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 RUN_SPEC = f"""\
 label = "ctl-demo"

@@ -277,6 +277,7 @@ def test_inner_init_failure_rolls_back_the_whole_tree(tmp_path: Path) -> None:
     assert not child_pids()
 
 
+@pytest.mark.slow
 def test_inner_hang_is_bounded_by_the_root_deadline(tmp_path: Path) -> None:
     def hang() -> None:
         (tmp_path / "pid-hang").write_text(f"{os.getpid()} {os.getppid()}")
@@ -297,6 +298,7 @@ def test_inner_hang_is_bounded_by_the_root_deadline(tmp_path: Path) -> None:
     assert not child_pids()
 
 
+@pytest.mark.slow
 def test_grandchild_ignoring_sigterm_is_killed_in_the_rollback(tmp_path: Path) -> None:
     def stubborn() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

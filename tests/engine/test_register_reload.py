@@ -303,7 +303,6 @@ def _raw_register(client: Any, path: str, *, reload: bool) -> Any:
     return client.stub.RegisterCallable(request, timeout=60)
 
 
-@pytest.mark.integration
 def test_daemon_imports_from_python_path_and_reloads(tmp_path: Path) -> None:
     code = tmp_path / "code"
     code.mkdir()
@@ -368,6 +367,7 @@ def stamp(args):
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_a_reload_control_waits_for_busy_children_instead_of_killing_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,7 +30,7 @@ from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
 from tests.support.worker_pool import Pool
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 #: What the ``pool`` fixture (tests/conftest.py) registers; each test that uses it runs

@@ -31,8 +31,6 @@ from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
 from tests.support.worker_pool import Pool
 
-pytestmark = pytest.mark.integration
-
 
 def test_quick_usage_fills_a_heap_tensor(pool: Pool) -> None:
     w, h = pool.w, pool.h

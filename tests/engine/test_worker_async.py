@@ -30,8 +30,6 @@ from simpler_daemon.testing import child_pids
 from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
 
-pytestmark = pytest.mark.integration
-
 TASKS = ("fill", "consume", "marked_fill", "wait_flag", "fail", "record_pid", "noop", "chain_step")
 
 

@@ -12,7 +12,7 @@ from simpler_daemon import TaskArgs, TaskError, Worker
 from simpler_daemon.args import Tag
 from simpler_daemon.testing import poll_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def record_pid(args: Any) -> None:

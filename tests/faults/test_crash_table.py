@@ -71,7 +71,7 @@ from tests.support.crash_tasks import (
 )
 from tests.support.sub_tasks import targs
 
-pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 HEAP = 1 << 20
 #: ``deadline_ms`` of the task that ignores its deadline.

@@ -37,7 +37,7 @@ from tests.support.chip_endpoint_rig import SPECS as CHIP_SPECS
 from tests.support.chip_endpoint_rig import ChipRig
 from tests.support.nested_rig import closing, l3_worker, l4_worker, subtree
 
-pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 
 # -- tasks (module level: inherited through fork, replayed into replacements) ---------------------

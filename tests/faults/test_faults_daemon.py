@@ -31,7 +31,7 @@ from tests.support.daemon_harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 Code = grpc.StatusCode
 LIMITS = {"limits": {"max_streams_per_client": 2, "max_group_members": 4}}

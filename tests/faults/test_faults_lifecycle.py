@@ -31,8 +31,6 @@ from simpler_daemon import (
 from simpler_daemon.testing import child_pids, poll_for
 from tests.support import sub_tasks as tasks
 
-pytestmark = pytest.mark.integration
-
 
 def _hold_init(release: Path, sig: int = signal.SIGUSR1) -> Callable[[], None]:
     """An init hook (runs in the child): tell the parent we are inside init, then wait

@@ -30,8 +30,6 @@ from simpler_daemon.testing import alive, poll_for
 from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
 
-pytestmark = pytest.mark.integration
-
 RENDEZVOUS = "tests.support.rendezvous_import:fn"
 SLOW = "tests.support.slow_import:fn"
 

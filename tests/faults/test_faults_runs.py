@@ -25,7 +25,7 @@ from simpler_daemon.testing import poll_for
 from tests.support.sub_tasks import targs
 from tests.support.worker_pool import Pool
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def address(a: np.ndarray[Any, Any]) -> int:

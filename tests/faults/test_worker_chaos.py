@@ -25,9 +25,6 @@ from simpler_daemon.testing import child_pids, leaked_shm, poll_for, shm_files
 from tests.support.sub_tasks import targs
 from tests.support.worker_pool import Pool
 
-pytestmark = [pytest.mark.integration, pytest.mark.chaos]
-
-
 #: What the ``pool`` fixture (tests/conftest.py) and the Pools made here register.
 POOL_TASKS = ("fill", "consume", "wait_flag", "record_pid", "die", "chain_step", "noop")
 

@@ -12,8 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_bench_smoke_writes_w1_w2_for_mp_and_ours(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "benchmarks", "--smoke", "--only", "W1,W2", "--peers", "mp"]

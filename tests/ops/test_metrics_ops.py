@@ -56,7 +56,6 @@ def test_child_usage_reads_proc() -> None:
     assert child_usage(2**22 + 12345) is None  # above pid_max: no such process
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_scraped_metrics_cover_heap_runs_and_children(tmp_path: Path) -> None:
     overrides = {"metrics": {"listen": "127.0.0.1:0"}}

@@ -31,7 +31,7 @@ import pytest
 from simpler_daemon.testing import leaked_shm, poll_for, shm_files
 from tests.support.daemon_harness import REPO
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 _BLOCK = re.compile(
     r"(<!-- walkthrough: skip \((?P<why>[^)]*)\) -->\n)?```sh\n(?P<body>.*?)```", re.S

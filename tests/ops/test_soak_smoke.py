@@ -16,7 +16,7 @@ from simpler_daemon.testing import child_pids, poll_for
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(200)]
 
 
 @pytest.fixture(autouse=True)

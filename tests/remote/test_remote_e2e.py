@@ -50,7 +50,7 @@ from tests.support.remote_harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 EX = "simpler_daemon.examples.remote"
 JOBS = "tests.support.l3_jobs"
@@ -199,6 +199,7 @@ def test_import_from_host0_is_read_by_a_task_on_host1(hosts: RemoteHosts) -> Non
         w4.free(dst)
 
 
+@pytest.mark.slow
 def test_a_task_longer_than_the_session_timeout_keeps_health_alive(hosts: RemoteHosts) -> None:
     with level4([hosts.endpoint(0)], session_timeout_s=1.5, num_sub_workers=1) as (w4, ids):
         sleep = orch(f"{EX}:sleep_for", w4, ids)
@@ -328,6 +329,7 @@ def test_an_idle_session_failure_shows_in_list_workers(hosts: RemoteHosts) -> No
         )
 
 
+@pytest.mark.slow
 def test_health_lane_cut_by_link_down_is_a_sticky_endpoint_failure(hosts: RemoteHosts) -> None:
     if not hosts.netns:
         pytest.skip("netns only: the loopback fallback has no link to take down (needs root)")
@@ -479,6 +481,7 @@ def sigkill_l4_parent_mid_task(
         wait_no_runners(20.0, "the SIGKILLed L4 parent")
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_l4_parent_makes_every_runner_exit(
     hosts: RemoteHosts, tmp_path: Path
 ) -> None:

@@ -65,7 +65,7 @@ from simpler_daemon.remote.wire import (
 from simpler_daemon.remote_worker.controls import BadTaskArgs, ControlFailure, SessionControls
 from simpler_daemon.testing import child_pids, poll_for, self_signed_cert
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 REPO = str(Path(__file__).resolve().parents[2])
 WID = 2
@@ -702,6 +702,7 @@ def test_health_close_ends_session(runner: Runner) -> None:
     assert "health send failed" in runner.stderr()
 
 
+@pytest.mark.slow
 def test_attach_deadline_missed(tmp_path: Path, runners: list[Runner]) -> None:
     r = Runner(tmp_path, budget_s=4.0)
     runners.append(r)

@@ -136,6 +136,7 @@ def test_every_bad_manifest_field_is_refused_before_a_spawn(
 # --------------------------------------------------------------------------- isolation
 
 
+@pytest.mark.slow
 def test_hostile_connections_do_not_affect_a_good_one(
     start_worker: Callable[..., RunningWorker],
 ) -> None:

@@ -26,7 +26,7 @@ from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
 from tests.support.worker_pool import Pool
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 DRIVER = "simpler-driver"
 

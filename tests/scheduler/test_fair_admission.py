@@ -66,7 +66,6 @@ def _small_behind_big(pool: Pool) -> tuple[int, RunHandle, RunHandle]:
     return seen[0], big, small
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fair_one_task_run_finishes_long_before_the_big_run(make_pool: Any) -> None:
     pool = make_pool(2, admission="fair")
@@ -75,7 +74,6 @@ def test_fair_one_task_run_finishes_long_before_the_big_run(make_pool: Any) -> N
     assert small.state is RunState.COMPLETED and big.state is RunState.COMPLETED
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fifo_one_task_run_waits_for_the_big_run(make_pool: Any) -> None:
     pool = make_pool(2, admission="fifo")
@@ -84,7 +82,6 @@ def test_fifo_one_task_run_waits_for_the_big_run(make_pool: Any) -> None:
     assert small.state is RunState.COMPLETED and big.state is RunState.COMPLETED
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fair_priorities_share_the_workers_in_proportion(make_pool: Any) -> None:
     pool = make_pool(1, admission="fair")
@@ -105,7 +102,6 @@ def test_fair_priorities_share_the_workers_in_proportion(make_pool: Any) -> None
     assert started and 15 <= started[0] <= 25, f"low run had {started} dispatches"
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fair_chip_runs_take_turns_and_keep_the_two_frame_pipeline(tmp_path: Path) -> None:
     w = Worker(
@@ -435,7 +431,6 @@ def test_priority_and_admission_settings_are_validated() -> None:
         h.close()
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_worker_submit_rejects_a_bad_priority(make_pool: Any) -> None:
     pool = make_pool(1, admission="fair")

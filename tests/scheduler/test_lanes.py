@@ -268,7 +268,6 @@ def rig() -> Iterator[Rig]:
         r.close()
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(30)
 def test_real_lane_completion_before_inflight_drops(rig: Rig) -> None:
     lane, rec = lane_with(rig.endpoint)
@@ -284,7 +283,6 @@ def test_real_lane_completion_before_inflight_drops(rig: Rig) -> None:
     assert all(c.outcome is Outcome.SUCCESS for c in rec.completions())
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(30)
 def test_real_lane_rejects_on_poisoned_endpoint(rig: Rig) -> None:
     lane, rec = lane_with(rig.endpoint)
@@ -297,7 +295,6 @@ def test_real_lane_rejects_on_poisoned_endpoint(rig: Rig) -> None:
     assert lane.inflight == 0
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(30)
 def test_real_lane_rejects_second_dispatch_while_occupied(rig: Rig) -> None:
     lane, rec = lane_with(rig.endpoint)
@@ -433,7 +430,6 @@ def test_two_step_stop_with_fakes() -> None:
     m.progress()  # nothing left to progress
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(30)
 def test_two_step_stop_with_a_real_child(rig: Rig) -> None:
     m = WorkerManager()

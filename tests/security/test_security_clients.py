@@ -39,7 +39,7 @@ from tests.support.daemon_harness import (
 )
 from tests.support.users import User, throwaway_user
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 Code = grpc.StatusCode
 FLAG_WAIT_MS = 60_000

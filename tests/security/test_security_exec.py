@@ -37,7 +37,7 @@ from tests.support.daemon_harness import (
     running_daemon,
 )
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 ALLOWED = ("simpler_daemon.examples",)
 #: Paths under an allowed module that reach code of other modules (issue 15, item 4).
@@ -166,9 +166,6 @@ def test_check_view_bounds_elements_and_bytes() -> None:
 
 
 # ----------------------------------------------------------------------------- the daemon
-
-
-@pytest.mark.integration
 def test_daemon_refuses_the_bypass(tmp_path: Path) -> None:
     """SUB callables are resolved by the children, orchestration functions by the
     daemon itself: both refuse, and the daemon keeps serving allowed functions."""
@@ -186,7 +183,6 @@ def test_daemon_refuses_the_bypass(tmp_path: Path) -> None:
         c.run([sub_task(fill, [tensor(buf.buffer_id, "output", (4,), "float32")], [3])], 30)
 
 
-@pytest.mark.integration
 def test_daemon_refuses_a_preload_bypass(tmp_path: Path) -> None:
     daemon = DaemonProcess(tmp_path, {"callables": {"preload": [BYPASSES[0]]}})
     try:
@@ -198,7 +194,6 @@ def test_daemon_refuses_a_preload_bypass(tmp_path: Path) -> None:
         daemon.kill()
 
 
-@pytest.mark.integration
 def test_daemon_refuses_a_stride0_view_of_2_40_elements(tmp_path: Path) -> None:
     with running_daemon(tmp_path) as daemon, daemon.client() as c:
         empty = c.register(f"{EXAMPLES}:empty")
@@ -221,7 +216,6 @@ def test_daemon_refuses_a_stride0_view_of_2_40_elements(tmp_path: Path) -> None:
         c.run([sub_task(empty, [ref])], 30)
 
 
-@pytest.mark.integration
 def test_max_task_seconds_kills_a_stuck_task(tmp_path: Path) -> None:
     overrides: dict[str, dict[str, Any]] = {
         "limits": {"max_task_seconds": 1.0},

@@ -42,7 +42,7 @@ from simpler_daemon.testing import leaked_shm, poll_for, self_signed_cert, shm_f
 from tests.support.daemon_harness import EXAMPLES, DaemonProcess, module_leak_guard, wait_until
 from tests.support.remote_worker import TOKEN, RunningWorker
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 Code = grpc.StatusCode
 SLOW = "tests.support.slow_import:fn"

@@ -33,7 +33,7 @@ from tests.support.daemon_harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _free_port() -> int:

@@ -37,7 +37,7 @@ from tests.support.daemon_harness import (
     write_config,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 Code = grpc.StatusCode
 LIMITS = {"limits": {"max_concurrent_runs": 3}}

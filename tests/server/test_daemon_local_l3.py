@@ -343,7 +343,6 @@ def test_level4_daemon_start_fails_when_a_local_callable_cannot_be_imported(
     assert "has no attribute 'no_such_function'" in text
 
 
-@pytest.mark.integration
 def test_local_tables_come_before_remote_tables_in_the_id_order(tmp_path: Path) -> None:
     """One ``[[workers.local]]`` and one ``[[workers.remote]]`` table: ids 0 (local) and 1
     (remote), and one run reaches both."""

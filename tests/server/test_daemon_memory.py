@@ -44,7 +44,7 @@ from tests.support.daemon_harness import (
 )
 from tests.support.sub_tasks import targs
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 TASKS = "tests.support.daemon_tasks"
 

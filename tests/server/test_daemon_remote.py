@@ -37,7 +37,7 @@ from tests.support.daemon_harness import (
 )
 from tests.support.remote_worker import RemoteWorkerProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 Code = grpc.StatusCode
 HAS_REMOTE_API = hasattr(Worker, "add_remote_worker") and hasattr(Worker, "add_remote_worker_async")

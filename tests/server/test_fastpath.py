@@ -677,6 +677,7 @@ def test_connections_past_max_connections_are_closed_with_one_warning(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_frame_left_incomplete_past_frame_timeout_drops_its_connection(
     daemon: DaemonProcess,
 ) -> None:

@@ -50,9 +50,6 @@ class Pool:
         assert self.w.scheduler is not None
         assert self.w.scheduler.admission_policy == admission
 
-    def close(self) -> None:
-        self.w.close()
-
     # -- the children ------------------------------------------------------------------------
 
     def pids(self) -> set[int]:
