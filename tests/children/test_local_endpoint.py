@@ -1,4 +1,5 @@
-"""LocalMailboxEndpoint against a real forked SUB child (sections 4.4, 4.7, 4.8, 4.9).
+"""LocalMailboxEndpoint against a real forked SUB child: the single-frame task path,
+controls, the stop sequence and poisoning (docs/mailbox.md).
 
 Each test builds heap, doorbell, mailbox, child and endpoint by hand (``Rig``),
 without the Scheduler, and tears them down in ``Rig.close``.

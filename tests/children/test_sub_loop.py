@@ -1,4 +1,5 @@
-"""The SUB child loop (sections 4.3, 4.4, 4.8, 11) and child process plumbing (section 2)."""
+"""The SUB child loop (start-up, the single-frame task path, stop; docs/mailbox.md) and
+the child process plumbing under it (fork, reap, the fork rule; docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
-"""simplerctl robustness (issue 13.8) and the CLI side of issue 12 (12.4 cancel
---terminate and Ctrl-C, 12.5 resume, 12.6 runs), against one daemon for the module.
+"""simplerctl robustness, and the CLI side of cancel (``--terminate``, Ctrl-C), drain and
+resume, and run listing, against one daemon for the module.
 
-13.8: ``test_first_run_id_is_1``, ``test_closed_stdout_is_not_a_traceback``,
-``test_out_of_range_values_are_usage_errors``, ``test_watch_timeout_is_honoured``,
-``test_json_watch_carries_what_text_shows``, ``test_shell_completion``
-(the progress bar's elapsed/rate/ETA: tests/client/test_simplerctl.py::test_progress_bar_on_a_tty).
-12: ``test_cancel_terminate_stops_a_running_task``, ``test_ctrl_c_*``, ``test_runs_listing``,
-``test_drain_then_resume``.
-
-Review of simplerctl (round 3): defect 2 ``test_closed_stdout_frees_the_submits_buffers``,
-3 ``test_deadline_is_a_timeout_not_unreachable``, 4 ``test_runs_listing`` (any case, same
-names), 5 ``test_progress_bar_ticks_without_events``, 7 ``test_ctrl_c_in_submit_watch``.
+* Output and input: ``test_first_run_id_is_1``, ``test_closed_stdout_is_not_a_traceback``
+  and ``test_closed_stdout_frees_the_submits_buffers``,
+  ``test_out_of_range_values_are_usage_errors``, ``test_watch_timeout_is_honoured``,
+  ``test_deadline_is_a_timeout_not_unreachable``, ``test_json_watch_carries_what_text_shows``,
+  ``test_shell_completion``, ``test_progress_bar_ticks_without_events`` (the progress
+  bar's elapsed/rate/ETA: tests/client/test_simplerctl.py::test_progress_bar_on_a_tty).
+* Runs: ``test_cancel_terminate_stops_a_running_task``, ``test_ctrl_c_*`` (also
+  ``test_ctrl_c_in_submit_watch``), ``test_runs_listing`` (states in any case, the same
+  names), ``test_drain_then_resume``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run specs of ``simplerctl submit`` (issue 13.2): typos and bad values are errors naming
+"""Run specs of ``simplerctl submit``: typos and bad values are errors naming
 the key, with "did you mean"; no daemon needed."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_example_spec_decodes() -> None:
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        # 13.2: a misspelt key was dropped without a word.
+        # A misspelt key used to be dropped without a word.
         (
             _spec(tensor=[{"buffer": 1, "tag": "input"}]),
             "tasks[0].tensor: unknown key (did you mean 'tensors'?)",
@@ -120,7 +120,7 @@ def test_json_spec_from_stdin_is_decoded(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize(
     ("buffer", "expected"),
     [
-        # Review defect 1: 1e400 parsed as inf and was stored silently.
+        # 1e400 used to parse as inf and be stored silently.
         ("fill = 1e400", "buffers.b.fill: 1e400 is out of range of a 64-bit float"),
         ("data = [1.0, -1e999]", "buffers.b.data[1]: -1e999 is out of range of a 64-bit float"),
     ],

@@ -1,15 +1,14 @@
-"""``simplerctl submit`` owns what it creates (issue 13.1 and 13.3).
+"""``simplerctl submit`` owns what it creates.
 
-* 13.1 ``test_retry_with_a_key_reports_the_original_run`` /
+* Retries: ``test_retry_with_a_key_reports_the_original_run`` /
   ``test_retry_after_the_outputs_were_freed_refuses`` /
   ``test_retry_without_wait_names_the_original_buffers``: a retry with an idempotency
   key reports the run the key names and the buffers it really used, or refuses.
-* 13.3 ``test_submits_free_their_buffers_and_reuse_registrations``,
+* Buffers and registrations: ``test_submits_free_their_buffers_and_reuse_registrations``,
   ``test_full_heap_is_its_own_exit_status``, ``test_unregister_and_info_heap``.
-
-Review of simplerctl (round 3): defect 1 ``test_huge_shape_is_refused_before_allocating``
-(and the fill overflows in tests/client/test_cli_spec.py), defect 6
-``test_submit_wait_prints_task_results``.
+* Bad input refused before it costs anything: ``test_huge_shape_is_refused_before_allocating``
+  (and the fill overflows in tests/client/test_cli_spec.py); results printed:
+  ``test_submit_wait_prints_task_results``.
 """
 
 from __future__ import annotations

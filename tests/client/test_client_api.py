@@ -1,5 +1,5 @@
-"""Issue 12, items 3 to 6 (daemon and client): futures with results, errors as
-project types, cancel that stops running tasks, drain then resume, run listing.
+"""The client API against a real daemon: futures with results, errors as project
+types, cancel that stops running tasks, drain then resume, run listing.
 
 One real daemon for the module (two SUB workers, a TCP listener for a second,
 non-admin client identity, and a small limits.max_finished_runs_kept so that
@@ -92,13 +92,14 @@ def no_leaked_children() -> Iterator[None]:
 
 @pytest.fixture(params=["grpc", "fast"])
 def c(daemon: DaemonProcess, request: pytest.FixtureRequest) -> Iterator[Client]:
-    """The suite runs over both transports (issue 14.1): same answers, same errors."""
+    """The suite runs over both transports (gRPC and the local fast path): same answers,
+    same errors."""
     with daemon.client(timeout=60, transport=request.param) as client:
         assert client.transport == request.param
         yield client
 
 
-# --------------------------------------------------------------------------- futures (12.3)
+# --------------------------------------------------------------------------- futures
 
 
 def test_submit_returns_a_future_whose_result_has_the_task_results(c: Client) -> None:
@@ -179,7 +180,7 @@ def test_async_client_futures_are_awaitable(daemon: DaemonProcess, tcp: TcpAcces
     asyncio.run(go())
 
 
-# --------------------------------------------------------------------------- errors (12.3)
+# --------------------------------------------------------------------------- errors
 
 
 def test_errors_are_daemon_errors_naming_the_field(c: Client) -> None:
@@ -228,7 +229,7 @@ def test_another_clients_run_is_permission_denied(
             other.resume()  # admin only, like Drain
 
 
-# --------------------------------------------------------------------------- cancel (12.4)
+# --------------------------------------------------------------------------- cancel
 
 
 def _sub_pids(c: Client) -> dict[int, int]:
@@ -280,7 +281,7 @@ def test_cancel_without_terminate_lets_the_running_task_finish(c: Client) -> Non
     assert not fut.cancel()  # already finished
 
 
-# --------------------------------------------------------------------------- resume (12.5)
+# --------------------------------------------------------------------------- drain, resume
 
 
 def test_drain_then_resume_serves_again(c: Client) -> None:
@@ -387,7 +388,7 @@ def test_a_negative_scalar_is_a_value_error_naming_it(c: Client) -> None:
         sub_task("0" * 16, scalars=[1, -1])
 
 
-# --------------------------------------------------------------------------- listing (12.6)
+# --------------------------------------------------------------------------- listing
 
 
 def test_list_runs_own_runs_newest_first_with_filters_and_eviction(

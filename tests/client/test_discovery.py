@@ -1,4 +1,4 @@
-"""13.5: clients find the daemon's socket where a systemd install puts it, and the
+"""Clients find the daemon's socket where a systemd install puts it, and the
 install steps put ``simplerctl`` on PATH; the unit waits for the network only when the
 config listens on TCP (or talks to remote workers)."""
 

@@ -126,7 +126,7 @@ def test_submit_toml_and_wait(ctl: Ctl, tmp_path: Path) -> None:
     code, out, _ = ctl("submit", str(spec), "--wait")
     assert code == 0 and "COMPLETED (done 3/3, failed 0, running 0)" in out
     assert "out (buffer" in out
-    # The spec's buffers were freed once printed (13.3).
+    # The spec's buffers were freed once printed: a submit owns what it creates.
     labels = {b["label"] for b in ctl.json("buffers")["buffers"]}
     assert not labels & {"a", "b", "out"}
 
@@ -225,7 +225,7 @@ def test_progress_bar_on_a_tty(ctl: Ctl, tmp_path: Path) -> None:
     text = stream.getvalue()
     assert "\r" in text and "[" in text and "3/3" in text and "COMPLETED" in text
     assert "done 3" in text and "failed 0" in text
-    # 13.8: elapsed time, rate and ETA.
+    # The progress bar shows elapsed time, rate and ETA.
     assert "elapsed" in text and "tasks/s" in text and "ETA" in text
 
 

@@ -1,4 +1,4 @@
-"""Args blob, tensor descriptors, TaskArgs and CallConfig (section 10): pure, no fork."""
+"""Args blob, tensor descriptors, TaskArgs and CallConfig: pure, no fork."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Callable identity (section 9): descriptors, hashids, registry refcounts and tombstones,
+"""Callable identity: descriptors, hashids, registry refcounts and tombstones,
 the child slot table. Pure, no fork."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The shared heap (section 10): allocation, descriptors, pins, named heaps, child views."""
+"""The shared heap: allocation, descriptors, pins, named heaps, child views."""
 
 from __future__ import annotations
 

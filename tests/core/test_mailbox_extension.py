@@ -884,7 +884,7 @@ def test_cross_process_publish_task_wakes_parked_child() -> None:
     assert code == 0
 
 
-# -- sub_pump: the SUB fast loop (issue 14 item 4) ------------------------------------------------
+# -- sub_pump: the SUB fast loop (every SUB lane polled and published in one C call) ---------------
 
 READY = object()
 TASK0 = FRAME  # task frame 0

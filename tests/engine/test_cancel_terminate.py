@@ -1,4 +1,5 @@
-"""Issue 12, item 4 (engine side): cancel that stops running tasks.
+"""Cancel that stops running tasks (the engine's side; the daemon's is in
+tests/client/test_client_api.py).
 
 ``Scheduler.terminate(run, reason)`` (after the run's cancel) SIGKILLs the process
 group of every local child running a task of ``run``; the existing replacement path

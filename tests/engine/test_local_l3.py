@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 FILL = spec_for_object(sub_fill).handle
 
 
-# -- the example and the tree shapes -------------------------------------------------------------
+# -- one L4 buffer filled through its L3 children, and the tree shapes -----------------------------
 
 
 @pytest.mark.parametrize("n", [0, 1, 3])

@@ -1,5 +1,5 @@
-"""Issue 13.4, "your own code": ``callables.python_path``, "failed on every worker", and
-``register(..., reload=True)``.
+"""Running your own code: ``callables.python_path``, a registration that "failed on every
+worker" (and says why), and ``register(..., reload=True)``.
 
 A module is written into a temp directory on the import path, registered, run as a
 SUB group (one member per child, so every child shows what it runs), edited, reloaded

@@ -1,4 +1,4 @@
-"""Issue 12, item 3 (the RunHandle part): a run handle behaves like a future.
+"""A run handle (``RunHandle``) behaves like a future.
 
 ``result(timeout)`` blocks and returns the task results (``Run.task_results()``),
 ``exception``, ``done``/``running``/``cancelled``, ``cancel(terminate=False) -> bool``,
@@ -219,7 +219,7 @@ def test_await_from_a_foreign_loop_of_a_bound_worker() -> None:
         loop.close()
 
 
-# -- review fixes: waiting never blocks other threads; callbacks cannot wait --------------------
+# -- waiting never blocks other threads; a done callback cannot wait -------------------------------
 
 
 def test_waiting_in_one_thread_never_blocks_submit_or_cancel_in_another() -> None:

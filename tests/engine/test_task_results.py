@@ -1,4 +1,5 @@
-"""Issue 12, item 3 (engine side): SUB task return values come back.
+"""SUB task return values come back (the engine's side; the daemon's is in
+tests/client/test_client_api.py).
 
 A SUB callable's non-None return value is encoded in the child with
 ``msgspec.msgpack.encode`` into the task frame's args area (its length in the frame's

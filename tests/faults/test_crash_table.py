@@ -1,4 +1,4 @@
-"""The crash table of issue 11: fault x worker kind x phase.
+"""The crash table: fault x worker kind x phase.
 
 Faults: SIGKILL, SIGSEGV, ``os._exit(3)``, SIGSTOP, and a task that ignores its deadline
 (it blocks SIGALRM, swallows it, and keeps running). Worker kinds: a SUB worker, a chip
@@ -32,7 +32,7 @@ Cells whose fault has no natural meaning get a defined expectation instead of a 
   these cells (patched wherever the engine defines it) so the table stays quick.
 
 Running cells hit the fault twice: the first victim is forked by the Worker, the second
-by the fork server (the replacement), whose death status must be forwarded too (item 18).
+by the fork server (the replacement), whose death status must be forwarded too.
 """
 
 from __future__ import annotations

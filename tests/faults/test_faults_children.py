@@ -1,14 +1,15 @@
-"""Faults of local children (issue 11, items 3, 4, 5, 18, 19, 20).
+"""Faults of local children.
 
-* 3: the parent enforces ``CallConfig.deadline_ms`` (a task that ignores it is killed
-  and its child replaced), for SUB, chip and nested L3 children;
-* 4: fork servers are restarted (bounded), the children they forked outlive them, and
-  work that needs a replacement fails naming the fork server once none is left;
-* 5: a SIGSTOPped child with a task in flight is killed and replaced; a control that
-  times out kills and replaces its child;
-* 18: the death of a replaced child reports its real wait status;
-* 19: a grandchild a task forked dies with its worker;
-* 20: a malformed chip frame fails the task, not the chip child.
+* deadlines: the parent enforces ``CallConfig.deadline_ms`` (a task that ignores it is
+  killed and its child replaced), for SUB, chip and nested L3 children;
+* the fork server: fork servers are restarted (bounded), the children they forked
+  outlive them, and work that needs a replacement fails naming the fork server once
+  none is left;
+* stopped children: a SIGSTOPped child with a task in flight is killed and replaced; a
+  control that times out kills and replaces its child;
+* the death of a replaced child reports its real wait status;
+* grandchildren: a grandchild a task forked dies with its worker;
+* a malformed chip frame fails the task, not the chip child.
 
 Tasks announce themselves in heap tensors; nothing depends on timing except the
 deadlines under test, which are far shorter than the tasks that ignore them.
@@ -129,7 +130,7 @@ def _servers(w: Worker) -> list[int]:
     return [p.pid for p in fs.processes if not p.peek()]
 
 
-# -- item 3: deadlines the parent enforces -----------------------------------------------------------
+# -- deadlines the parent enforces -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("task", [catch_the_alarm, sleep_with_the_alarm_blocked])
@@ -245,7 +246,7 @@ async def test_the_bound_event_loop_enforces_deadlines_and_replaces_the_child() 
         await w.close_async()
 
 
-# -- item 4: the fork server ---------------------------------------------------------------------------
+# -- the fork server -------------------------------------------------------------------------------
 
 
 def test_a_dead_fork_server_is_restarted_and_replacements_keep_working() -> None:
@@ -327,7 +328,7 @@ def test_a_fork_server_crash_loop_is_bounded_then_work_fails_naming_it(
             sub_run.wait(30)
 
 
-# -- item 5: stopped children and controls that time out ---------------------------------------------
+# -- stopped children and controls that time out ---------------------------------------------------
 
 
 def test_a_stopped_child_with_a_task_in_flight_is_killed_and_replaced() -> None:
@@ -357,7 +358,7 @@ def test_a_control_that_times_out_kills_and_replaces_its_child() -> None:
         assert not alive(victim) and _pids(w) != [victim]
 
 
-# -- item 18: the death of a replaced child names its status -----------------------------------------
+# -- the death of a replaced child names its status ------------------------------------------------
 
 
 def test_a_replaced_child_dying_reports_its_signal() -> None:
@@ -375,7 +376,7 @@ def test_a_replaced_child_dying_reports_its_signal() -> None:
         assert "killed by SIGKILL" in info.value.remote_text
 
 
-# -- item 19: grandchildren -------------------------------------------------------------------------
+# -- grandchildren ---------------------------------------------------------------------------------
 
 
 def test_a_grandchild_forked_inside_a_task_dies_at_close() -> None:
@@ -416,7 +417,7 @@ def _exited(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-# -- item 20: malformed chip frames ------------------------------------------------------------------
+# -- malformed chip frames -------------------------------------------------------------------------
 
 
 def test_a_malformed_chip_frame_fails_the_task_not_the_child(tmp_path: Path) -> None:

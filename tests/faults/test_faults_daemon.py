@@ -1,6 +1,6 @@
-"""Issue 11, the daemon's part: buffers pinned by queued runs (item 1), a responsive
-event loop under big requests (item 6), hostile requests and client identity (item 21),
-and the client library's wait timeouts (item 14).
+"""Faults and misuse through a real daemon: buffers pinned by queued runs, a responsive
+event loop under big requests (and the group size limit), hostile requests and client
+identity, and the client library's wait timeouts.
 
 Most cases share one module daemon; the big-request cases start their own with
 larger limits.
@@ -87,7 +87,7 @@ def _references(c: Client, buffer_id: int) -> int:
     return -1
 
 
-# ============================================================== item 1: pin at submit
+# ============================================================== pin at submit
 
 
 def test_free_of_a_buffer_a_queued_run_uses_is_deferred(client: Client) -> None:
@@ -138,7 +138,7 @@ def test_run_orchestration_pins_its_argument_buffers(client: Client) -> None:
         c.free_buffer(f)
 
 
-# ============================================================== item 21: hostile requests
+# ============================================================== hostile requests
 
 
 GARBAGE = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, length past the end
@@ -277,7 +277,7 @@ def test_per_client_limits_follow_peer_credentials_not_the_header(
     c.free_buffer(flag)
 
 
-# ============================================================== item 6: group limit
+# ============================================================== group limit
 
 
 def test_group_members_are_bounded(client: Client) -> None:
@@ -289,7 +289,7 @@ def test_group_members_are_bounded(client: Client) -> None:
     assert "tasks[0].members: 5 members, limits.max_group_members = 4" in details, details
 
 
-# ============================================================== item 14: client timeouts
+# ============================================================== client timeouts
 
 
 def test_client_wait_timeouts_are_checked_and_clamped(client: Client) -> None:
@@ -309,7 +309,7 @@ def test_client_wait_timeouts_are_checked_and_clamped(client: Client) -> None:
         Client(c.target, timeout=float("nan"))
 
 
-# ============================================================== item 6: a responsive loop
+# ============================================================== a responsive loop
 
 BIG = 100_000
 BIG_LIMITS = {

@@ -1,4 +1,6 @@
-"""The Worker's lifecycle under interruption (issue 11, items 10, 11, 13, 14, 15, 16).
+"""The Worker's lifecycle under interruption: close() during init() and inside an
+orchestration, Ctrl-C during start-up, timeouts validated, close() dropping the
+registered callables, register() while init runs.
 
 Init is held inside its startup barrier by a SUB child's init hook: the hook signals
 the parent (SIGUSR1, or SIGINT for a Ctrl-C) and then waits for a file. The parent's
@@ -72,7 +74,7 @@ def _assert_no_children(pids: set[int]) -> None:
         assert not os.path.exists(f"/proc/{pid}"), f"child {pid} is still there"
 
 
-# -- item 10: close() during init() ----------------------------------------------------------------
+# -- close() during init() -------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -119,7 +121,7 @@ def test_close_from_another_thread_during_init_waits_for_the_rollback(
     _assert_no_children(pids[0])
 
 
-# -- item 11: close() inside an orchestration function ---------------------------------------------
+# -- close() inside an orchestration function ------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -167,7 +169,7 @@ async def test_close_async_inside_an_async_orchestration_is_refused_at_once() ->
     assert _state(w) is WorkerState.CLOSED
 
 
-# -- item 13: Ctrl-C during startup --------------------------------------------------------------
+# -- Ctrl-C during startup -------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -183,7 +185,7 @@ def test_ctrl_c_during_startup_rolls_back_and_raises_keyboard_interrupt(tmp_path
     assert _state(w) is WorkerState.CLOSED
 
 
-# -- item 14: timeouts are validated -------------------------------------------------------------
+# -- timeouts are validated ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -1, -0.5, math.inf, math.nan, True, "5"])
@@ -233,7 +235,7 @@ async def test_wait_async_timeouts_are_validated() -> None:
         await handle.wait_async(math.inf)
 
 
-# -- item 15: close() drops the registered callables ----------------------------------------------
+# -- close() drops the registered callables --------------------------------------------------------
 
 
 def _make_closure(tag: int) -> Callable[[Any], None]:
@@ -273,7 +275,7 @@ def test_close_of_a_never_started_worker_drops_its_callables() -> None:
     assert ref() is None
 
 
-# -- item 16: register() while init runs -----------------------------------------------------------
+# -- register() while init runs --------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)

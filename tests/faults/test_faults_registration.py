@@ -1,4 +1,6 @@
-"""Registration under faults and concurrency (issue 11, items 5, 7, 8, 9).
+"""Registration under faults and concurrency: controls on every child at once, each with
+a deadline; a child dying during an unregister; concurrent identical registrations; callables
+with nowhere to run; a register whose caller is cancelled.
 
 Concurrency is proven by what the children record (a rendezvous inside the import of
 the registered module), never by timing; a dead child is a real SIGKILL.
@@ -56,7 +58,7 @@ def _run_on_both(w: Worker, h: CallableHandle) -> list[int]:
     return [int(p) for p in pids]
 
 
-# -- item 5: controls run on every child at once, each with a deadline ---------------------------
+# -- controls run on every child at once, each with a deadline -------------------------------------
 
 
 @pytest.mark.timeout(90)
@@ -106,7 +108,7 @@ def test_a_register_control_that_misses_its_deadline_fails_the_register(
         w.close(timeout=2.0)
 
 
-# -- item 7: a child dying during an unregister --------------------------------------------------
+# -- a child dying during an unregister ------------------------------------------------------------
 
 
 @pytest.mark.timeout(90)
@@ -168,7 +170,7 @@ def test_an_uncertain_unregister_can_be_retried_or_registered_over(
         w2.unregister(again)
 
 
-# -- item 8: concurrent identical registrations join the one in progress ---------------------------
+# -- concurrent identical registrations join the one in progress -----------------------------------
 
 
 @pytest.mark.asyncio
@@ -247,7 +249,7 @@ def test_eight_threads_registering_the_same_callable_join_one(
             w.close()
 
 
-# -- item 9: callables with nowhere to run ---------------------------------------------------------
+# -- callables with nowhere to run -----------------------------------------------------------------
 
 
 def test_a_sub_callable_on_a_worker_without_sub_workers_is_refused() -> None:
@@ -290,7 +292,7 @@ def test_a_level4_worker_with_nowhere_to_run_a_sub_callable_fails_init() -> None
     w4.close()
 
 
-# -- a register whose caller is cancelled (issue 15 item 8) ----------------------------------------
+# -- a register whose caller is cancelled ----------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -1,4 +1,4 @@
-"""Issue 11, the run side: buffers held by queued runs, cancel releasing admission,
+"""Runs under faults and misuse: buffers held by queued runs, cancel releasing admission,
 overlapping written arguments, bounds on deadlines and shapes, finished runs letting go
 of their orchestration, run-owned buffers and scopes, and ``inside_orchestration``.
 
@@ -49,7 +49,7 @@ def blocker(pool: Pool) -> tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]
     return orch, flags, started
 
 
-# -- item 1: a queued run holds the buffers its args reference ------------------------------------
+# -- a queued run holds the buffers its args reference ---------------------------------------------
 
 
 def test_free_of_a_buffer_a_queued_run_holds_waits_for_the_run(pool: Pool) -> None:
@@ -95,7 +95,7 @@ def test_a_cancelled_queued_run_lets_go_of_its_buffers(pool: Pool) -> None:
     head.wait(timeout=60)
 
 
-# -- item 2: cancel releases admission at once -------------------------------------------------------
+# -- cancel releases admission at once -------------------------------------------------------------
 
 
 def test_cancelling_a_run_with_a_running_task_lets_later_runs_proceed(pool: Pool) -> None:
@@ -153,7 +153,7 @@ def test_a_failing_orchestration_with_a_running_task_releases_admission(pool: Po
         failed.wait(timeout=60)
 
 
-# -- item 12: overlapping written arguments ----------------------------------------------------------
+# -- overlapping written arguments -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -211,7 +211,7 @@ def test_disjoint_or_read_only_views_of_one_buffer_are_accepted(pool: Pool) -> N
     w.run(orch)
 
 
-# -- item 14: deadline_ms and buffer shapes ---------------------------------------------------------
+# -- deadline_ms and buffer shapes -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -259,7 +259,7 @@ def test_a_buffer_shape_that_overflows_or_exceeds_the_heap_is_refused(
         heap.close()
 
 
-# -- item 15: a finished run lets go of its orchestration and args -----------------------------------
+# -- a finished run lets go of its orchestration and args ------------------------------------------
 
 
 class Orch:
@@ -304,7 +304,7 @@ def test_a_cancelled_queued_run_does_not_keep_its_orchestration_and_args(pool: P
     head.wait(timeout=60)
 
 
-# -- item 17: run-owned buffers and scopes -----------------------------------------------------------
+# -- run-owned buffers and scopes ------------------------------------------------------------------
 
 
 def test_a_scope_frees_its_buffers_once_their_readers_are_done(pool: Pool) -> None:
@@ -389,7 +389,7 @@ def test_scope_misuse_is_refused(pool: Pool) -> None:
         kept[0].alloc((4,), "float32")
 
 
-# -- item 11, the run side: inside_orchestration ----------------------------------------------------
+# -- inside_orchestration (the run side of close() inside an orchestration) ------------------------
 
 
 def test_inside_orchestration_is_true_only_on_the_orchestration_thread(pool: Pool) -> None:
@@ -432,7 +432,7 @@ async def test_inside_orchestration_in_an_async_orchestration() -> None:
         await w.close_async()
 
 
-# -- item 2 on two-frame lanes: a detached run's task keeps its frame ------------------------------
+# -- cancel on two-frame lanes: a detached run's task keeps its frame ------------------------------
 
 
 @pytest.fixture

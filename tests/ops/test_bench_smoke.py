@@ -1,4 +1,6 @@
-"""The benchmark suite runs end to end in smoke mode. No timing is ever asserted."""
+"""The benchmark suite runs end to end in smoke mode, on two workloads (W1: one empty task
+per run, sequential round trips; W2: empty tasks, all submitted then all awaited) against
+one peer (multiprocessing). No timing is ever asserted."""
 
 from __future__ import annotations
 

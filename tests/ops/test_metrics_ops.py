@@ -1,4 +1,4 @@
-"""Issue 13.9: metrics an operator can alert on, scraped from a real daemon's /metrics.
+"""Metrics an operator can alert on, scraped from a real daemon's /metrics.
 
 Heap used / free / largest free block, live buffers, runs by state, CPU and resident
 memory of every worker child, build info; and no ``_created`` series beside the

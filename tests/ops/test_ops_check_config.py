@@ -1,4 +1,4 @@
-"""13.10: ``simpler-daemon check-config`` refuses what ``serve`` would refuse: a heap
+"""``simpler-daemon check-config`` refuses what ``serve`` would refuse: a heap
 the host cannot hold, a start-up callable that does not import, credential files that
 cannot be read."""
 

@@ -1,4 +1,4 @@
-"""13.6: operator logs. With ``log_format = "json"`` everything the daemon writes (its
+"""Operator logs. With ``log_format = "json"`` everything the daemon writes (its
 start-up lines, its records, a task's print(), a crashing child's faulthandler dump)
 is one JSON object per line; a crash's dump reaches the task's error and one record.
 (The journald text format is checked on the signal test's daemon, ops/test_ops_signals.py.)

@@ -1,7 +1,8 @@
-"""13.7: SIGHUP reloads what can change at run time (RELOADING=1 ... READY=1), logs
+"""SIGHUP reloads what can change at run time (RELOADING=1 ... READY=1), logs
 what needs a restart by name and keeps the running config when the file is bad; no
 common signal leaves a socket or a /dev/shm heap behind. The reload daemon runs with
-``JOURNAL_STREAM`` naming its stderr, so its text log is journald's (13.6)."""
+``JOURNAL_STREAM`` naming its stderr, so its text log is journald's format (no timestamp, a
+``<N>`` priority prefix)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The README as a shell walk-through (issue 13): its shell blocks, run in order as written.
+"""The README as a shell walk-through: its shell blocks, run in order as written.
 
 The commands are extracted from README.md's ```sh blocks at test time (never copied
 here). A block preceded by ``<!-- walkthrough: skip (why) -->`` is not run (root,

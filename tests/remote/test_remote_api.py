@@ -1,4 +1,4 @@
-"""The level-4 remote API under the edge cases a review found: refs from a session that
+"""The level-4 remote API under its edge cases: refs from a session that
 ended, frees and releases deferred behind queued tasks, imported snapshots after their
 owner's session died, the async forms, and no thread left behind by the blocking API.
 One real simpler-remote-worker on a loopback address serves every test."""

@@ -1,5 +1,5 @@
 """Remote L3 end to end: an L4 ``Worker`` in this process drives real ``simpler-remote-worker``
-processes on two test hosts over real sockets, as a new user would (REMOTE.md section 9).
+processes on two test hosts over real sockets, as a new user would (docs/remote.md).
 
 ::
 

@@ -1,4 +1,4 @@
-"""Issue 12, item 2: runs progress on their own in the blocking API.
+"""Runs progress on their own in the blocking API.
 
 After ``h = w.submit(orch)`` the run finishes with no further call into the Worker: a
 background driver thread takes over while runs are unfinished and no caller drives,

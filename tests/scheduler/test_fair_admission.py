@@ -1,4 +1,5 @@
-"""Issue 12, item 1 (engine side): the ``fair`` admission policy.
+"""The ``fair`` admission policy, the engine's side (the daemon's is in
+tests/server/test_daemon_fair.py).
 
 Two layers:
 

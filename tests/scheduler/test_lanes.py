@@ -1,4 +1,4 @@
-"""Lanes (``WorkerThread``) and ``WorkerManager`` (section 6).
+"""Lanes (``WorkerThread``) and ``WorkerManager`` (``scheduler/lanes.py``).
 
 Most tests use a scripted in-process endpoint; the ones about real behaviour
 (poisoned endpoint, completion order, two-step stop) drive a forked child.

@@ -1,4 +1,4 @@
-"""Issue 14.3: the Scheduler's spin-or-park mode recovers, and the spins are configurable.
+"""The Scheduler's spin-or-park mode recovers, and the spins are configurable.
 
 * ``SpinGate`` on made-up clocks: park-inflated samples do not lock park mode in,
   probes bring spin mode back, and long tasks pay a bounded share of probes.
@@ -48,8 +48,8 @@ def _gate_into_park_mode() -> SpinGate:
 
 
 def test_wake_up_inflated_samples_do_not_keep_the_gate_parking() -> None:
-    """The issue's lock-in: in park mode every fast task is observed after a wake-up
-    (here 300 µs, more than the spin), which fed back kept the mode for ever."""
+    """The lock-in this guards against: in park mode every fast task is observed after a
+    wake-up (here 300 µs, more than the spin), which fed back kept the mode for ever."""
     gate = _gate_into_park_mode()
     t, parks, probes_before = 1.0, 0, gate.probes
     for _ in range(200):
@@ -68,8 +68,9 @@ def test_wake_up_inflated_samples_do_not_keep_the_gate_parking() -> None:
 
 
 def test_a_probe_that_runs_out_backs_off_up_to_the_cap() -> None:
-    """Long tasks (W3): each probe spins, runs out, and parks; the gaps between probes
-    double up to PROBE_MAX_S, so the parent spins a bounded share of the time."""
+    """Long tasks (500 µs of CPU each, like the benchmarks' CPU-spin workload W3): each
+    probe spins, runs out, and parks; the gaps between probes double up to PROBE_MAX_S, so
+    the parent spins a bounded share of the time."""
     gate = _gate_into_park_mode()
     t, spun, end = 2.0, 0.0, 12.0  # ten seconds of 500 µs tasks, one wait each
     while t < end:
@@ -158,7 +159,7 @@ def test_worker_parks_after_slow_tasks_and_spins_again_after_fast_ones() -> None
 
 
 def test_the_parents_spin_yields_its_core_between_looks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cost of a run after an idle gap (issue 14.3): the child has parked, the
+    """The cost of a run after an idle gap: the child has parked, the
     parent wakes it and spins for the completion. A child woken onto the parent's core
     must run during that spin, not after it, so the spin gives the core up between its
     short looks at the completion word (the old spin never did: a child sharing the
@@ -195,7 +196,7 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def test_an_idle_child_spins_only_right_after_work() -> None:
-    """Idle ≤ 1 % of a core also with the longest child spin (issue 14.3): a SUB child
+    """Idle ≤ 1 % of a core also with the longest child spin: a SUB child
     that wakes from a timed-out park (every 0.5 s) parks again without spinning. The
     old loop spun child_spin_us again after every such park: 10 ms every 0.5 s."""
     w = Worker(level=3, num_sub_workers=1, child_spin_ns=10_000_000)

@@ -1,4 +1,4 @@
-"""Issue 14, item 4 (engine half): the per-task SUB path in C (``subpump.py``).
+"""The per-task SUB path in C (``scheduler/subpump.py`` over ``_mailbox.sub_pump``).
 
 The Scheduler hands one run's SUB queue to ``_mailbox.sub_pump``, which polls, completes
 and publishes for every SUB lane in one call; the Python Scheduler keeps the policy.
@@ -296,7 +296,7 @@ def wide_gate_worker(request: pytest.FixtureRequest) -> Iterator[Worker]:
 def test_pumped_tasks_feed_the_schedulers_spin_gate(
     wide_gate_worker: Worker, pumped: list[int]
 ) -> None:
-    """Issue 14.3 / 14.4: the tasks the C loop completes are samples of the Scheduler's
+    """The tasks the C loop completes are samples of the Scheduler's
     spin-or-park gate too (spingate.py): long ones turn spinning off, short ones back on."""
     worker = wide_gate_worker
     h_nap, h_empty = worker.register(nap), worker.register(empty)

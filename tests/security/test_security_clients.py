@@ -1,4 +1,4 @@
-"""Issue 15, items 6 and 7: one client against another.
+"""One client against another: ownership of runs and objects, and per-identity quotas.
 
 A real daemon (root) and two clients: A is the test process (root, hence an admin),
 B is a helper process that drops to a freshly created unprivileged user before it
@@ -257,7 +257,7 @@ def _state(c: Client, run_id: int) -> int:
     return int(c.wait_run(run_id, timeout=0).state)
 
 
-# --------------------------------------------------------------------------- item 6
+# --------------------------------------------------------------------------- ownership
 
 
 def test_another_user_cannot_touch_a_run_but_an_admin_can(a: Admin, b: Peer) -> None:
@@ -395,7 +395,7 @@ def test_idempotency_keys_are_scoped_per_owner(a: Admin, b: Peer) -> None:
         b.ok("free_buffer", theirs)
 
 
-# --------------------------------------------------------------------------- item 7
+# --------------------------------------------------------------------------- quotas
 
 
 def test_run_quota_is_per_identity_and_named(a: Admin, b: Peer) -> None:

@@ -1,11 +1,11 @@
-"""Issue 15, code execution: the allow-list (item 4) and bounded task views and time (item 5).
+"""Code execution: the allow-list, and bounded task views and time.
 
-Item 4: an allow-listed import path names a function defined in an allowed module;
+The allow-list: an allow-listed import path names a function defined in an allowed module;
 the qualname may not walk into another module (``tasks:np.f2py.subprocess.Popen``)
 nor name something an allowed module merely imported. Checked by the resolver
 itself (every child, the daemon's orchestration imports, the remote worker).
 
-Item 5: a tensor view is checked against its buffer (bytes reachable, elements
+Bounds: a tensor view is checked against its buffer (bytes reachable, elements
 presented), and ``limits.max_task_seconds`` caps every task's time, enforced by the
 parent (the child is killed, the run fails with ``deadline exceeded``).
 """
@@ -40,7 +40,7 @@ from tests.support.daemon_harness import (
 pytestmark = pytest.mark.timeout(120)
 
 ALLOWED = ("simpler_daemon.examples",)
-#: Paths under an allowed module that reach code of other modules (issue 15, item 4).
+#: Paths under an allowed module that reach code of other modules.
 BYPASSES = [
     f"{EXAMPLES}:np._pytesttester.os.system",
     f"{EXAMPLES}:np.f2py.subprocess.Popen",
@@ -57,7 +57,7 @@ def _split(path: str) -> tuple[str, str]:
     return module, qualname
 
 
-# ----------------------------------------------------------------------------- item 4, unit
+# ----------------------------------------------------------------------------- allow-list, unit
 
 
 @pytest.fixture
@@ -136,11 +136,11 @@ def test_remote_worker_refuses_the_bypass() -> None:
         check_target(path, "sub", hashid, ALLOWED)
 
 
-# ----------------------------------------------------------------------------- item 5, unit
+# ----------------------------------------------------------------------------- bounds, unit
 
 
 def test_check_view_bounds_elements_and_bytes() -> None:
-    # The issue's request: a stride-0 view over one byte claiming 2**40 elements.
+    # The attack: a stride-0 view over one byte claiming 2**40 elements (1 TiB presented).
     with pytest.raises(ViewError, match="1099511627776 elements") as info:
         check_view((1 << 40,), (0,), 1, 0, 1, max_view_bytes=1 << 30)
     assert info.value.field == "shape"
@@ -200,7 +200,7 @@ def test_daemon_refuses_a_stride0_view_of_2_40_elements(tmp_path: Path) -> None:
         one = c.alloc_buffer((1,), "uint8", label="one-byte")
         ref = tensor(one.buffer_id, "output", (1 << 40,), "uint8", strides=(0,))
         request = pb.SubmitRunRequest(tasks=[sub_task(empty, [ref])])
-        assert request.ByteSize() < 160  # the issue's "106-byte request"
+        assert request.ByteSize() < 160  # the attack costs its sender about 106 bytes
         with pytest.raises(grpc.RpcError) as info:
             c.stub.SubmitRun(request, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,6 +1,6 @@
-"""Issue 15, hardening: items 8 (a cancelled control), 9 (tokens, key files, failed-auth
-limit, start-up warnings), 10 (the metrics listener's limits and token) and 11 (bounded
-error texts, LOCAL_SLOT_EXHAUSTED).
+"""Hardening: a cancelled control, tokens and key files (failed-auth limit, start-up
+warnings), the metrics listener's limits and token, bounded error texts and
+LOCAL_SLOT_EXHAUSTED.
 
 The daemon cases share one module daemon: TCP (TLS + token), metrics with a token, and
 ``tests`` allowed, so a slow import holds a registration control open on purpose.
@@ -135,7 +135,7 @@ def no_leaked_children(request: pytest.FixtureRequest) -> Iterator[None]:
     yield from module_leak_guard(lambda: set(_MODULE_DAEMONS))
 
 
-# --------------------------------------------------------------------------- item 8
+# --------------------------------------------------------------------------- a cancelled control
 
 
 @pytest.mark.asyncio
@@ -194,7 +194,7 @@ def test_register_callable_past_its_deadline_leaves_registration_working(
         c.free_buffer(buf)
 
 
-# --------------------------------------------------------------------------- item 9
+# --------------------------------------------------------------------------- tokens and key files
 
 
 def test_token_files_need_a_minimum_length_and_mode_0600(tmp_path: Path) -> None:
@@ -364,7 +364,7 @@ def test_wide_socket_mode_and_public_metrics_are_warned_about(
     assert "wider" not in caplog.text and "loopback" not in caplog.text
 
 
-# --------------------------------------------------------------------------- item 10
+# --------------------------------------------------------------------------- the metrics listener
 
 
 async def _http(port: int, head: bytes) -> bytes:
@@ -493,7 +493,7 @@ def test_idle_metrics_connections_cannot_exhaust_the_daemons_descriptors(
     assert scrape(b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 401 ")
 
 
-# --------------------------------------------------------------------------- item 11
+# --------------------------------------------------------------------------- bounded error texts
 
 
 def test_bound_text_cuts_long_echoed_values() -> None:

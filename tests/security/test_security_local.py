@@ -1,4 +1,4 @@
-"""Issue 15, local access (items 1-3): a local user with no special rights cannot hijack
+"""Local access: a local user with no special rights cannot hijack
 the daemon's socket or its clients, a full /dev/shm is a start-up error (not a SIGBUS),
 and ``map_buffer`` maps only the requested buffer from a heap file the client trusts.
 
@@ -97,7 +97,7 @@ def start_refused(daemon: DaemonProcess) -> str:
     return daemon.stderr()
 
 
-# --------------------------------------------------------------------------- item 1: daemon
+# --------------------------------------------------------------------------- the daemon's socket
 
 
 @needs_root
@@ -215,7 +215,7 @@ def test_socket_mode_is_never_applied_through_a_swapped_symlink(tmp_path: Path) 
     assert sorted(os.listdir(runtime)) == []  # both sockets removed, staging dirs swept
 
 
-# --------------------------------------------------------------------------- item 1: client
+# --------------------------------------------------------------------------- the clients' socket
 
 
 @needs_root
@@ -277,7 +277,7 @@ def test_client_refuses_a_heap_file_it_does_not_trust(tmp_path: Path, other_user
                 os.unlink(p)
 
 
-# --------------------------------------------------------------------------- item 2
+# --------------------------------------------------------------------------- a full /dev/shm
 
 
 @pytest.fixture
@@ -328,7 +328,7 @@ def test_a_named_heap_is_reserved_in_full_at_creation(small_shm: Path) -> None:
     assert os.listdir(small_shm) == []
 
 
-# --------------------------------------------------------------------------- item 3
+# --------------------------------------------------------------------------- map_buffer
 
 
 def _mapped_bytes(name: str) -> int:

@@ -1,4 +1,4 @@
-"""Issue 12, item 1 (daemon side): runs of different clients share the workers.
+"""Fair admission, the daemon's side: runs of different clients share the workers.
 
 A real daemon with two SUB workers and two client identities (the Unix socket and
 TCP, see tests/support/two_clients.py). Under ``scheduler.admission = "fair"`` (the
@@ -71,7 +71,8 @@ def _small_run_behind_big_run(
     a, b = daemon.client(timeout=60), tcp.client(daemon, timeout=60)
     noop = b.register(f"{TASKS}:nothing")
     big = a.submit(_sleeps(a, n, 20), label="big")
-    # 50 ms later in the issue's words: here, once A's tasks are running.
+    # B submits once A's tasks are running (not after a fixed 50 ms, which a loaded
+    # machine could reach before A's first task).
     wait_until(lambda: big.status().counts.running > 0, 30, "A's run never started")
     t0 = time.monotonic()
     small = b.run([sub_task(noop)], timeout=60, label="small")

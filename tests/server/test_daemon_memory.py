@@ -1,5 +1,5 @@
-"""Issue 14.2: a finished run costs the daemon a small status, not its tasks; and 14.4
-(the daemon half): a SubmitRun of repeated identical tasks is validated once.
+"""A finished run costs the daemon a small status, not its tasks; and a SubmitRun of
+repeated identical tasks is validated once (the daemon's half of the C SUB pump work).
 
 In process (a real Worker and the daemon's real RunTable on the test's loop): once a
 run is terminal its record holds no engine ``Run`` (a weak reference to it is dead

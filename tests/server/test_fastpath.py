@@ -1,5 +1,6 @@
-"""Issue 14 item 1: the daemon's local fast path (fastwire.py, server/fastpath.py,
-client_fast.py) and the client's transport selection.
+"""The daemon's local fast path (protocol/fastwire.py, server/fastpath.py,
+client/fastpath.py: framed requests over a Unix socket beside gRPC) and the client's
+transport selection.
 
 Codec units first (no daemon); then one real daemon for the module, reached over its
 fast socket both with raw frames (what a misbehaving client sends) and with the
@@ -291,7 +292,7 @@ def test_watch_streams_to_the_terminal_event_and_deadlines_match_grpc(c: Client)
 
 @pytest.mark.timeout(90)
 def test_kernel_timeouts_kept_between_calls_neither_cut_nor_stretch_a_call(c: Client) -> None:
-    """The blocking transport keeps SO_RCVTIMEO armed from call to call (client_fast
+    """The blocking transport keeps SO_RCVTIMEO armed from call to call (client/fastpath.py,
     ``_Conn.arm``): a call without a deadline outlives the timeout a short call left,
     and a shorter deadline than the one held still fires. A WaitRun on a finished run
     answers the terminal state, also when the terminal event is built late."""
