@@ -55,7 +55,7 @@ RESULT_FRAMING: Final = 16
 #: slot (sys.getsizeof: 64 + 33 + 28 + 8), for limits.max_finished_result_bytes.
 RESULT_KEPT_OVERHEAD: Final = 120
 #: What a finished run's record holds beside its strings (the record, its event, its
-#: terminal RunEvent, timestamps), measured with tracemalloc (tests/test_daemon_memory.py):
+#: terminal RunEvent, timestamps), measured with tracemalloc (tests/server/test_daemon_memory.py):
 #: the unit of limits.max_finished_run_bytes.
 STATUS_BYTES: Final = 2048
 

@@ -130,16 +130,16 @@ def _runs_without_a_park(w: Worker, orch: Callable[..., None], runs: int, gap_s:
 
 
 def test_worker_parks_after_slow_tasks_and_spins_again_after_fast_ones() -> None:
-    # A 2 ms spin: "fast" (an empty task) stays well inside it even on a loaded machine,
-    # "slow" (20 ms) well outside, so what is tested is the gate, not the machine.
-    w = Worker(level=3, num_sub_workers=1, scheduler_spin_s=0.002)
+    # A 5 ms spin: "fast" (an empty task) mostly stays inside it even on a loaded machine,
+    # "slow" (30 ms) always outside, so what is tested is the gate, not the machine.
+    w = Worker(level=3, num_sub_workers=1, scheduler_spin_s=0.005)
     try:
         h_sleep, h_noop = w.register(sleep_ms), w.register(noop)
         w.init()
         sched = w.scheduler
         assert sched is not None
         gate = sched.spin_gate
-        slow, fast = _one(h_sleep, 20), _one(h_noop)
+        slow, fast = _one(h_sleep, 30), _one(h_noop)
         for _ in range(8):
             w.run(slow)
         assert gate.parking_mode, gate.hit_rate
@@ -151,9 +151,15 @@ def test_worker_parks_after_slow_tasks_and_spins_again_after_fast_ones() -> None
             f"still parking after 5000 fast runs: hit rate {gate.hit_rate}"
         )
         assert sched.spin_budget() == pytest.approx(w.scheduler_spin_s)
-        # Spin mode holds: many fast runs no longer park (a loaded machine makes some
-        # completions outlast the spin; the stuck mode parked on nearly every run).
-        assert _runs_without_a_park(w, fast, 100) >= 25
+        # Spin mode holds: fast runs end without a park again and again. The stuck mode
+        # parked on 99.5 % or more of its runs (5 in 1,000 at most); a loaded machine
+        # (2 cores, several test processes) makes many completions outlast the spin, so
+        # the test counts clean runs until it has 25 instead of judging a fixed window.
+        clean = runs = 0
+        while clean < 25 and runs < 1000:
+            clean += _runs_without_a_park(w, fast, 10)
+            runs += 10
+        assert clean >= 25, f"{clean} of {runs} fast runs ended without a park"
     finally:
         w.close()
 
