@@ -103,6 +103,8 @@ _HEADER = struct.Struct("<ii")
 _DESC = struct.Struct("<IBBBBQQQQ8q8q")
 assert _DESC.size == TENSOR_DESC_SIZE
 _EMPTY_BLOB: Final = _HEADER.pack(0, 0)
+#: A remote descriptor's ``buffer_offset`` field: owner in the low half, session above.
+_U32: Final = 0xFFFFFFFF
 
 
 def dtype_code(dtype: Any) -> int:
@@ -134,6 +136,10 @@ class TensorDesc:
     #: On the parent Worker's heap (inherited mapping): a nested L3 child forwarding a
     #: tensor of its L4's task; ``buffer_offset`` is the offset in that heap.
     parent: bool = False
+    #: Remote only: the owner's session generation the buffer belongs to (a new session
+    #: numbers its buffers afresh). In the blob it shares ``buffer_offset``'s 64 bits
+    #: with the owner: ``owner | session << 32``.
+    session: int = 0
 
     def byte_range(self) -> tuple[int, int]:
         """Half-open byte range ``[lo, hi)`` the view touches, relative to its buffer."""
@@ -162,14 +168,15 @@ class TensorDesc:
             tag,
             self.remote,
             self.parent,
+            self.session,
         )
 
     @property
     def key(self) -> int | tuple[Any, ...]:
-        """Dependency key of the buffer: its id, (owner, id, generation) when remote,
-        ("parent", id) on the parent's heap (never equal to an own buffer's key)."""
+        """Dependency key of the buffer: its id, (owner, id, generation, session) when
+        remote, ("parent", id) on the parent's heap (never equal to an own buffer's key)."""
         if self.remote:
-            return (self.buffer_offset, self.buffer_id, self.generation)
+            return (self.buffer_offset, self.buffer_id, self.generation, self.session)
         if self.parent:
             return ("parent", self.buffer_id)
         return self.buffer_id
@@ -261,6 +268,47 @@ def check_view(
     return (lo, hi)
 
 
+#: The dtypes a scalar may be given as; both travel as one unsigned 64-bit word.
+SCALAR_DTYPES: Final = ("uint64", "int64")
+
+
+def scalar_word(
+    value: object, position: int, dtype: str = "uint64", what: str = "add scalar"
+) -> int:
+    """``value`` as the unsigned 64-bit word a task scalar travels as.
+
+    No silent conversion: bool, float, str and other non-integers are ``TypeError``,
+    a value outside the dtype's range is ``ValueError``; the message names the
+    position (``scalars[k]``). The one rule for ``TaskArgs.add_scalar``, the daemon
+    client and the run-spec loader.
+    """
+    if dtype not in SCALAR_DTYPES:
+        raise ValueError(
+            f"cannot {what}: scalars[{position}]: dtype {dtype!r} is not one of "
+            f"{', '.join(SCALAR_DTYPES)}"
+        )
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"cannot {what}: scalars[{position}] must be an int or a NumPy integer, "
+            f"got {type(value).__name__} {value!r} (no silent conversion: convert it yourself)"
+        )
+    v = int(value)
+    if dtype == "int64":
+        if not -(1 << 63) <= v < (1 << 63):
+            raise ValueError(
+                f"cannot {what}: scalars[{position}] = {v} is out of range for int64 "
+                "(-2**63 to 2**63 - 1)"
+            )
+        return v & U64_MASK
+    if not 0 <= v <= U64_MASK:
+        hint = ' (a negative value needs dtype="int64")' if v < 0 else ""
+        raise ValueError(
+            f"cannot {what}: scalars[{position}] = {v} is out of range for uint64 "
+            f"(0 to 2**64 - 1){hint}"
+        )
+    return v
+
+
 class TaskArgs:
     """Tensors (with tags) and u64 scalars passed to one task.
 
@@ -291,13 +339,16 @@ class TaskArgs:
         self.tags.append(t)
         return self
 
-    def add_scalar(self, value: int) -> TaskArgs:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"cannot add scalar: expected an int, got {type(value).__name__}")
-        v = int(value)
-        if not -(1 << 63) <= v <= U64_MASK:
-            raise ValueError(f"cannot add scalar: {v} does not fit in 64 bits")
-        self.scalars.append(v & U64_MASK)
+    def add_scalar(self, value: int, dtype: str = "uint64") -> TaskArgs:
+        """Add a 64-bit scalar: an int or NumPy integer in ``[0, 2**64)``, or with
+        ``dtype="int64"`` one in ``[-2**63, 2**63)`` (sent as its two's complement,
+        ``np.uint64(v).view(np.int64)`` in the child gives it back).
+
+        ``TypeError`` for bool, float, str or anything else that is not an integer,
+        ``ValueError`` for a value out of the dtype's range: both name the position
+        (``scalars[k]``) the value would have taken.
+        """
+        self.scalars.append(scalar_word(value, len(self.scalars), dtype, "add scalar"))
         return self
 
     def __repr__(self) -> str:
@@ -396,7 +447,7 @@ def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
             nd,
             LOCATION_PARENT if d.parent else int(d.remote),
             d.generation,
-            d.buffer_offset,
+            (d.buffer_offset & _U32) | d.session << 32 if d.remote else d.buffer_offset,
             d.byte_offset,
             d.buffer_nbytes,
             *shape,
@@ -430,19 +481,21 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
                 f"malformed tensor descriptor {len(descs)}: ndim={nd} dtype={dtype} tag={tag} "
                 f"location={location}"
             )
+        remote = location == LOCATION_REMOTE
         descs.append(
             TensorDesc(
                 buffer_id,
                 f[5],
-                f[6],
+                f[6] & _U32 if remote else f[6],
                 f[7],
                 f[8],
                 dtype,
                 tuple(f[9 : 9 + nd]),
                 tuple(f[17 : 17 + nd]),
                 Tag(tag),
-                location == LOCATION_REMOTE,
+                remote,
                 location == LOCATION_PARENT,
+                f[6] >> 32 if remote else 0,
             )
         )
         off += TENSOR_DESC_SIZE

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from simpler_daemon.args import Tag, check_priority
+from simpler_daemon.args import Tag, check_priority, scalar_word
 from simpler_daemon.errors import RunCancelled, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
@@ -122,21 +122,13 @@ def tensor(
     )
 
 
-#: Scalars travel as protobuf uint64.
-_U64_MAX: Final = (1 << 64) - 1
-
-
 def make_args(tensors: Iterable[pb.TensorRef] = (), scalars: Iterable[int] = ()) -> pb.Args:
-    """The arguments of one call: tensors and u64 scalars, in order; ``ValueError``
-    naming ``scalars[k]`` for a scalar outside 0 to 2**64 - 1 (built before any call,
-    so the index of the task in its run is not known here: the traceback shows it)."""
-    values = [int(s) for s in scalars]
-    for k, value in enumerate(values):
-        if not 0 <= value <= _U64_MAX:
-            raise ValueError(
-                f"cannot build task arguments: scalars[{k}] = {value} is out of range "
-                "(scalars are unsigned 64-bit: 0 to 2**64 - 1)"
-            )
+    """The arguments of one call: tensors and u64 scalars, in order; ``TypeError`` for a
+    scalar that is not an integer (bool, float, str: nothing is converted silently),
+    ``ValueError`` for one outside 0 to 2**64 - 1, both naming ``scalars[k]`` (built
+    before any call, so the index of the task in its run is not known here: the
+    traceback shows it)."""
+    values = [scalar_word(s, k, what="build task arguments") for k, s in enumerate(scalars)]
     return pb.Args(tensors=list(tensors), scalars=values)
 
 

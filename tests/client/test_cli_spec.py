@@ -56,6 +56,10 @@ def test_example_spec_decodes() -> None:
             _spec(scalars=[1 << 64]),
             "tasks[0].scalars[0]: 18446744073709551616 is out of range (scalars are",
         ),
+        # The run-spec loader applies TaskArgs.add_scalar's rule: nothing is converted.
+        (_spec(scalars=[1.5]), "tasks[0].scalars[0]: Expected int, got float (scalars are"),
+        (_spec(scalars=[True]), "tasks[0].scalars[0]: Expected int, got bool (scalars are"),
+        (_spec(scalars=["7"]), "tasks[0].scalars[0]: Expected int, got str (scalars are"),
         (_spec(kind="group"), "tasks[0].kind: Invalid enum value 'group' (choose one of 'sub'"),
         (_spec(tensors=[{"buffer": 1}]), "tasks[0].tensors[0].tag: required"),
         ({"tasks": []}, "tasks: the run spec needs at least one task"),

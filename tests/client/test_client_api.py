@@ -388,6 +388,14 @@ def test_a_negative_scalar_is_a_value_error_naming_it(c: Client) -> None:
         sub_task("0" * 16, scalars=[1, -1])
 
 
+@pytest.mark.parametrize("bad", [1.5, 1.0, True, "7", None])
+def test_a_scalar_that_is_not_an_integer_is_never_converted(c: Client, bad: Any) -> None:
+    """1.5 used to travel as 1, True as 1 and "7" as 7: now the client refuses them
+    before anything is sent, with the rule TaskArgs.add_scalar applies."""
+    with pytest.raises(TypeError, match=r"scalars\[1\] must be an int or a NumPy integer"):
+        sub_task("0" * 16, scalars=[1, bad])
+
+
 # --------------------------------------------------------------------------- listing
 
 

@@ -163,26 +163,47 @@ def test_descriptor_byte_range(heap: Heap) -> None:
 # -- scalars -------------------------------------------------------------------------------
 
 
-def test_scalars_u64_and_twos_complement(heap: Heap) -> None:
+def test_scalars_u64_and_explicit_int64(heap: Heap) -> None:
     ta = TaskArgs()
-    for v in (0, 1, U64, -1, -(1 << 63), (1 << 63) - 1, np.int32(-2), np.uint64(U64)):
+    for v in (0, 1, U64, np.uint64(U64), np.int32(2)):
         ta.add_scalar(v)  # type: ignore[arg-type]
-    expected = [0, 1, U64, U64, 1 << 63, (1 << 63) - 1, U64 - 1, U64]
+    for v in (-1, -(1 << 63), (1 << 63) - 1, np.int32(-2)):
+        ta.add_scalar(v, dtype="int64")  # type: ignore[arg-type]
+    expected = [0, 1, U64, U64, 2, U64, 1 << 63, (1 << 63) - 1, U64 - 1]
     assert ta.scalars == expected
     args = roundtrip(heap, [], ta.scalars)
     assert args.scalars == expected and args.tensors == []
+    # The child reads an int64 back by viewing the word as signed.
+    assert int(np.uint64(args.scalars[5]).view(np.int64)) == -1
 
 
-@pytest.mark.parametrize("bad", [1 << 64, -(1 << 63) - 1])
-def test_scalar_out_of_range(bad: int) -> None:
-    with pytest.raises(ValueError, match="64 bits"):
-        TaskArgs().add_scalar(bad)
+@pytest.mark.parametrize(
+    ("bad", "dtype", "words"),
+    [
+        (-1, "uint64", r"scalars\[1\] = -1 is out of range for uint64 .*dtype=\"int64\""),
+        (1 << 64, "uint64", r"scalars\[1\] = 18446744073709551616 is out of range for uint64"),
+        (1 << 63, "int64", r"scalars\[1\] = 9223372036854775808 is out of range for int64"),
+        (-(1 << 63) - 1, "int64", r"out of range for int64"),
+    ],
+)
+def test_scalar_out_of_range_names_position(bad: int, dtype: str, words: str) -> None:
+    ta = TaskArgs().add_scalar(5)
+    with pytest.raises(ValueError, match=words):
+        ta.add_scalar(bad, dtype=dtype)
+    assert ta.scalars == [5]  # a refused scalar leaves the args unchanged
 
 
-@pytest.mark.parametrize("bad", [True, 1.0, "1", None, np.float32(1)])
-def test_scalar_type_errors(bad: Any) -> None:
-    with pytest.raises(TypeError, match="expected an int"):
-        TaskArgs().add_scalar(bad)
+@pytest.mark.parametrize("bad", [True, np.bool_(True), 1.0, 1.5, "7", None, np.float32(1)])
+def test_scalar_type_errors_never_convert(bad: Any) -> None:
+    ta = TaskArgs().add_scalar(1).add_scalar(2)
+    with pytest.raises(TypeError, match=r"scalars\[2\] must be an int or a NumPy integer"):
+        ta.add_scalar(bad)
+    assert ta.scalars == [1, 2]
+
+
+def test_scalar_unknown_dtype() -> None:
+    with pytest.raises(ValueError, match=r"scalars\[0\]: dtype 'float64' is not one of"):
+        TaskArgs().add_scalar(1, dtype="float64")
 
 
 def test_add_tensor_type_errors(heap: Heap) -> None:
