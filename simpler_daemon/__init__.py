@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         StartupError,
         TaskError,
         WorkerClosedError,
+        WorkerStateError,
     )
     from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef, RemoteWorkerSpec
 
@@ -51,6 +52,7 @@ _PUBLIC: dict[str, str] = {
     "StartupError": "simpler_daemon.errors",
     "TaskError": "simpler_daemon.errors",
     "WorkerClosedError": "simpler_daemon.errors",
+    "WorkerStateError": "simpler_daemon.errors",
     "Orchestrator": "simpler_daemon.engine.orchestrator",
     "RunState": "simpler_daemon.engine.orchestrator",
     "TaskRef": "simpler_daemon.engine.orchestrator",
@@ -85,6 +87,7 @@ __all__ = [
     "Worker",
     "WorkerClosedError",
     "WorkerState",
+    "WorkerStateError",
     "__version__",
 ]
 

@@ -95,7 +95,16 @@ class RunCancelled(TaskError):
     """The run was cancelled before it finished."""
 
 
-class WorkerClosedError(SimplerError, RuntimeError):
+class WorkerStateError(SimplerError, RuntimeError):
+    """A call the Worker's state does not allow (the caller called it at the wrong time).
+
+    ``submit`` before ``init``, ``init`` twice, ``add_worker`` after ``init``, on a level-3
+    Worker or with a child that is not NEW or already attached. The message names the
+    state. A bad argument is a ``ValueError`` / ``TypeError`` instead.
+    """
+
+
+class WorkerClosedError(WorkerStateError):
     """The Worker (or daemon) is closed or closing and takes no more work."""
 
 

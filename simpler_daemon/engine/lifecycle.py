@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Final
 
 from simpler_daemon.engine.registration import nowhere_to_run
 from simpler_daemon.engine.runs import RunBuilder, wait_run
-from simpler_daemon.errors import StartupError, WorkerClosedError
+from simpler_daemon.errors import StartupError, WorkerClosedError, WorkerStateError
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.lanes import WorkerManager
 
@@ -138,7 +138,7 @@ class InitGate:
         """Block until the init in progress has ended; raises when called on its own
         thread (a signal handler there would wait for itself)."""
         if self.on_init_thread():
-            raise WorkerClosedError(
+            raise WorkerStateError(
                 f"cannot {what}: worker is INITIALIZING (called on the thread running init)"
             )
         self._done.wait()
@@ -234,10 +234,14 @@ class Lifecycle:
 
         ``close()`` meanwhile (another thread, or a signal handler on this one) cancels it:
         everything is rolled back and ``WorkerClosedError`` raised. Ctrl-C rolls back too,
-        then propagates as ``KeyboardInterrupt``.
+        then propagates as ``KeyboardInterrupt``. ``WorkerStateError`` (naming the state)
+        unless the worker is NEW and not an attached L3 worker.
         """
-        if self.state is not WorkerState.NEW or self._attached:
-            raise StartupError(f"cannot init: worker is {self._attached or self.state.name}")
+        if self._attached:
+            raise WorkerStateError(f"cannot init: {self._attached} (its parent inits it)")
+        if self.state is not WorkerState.NEW:
+            cls = WorkerClosedError if self.state is WorkerState.CLOSED else WorkerStateError
+            raise cls(f"cannot init: worker is {self.state.name} (init() runs once)")
         self._check_registry()
         gate = self._init_gate
         gate.begin()
@@ -379,7 +383,7 @@ class Lifecycle:
         budget = self._close_budget(timeout)
         if self.state is not WorkerState.READY:
             if self.state is WorkerState.INITIALIZING:
-                raise WorkerClosedError(
+                raise WorkerStateError(
                     "cannot close_async: worker is INITIALIZING (init runs on another "
                     "thread); call close() there, which cancels the init"
                 )

@@ -31,7 +31,7 @@ from simpler_daemon.children.nested import (
 )
 from simpler_daemon.endpoints.local import CONTROL_TIMEOUT_S
 from simpler_daemon.engine.registration import install_all, spec_for, uninstall_all
-from simpler_daemon.errors import ControlError
+from simpler_daemon.errors import ControlError, WorkerStateError
 from simpler_daemon.mailbox.layout import ControlOp
 from simpler_daemon.remote.spec import RemoteCallable
 
@@ -113,14 +113,19 @@ class LocalL3Set:
     # -- membership -------------------------------------------------------------------
 
     def check_new(self, parent: Worker, worker: Any) -> None:
-        """``add_worker``'s rules; raises ``ValueError`` / ``TypeError`` naming the broken one."""
+        """``add_worker``'s rules: ``WorkerStateError`` for a call in the wrong state (of
+        this Worker or the child), ``ValueError`` / ``TypeError`` for a bad child."""
         from simpler_daemon.engine.worker import WorkerState
 
         what = "cannot add a worker"
         if parent.level < 4:
-            raise ValueError(f"{what}: only a level-4 Worker holds L3 workers (this is level 3)")
+            raise WorkerStateError(
+                f"{what}: only a level-4 Worker holds L3 workers (this is level {parent.level})"
+            )
         if parent.state is not WorkerState.NEW:
-            raise ValueError(f"{what}: only before init() (this Worker is {parent.state.name})")
+            raise WorkerStateError(
+                f"{what}: only before init() (this Worker is {parent.state.name})"
+            )
         if not isinstance(worker, type(parent)):
             raise TypeError(f"{what}: expected a Worker(level=3), got {type(worker).__name__}")
         if worker is parent:
@@ -128,7 +133,7 @@ class LocalL3Set:
         if worker.level != 3:
             raise ValueError(f"{what}: its level is {worker.level}; L3 workers only")
         if worker._attached or worker.state is not WorkerState.NEW:
-            raise ValueError(
+            raise WorkerStateError(
                 f"{what}: it must be a NEW worker, not attached elsewhere "
                 f"({worker._attached or worker.state.name})"
             )

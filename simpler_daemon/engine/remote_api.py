@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from simpler_daemon.errors import WorkerClosedError
+from simpler_daemon.errors import WorkerClosedError, WorkerStateError
 from simpler_daemon.remote.spec import RemoteTensorRef, RemoteWorkerSpec
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class RemoteMethods:
 
     def _check_remote_spec(self, spec: Any) -> None:
         if self.level < 4:
-            raise ValueError(
+            raise WorkerStateError(
                 "cannot add a remote worker: only a level-4 Worker holds L3 workers "
                 f"(this one is level {self.level})"
             )

@@ -68,7 +68,7 @@ from simpler_daemon.engine.registration import (
 from simpler_daemon.engine.remote_api import RemoteMethods
 from simpler_daemon.engine.remote_l3 import RemoteFleet
 from simpler_daemon.engine.runs import wait_run
-from simpler_daemon.errors import RunCancelled, WorkerClosedError
+from simpler_daemon.errors import RunCancelled, WorkerClosedError, WorkerStateError
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.mailbox.layout import ControlOp, Mailbox
@@ -417,7 +417,9 @@ class Worker(Lifecycle, RemoteMethods):
     def add_worker(self, worker: Worker) -> int:
         """Add a local L3 child (a NEW ``Worker(level=3)``, forked with its subtree at
         ``init``; frozen from now on: reach it through ``register(..., workers=[id])``) and
-        return its stable worker id. Raises ``ValueError`` / ``TypeError`` naming why."""
+        return its stable worker id. Raises ``WorkerStateError`` when this Worker or the
+        child is in the wrong state for it (not level 4, after ``init``, a child that is
+        not NEW or already attached) and ``ValueError`` / ``TypeError`` for a bad child."""
         self._check_usable("add a worker")
         self._pool.l3.check_new(self, worker)
         wid = self._take_worker_id()
@@ -444,17 +446,25 @@ class Worker(Lifecycle, RemoteMethods):
         return wid
 
     def _check_usable(self, what: str) -> None:
+        """``WorkerStateError`` for an attached L3 worker, ``WorkerClosedError`` (a
+        ``WorkerStateError`` too) once CLOSED or FAILED."""
         if self._attached:
-            raise WorkerClosedError(f"cannot {what}: {self._attached} (go through it)")
+            raise WorkerStateError(f"cannot {what}: {self._attached} (go through it)")
         if self.state in (WorkerState.CLOSED, WorkerState.FAILED):
             raise WorkerClosedError(f"cannot {what}: worker is {self.state.name}")
 
     def _check_ready(self, what: str) -> None:
-        if self.state is not WorkerState.READY:
-            raise WorkerClosedError(
-                f"cannot {what}: worker is {self.state.name}"
-                + (" (call init() first)" if self.state is WorkerState.NEW else "")
-            )
+        """``WorkerStateError`` naming the state unless READY (``WorkerClosedError`` once
+        CLOSED or FAILED)."""
+        state = self.state
+        if state is WorkerState.READY:
+            return
+        if state in (WorkerState.CLOSED, WorkerState.FAILED):
+            raise WorkerClosedError(f"cannot {what}: worker is {state.name}")
+        raise WorkerStateError(
+            f"cannot {what}: worker is {state.name}"
+            + (" (call init() first)" if state is WorkerState.NEW else " (init() is running)")
+        )
 
     async def start_async(self) -> None:
         """Bind the Scheduler to the running loop (the daemon calls this once)."""
@@ -555,10 +565,13 @@ class Worker(Lifecycle, RemoteMethods):
         *,
         priority: int = 1,
         client: object = None,
+        run_id: int | None = None,
     ) -> RunHandle:
+        """Event-loop native ``submit``; ``run_id``: one taken with ``Run.reserve_id``
+        (the daemon names a run it queued itself before submitting it)."""
         self._check_ready("submit a run")
         self._driver.bind(asyncio.get_running_loop())
-        run = self._runs.new_run(orch, args, config, priority, client)
+        run = self._runs.new_run(orch, args, config, priority, client, run_id)
         if run.admitted:
             self._runs.build(run)
         return RunHandle(self, run)

@@ -30,6 +30,7 @@ from simpler_daemon.errors import (
     Unimplemented,
     UnknownObject,
     WorkerClosedError,
+    WorkerStateError,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ STATUS_TABLE: Final[tuple[tuple[type[BaseException], grpc.StatusCode], ...]] = (
     (PeerUnavailable, Code.UNAVAILABLE),
     (RegistrationError, Code.INVALID_ARGUMENT),  # refined by code below
     (WorkerClosedError, Code.FAILED_PRECONDITION),
+    (WorkerStateError, Code.FAILED_PRECONDITION),  # a call the Worker's state forbids
     (MemoryError, Code.RESOURCE_EXHAUSTED),  # the shared heap is full
     (KeyError, Code.NOT_FOUND),  # heap lookups
     (LookupError, Code.NOT_FOUND),

@@ -140,7 +140,8 @@ def test_the_public_names_and_the_version() -> None:
     out = fresh(
         "import importlib.metadata\n"
         "from simpler_daemon import (Worker, TaskArgs, Tag, CallConfig, CallableHandle,\n"
-        "    RunHandle, Orchestrator, RemoteWorkerSpec, SimplerError, __version__)\n"
+        "    RunHandle, Orchestrator, RemoteWorkerSpec, SimplerError, WorkerStateError,\n"
+        "    __version__)\n"
         "print(__version__)\n"
         "print(importlib.metadata.version('simpler-daemon'))\n"
     )

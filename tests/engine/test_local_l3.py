@@ -29,7 +29,12 @@ import pytest
 from simpler_daemon import CallConfig, Tag, TaskArgs
 from simpler_daemon.callables import CallableHandle, spec_for_object
 from simpler_daemon.engine.worker import Worker, WorkerState
-from simpler_daemon.errors import RegistrationError, StartupError, TaskError, WorkerClosedError
+from simpler_daemon.errors import (
+    RegistrationError,
+    StartupError,
+    TaskError,
+    WorkerStateError,
+)
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for
 from tests.support.l3_jobs import orch_double
@@ -384,14 +389,14 @@ def test_register_before_init_into_the_inner_worker_and_rules() -> None:
     w4 = l4_worker()
     i = w4.add_worker(l3)
     # Frozen once added: everything goes through the L4.
-    with pytest.raises(WorkerClosedError, match="L3 worker 0 of a level-4 Worker"):
+    with pytest.raises(WorkerStateError, match="L3 worker 0 of a level-4 Worker"):
         l3.register(sub_fill)
-    with pytest.raises(WorkerClosedError):
+    with pytest.raises(WorkerStateError):
         l3.alloc(4)
-    with pytest.raises(StartupError):
+    with pytest.raises(WorkerStateError, match="L3 worker 0 of a level-4 Worker"):
         l3.init()
     l3.close()  # a no-op: the L4 closes it
-    with pytest.raises(ValueError, match="not attached elsewhere"):
+    with pytest.raises(WorkerStateError, match="not attached elsewhere"):
         l4_worker().add_worker(l3)
     with pytest.raises(ValueError, match="its own child"):
         w4.add_worker(w4)
@@ -399,7 +404,7 @@ def test_register_before_init_into_the_inner_worker_and_rules() -> None:
         w4.add_worker(l4_worker())
     with pytest.raises(TypeError, match="expected a Worker"):
         w4.add_worker("l3")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="only a level-4 Worker"):
+    with pytest.raises(WorkerStateError, match="only a level-4 Worker"):
         l3_worker().add_worker(l3_worker())
     with pytest.raises(ValueError, match="worker 7 is not an L3 worker"):
         w4.register("tests.support.sub_tasks:sub_double", kind="sub", workers=[7])
@@ -412,7 +417,7 @@ def test_register_before_init_into_the_inner_worker_and_rules() -> None:
     w4.init()
     with closing(w4) as seen:
         seen |= subtree(w4)
-        with pytest.raises(ValueError, match="only before init"):
+        with pytest.raises(WorkerStateError, match="only before init"):
             w4.add_worker(l3_worker())
         t = w4.alloc((3,), "int32")
         t[:] = 5

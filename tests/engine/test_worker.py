@@ -18,13 +18,13 @@ from simpler_daemon import (
     CallConfig,
     RunCancelled,
     RunState,
-    StartupError,
     Tag,
     TaskArgs,
     TaskError,
     Worker,
     WorkerClosedError,
     WorkerState,
+    WorkerStateError,
 )
 from simpler_daemon.testing import poll_for
 from tests.support import sub_tasks as tasks
@@ -505,10 +505,10 @@ def test_an_empty_worker_starts_runs_an_empty_orchestration_and_closes() -> None
 def test_using_a_worker_before_init_or_after_close_raises() -> None:
     w = Worker(num_sub_workers=1)
     h = w.register(tasks.noop)
-    with pytest.raises(WorkerClosedError, match=r"call init\(\) first"):
+    with pytest.raises(WorkerStateError, match=r"NEW \(call init\(\) first\)"):
         w.run(orch_noop(h))
     w.init()
-    with pytest.raises(StartupError, match="READY"):
+    with pytest.raises(WorkerStateError, match="READY"):
         w.init()
     w.run(orch_noop(h))
     w.close()
