@@ -19,10 +19,11 @@ queues, moves and matches them.
 
 A failure is sticky (``poisoned``): health silence past ``session_timeout_s``
 while a request is outstanding, a closed lane, a protocol error, or a TASK past
-its own ``deadline_ms`` plus a grace (a remote task cannot be cancelled, so the
-session is unusable). The owned dispatch then completes once with
-ENDPOINT_FAILURE "remote worker W (HOST:PORT) failed: <reason>", pending controls
-raise ``EndpointError``, both sockets are unwatched and shut down (the runner
+its own ``deadline_ms`` plus a grace (the runner stops a task at its deadline and
+answers within a fraction of the grace: no answer by then means the runner is
+stuck). The owned dispatch then completes once with ENDPOINT_FAILURE
+"remote worker W (HOST:PORT) failed: <reason>", pending controls raise
+``EndpointError``, both sockets are unwatched and shut down (the runner
 sees EOF and exits). A task failure reported by the runner is TASK_FAILURE and
 leaves the session usable.
 """
@@ -67,8 +68,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("simpler_daemon.endpoints")
 
-#: Added to a TASK's ``deadline_ms``: the runner's own deadline handling and one round trip.
-TASK_DEADLINE_GRACE_S: Final = 1.0
+#: Added to a TASK's ``deadline_ms``: the runner's own deadline handling (it answers at
+#: most ``session.DEADLINE_STOP_S`` = 0.5 s after the deadline) and one round trip, with
+#: room for a loaded host. A reply within it fails the task alone; none ends the session.
+TASK_DEADLINE_GRACE_S: Final = 2.0
 #: Bytes read per ``recv_into`` (a copy_from reply of 8 MiB takes a few rounds).
 RECV_CHUNK: Final = 256 << 10
 

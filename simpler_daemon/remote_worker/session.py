@@ -49,6 +49,7 @@ import msgspec
 
 from simpler_daemon.args import CallConfig
 from simpler_daemon.callables import hashid_of_digest, restrict_imports
+from simpler_daemon.engine.handle import RunHandle
 from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ProtocolError, TaskError
 from simpler_daemon.mailbox import _mailbox as _mb
@@ -96,6 +97,9 @@ log = logging.getLogger("simpler_daemon.remote.session")
 
 #: After a reply, spin this long for the parent's next request before the loop parks.
 LINGER_S = 0.0002
+#: A run past its deadline gets this long to stop (its children are SIGKILLed) before the
+#: runner answers anyway: well inside the parent's margin, so the session survives.
+DEADLINE_STOP_S = 0.5
 
 
 class StartFailure(Exception):
@@ -539,26 +543,24 @@ class SessionRunner:
                 error_code=E_BAD_ARGS,
                 error_text=clip_text(f"{where} cannot run {ident}: {exc}"),
             )
+        started = time.monotonic()
         try:
             handle = await inner.submit_async(fn, args, config)
-            timeout = config.deadline_ms / 1000.0 if config.deadline_ms else None
+            timeout = None
+            if config.deadline_ms:
+                timeout = max(0.0, started + config.deadline_ms / 1000.0 - time.monotonic())
             try:
                 await handle.wait_async(timeout)
             except TimeoutError:
                 if handle.done():
                     raise  # the orchestration itself raised TimeoutError
-                # Cancel, and let running tasks finish (bounded) before replying, so
-                # the next request does not race the cancelled run's writes.
-                inner.cancel(handle)
-                with contextlib.suppress(Exception):
-                    await handle.wait_async(self.close_budget())
-                state = "cancelled" if handle.done() else "cancelled, still stopping"
+                state = await self._stop_run(handle, config.deadline_ms)
                 controls.counters.tasks_failed += 1
                 return Completion(
                     error_code=E_DEADLINE,
                     error_text=clip_text(
-                        f"{where} run exceeded its deadline: {ident}: "
-                        f"deadline_ms={config.deadline_ms}; the run was {state}"
+                        f"{where} run failed: {ident}: deadline exceeded "
+                        f"({config.deadline_ms} ms); {state}"
                     ),
                 )
         except TaskError as exc:
@@ -579,6 +581,26 @@ class SessionRunner:
         finally:
             controls.task_done()
         return Completion(error_code=E_OK, error_text="")
+
+    async def _stop_run(self, handle: RunHandle, deadline_ms: int) -> str:
+        """Stop a run past its deadline as the local engine does: its running tasks'
+        children are killed (and replaced by the inner worker), the rest never starts.
+        Waits at most ``DEADLINE_STOP_S``, so the parent has the reply well inside its
+        own margin (``TASK_DEADLINE_GRACE_S``) and keeps the session. Returns what
+        became of the run, for the error text."""
+        assert self.inner is not None
+        self.inner.cancel(handle, terminate=True, reason=f"deadline exceeded ({deadline_ms} ms)")
+        with contextlib.suppress(Exception):
+            await handle.wait_async(DEADLINE_STOP_S)
+        if handle.done():
+            return "the run was stopped (its running tasks killed, their workers replaced)"
+        log.warning(
+            "worker %d: a run past its deadline of %d ms is still stopping after %.1f s",
+            self.worker_id,
+            deadline_ms,
+            DEADLINE_STOP_S,
+        )
+        return "the run was cancelled and is still stopping"
 
     async def _shutdown(self) -> None:
         current = self._current

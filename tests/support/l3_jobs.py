@@ -67,6 +67,14 @@ def sleep_sub_remote(o: Any, args: Any, config: Any) -> None:
     o.submit_sub(_sub("sleep_ms"), TaskArgs().add_scalar(args.scalars[0]))
 
 
+def record_pid_remote(o: Any, args: Any, config: Any) -> None:
+    """SUB ``tests.support.sub_tasks:record_pid``: tensors[0][scalars[0]] = the SUB child's pid."""
+    o.submit_sub(
+        _sub("record_pid"),
+        TaskArgs().add_tensor(args.tensors[0], Tag.OUTPUT).add_scalar(args.scalars[0]),
+    )
+
+
 # -- a local L3 child (the nested tests) --------------------------------------------------------
 
 DOUBLE = CallableHandle.for_import("tests.support.sub_tasks:sub_double")
