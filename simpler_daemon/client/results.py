@@ -30,6 +30,7 @@ import msgspec
 
 from simpler_daemon.client.errors import NotFound
 from simpler_daemon.errors import RunCancelled, TaskError
+from simpler_daemon.futures import BridgedFuture
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = [
@@ -327,14 +328,20 @@ class _FutureBase(int):
         return result
 
 
-class RunFuture(_FutureBase):
-    """A submitted run, like ``concurrent.futures.Future``: ``result(timeout)`` blocks
+class RunFuture(_FutureBase, BridgedFuture):
+    """A submitted run, a ``concurrent.futures.Future``: ``result(timeout)`` blocks
     and returns the :class:`RunResult` (task results included) or raises
     ``TaskError`` / ``RunCancelled`` / ``TimeoutError``; ``done()``, ``status()``,
-    ``cancel(terminate=False)``, ``add_done_callback(fn)``.
+    ``cancel(terminate=False)``, ``add_done_callback(fn)``. ``concurrent.futures.wait``,
+    ``as_completed`` and ``asyncio.wrap_future`` take it (their wake-up comes from the
+    client's :class:`DoneWatcher`, as a done callback's does).
 
     It is also the run id (an ``int``). ``deduplicated``: the daemon answered a retry
     of an idempotency key with the run it already had.
+
+    Against the standard library: ``cancel()`` also cancels a run that has started
+    (True unless it had finished), and the run may still be running when it returns;
+    ``result()`` of a cancelled run raises ``RunCancelled``, not ``CancelledError``.
     """
 
     def __init__(self, run_id: int, client: _Runs, *, deduplicated: bool = False) -> None:
@@ -345,6 +352,23 @@ class RunFuture(_FutureBase):
         self._gone: NotFound | None = None
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[RunFuture], object]] = []
+
+    def _bridge_outcome(self) -> tuple[str, BaseException | None] | None:
+        settled: BaseException | None = self._gone or self._error
+        if settled is not None:
+            return ("exception", settled)
+        if self._final is None:
+            return None
+        if self._final.state is RunPhase.CANCELLED:
+            return ("cancelled", None)
+        try:
+            check_result(self._final)
+        except (TaskError, RunCancelled) as exc:
+            return ("exception", exc)
+        return ("result", None)
+
+    def _bridge_subscribe(self, fn: Callable[[], None]) -> None:
+        self.add_done_callback(lambda _: fn())
 
     def _wait(self, timeout: float | None) -> RunResult | None:
         """One WaitRun with the results; None (and ``_gone`` set) for an evicted run."""

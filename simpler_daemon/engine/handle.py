@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from simpler_daemon.engine.lifecycle import check_timeout
 from simpler_daemon.engine.orchestrator import Run, RunState
 from simpler_daemon.engine.runs import wait_run
+from simpler_daemon.futures import BridgedFuture
 
 if TYPE_CHECKING:
     from simpler_daemon.engine.worker import Worker
@@ -67,12 +68,25 @@ def call_when_done(run: Run, fn: Callable[[], None]) -> None:
         call(run)
 
 
-class RunHandle:
-    """A submitted run: a future of its task results (see the module docstring)."""
+class RunHandle(BridgedFuture):
+    """A submitted run: a future of its task results (see the module docstring), and a
+    ``concurrent.futures.Future`` (``wait``, ``as_completed``, ``asyncio.wrap_future``)."""
 
     def __init__(self, worker: Worker, run: Run) -> None:
         self._worker = worker
         self.run = run
+
+    def _bridge_outcome(self) -> tuple[str, BaseException | None] | None:
+        run = self.run
+        if not run.terminal:
+            return None
+        if run.cancelled:
+            return ("cancelled", None)
+        error = run.orch_exception if run.orch_exception is not None else run.error
+        return ("result", None) if error is None else ("exception", error)
+
+    def _bridge_subscribe(self, fn: Callable[[], None]) -> None:
+        call_when_done(self.run, fn)
 
     @property
     def run_id(self) -> int:
@@ -210,6 +224,11 @@ class RunHandle:
 
     def cancel(self, terminate: bool = False) -> bool:
         """Cancel the run (``Worker.cancel``); False when it had finished already.
+
+        Unlike ``concurrent.futures.Future.cancel``, a run that has started can be
+        cancelled (True), and it may still be running when this returns: ``done()`` and
+        ``cancelled()`` turn True once none of its tasks runs. ``result()`` of a
+        cancelled run raises ``RunCancelled``, not ``concurrent.futures.CancelledError``.
 
         Unstarted tasks fail at once; running ones finish, or with ``terminate=True``
         their workers are killed (and replaced) and their outcome is CANCELLED. The run

@@ -9,6 +9,7 @@ eviction shows).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -176,6 +177,47 @@ def test_async_client_futures_are_awaitable(daemon: DaemonProcess, tcp: TcpAcces
             await asyncio.wait_for(done.wait(), 30)
             runs = await ac.list_runs(limit=1)
             assert runs[0].run_id == fut.run_id
+
+    asyncio.run(go())
+
+
+def test_run_futures_work_with_concurrent_futures_and_wrap_future(c: Client) -> None:
+    """``wait``/``as_completed`` read Future internals and ``wrap_future`` checks the
+    type: a RunFuture used to raise AttributeError ('_condition') in them."""
+    from simpler_daemon.futures import gather
+
+    echo = c.register(f"{TASKS}:echo")
+    sleep = c.register(f"{TASKS}:sleep_ms")
+    slow = c.submit([sub_task(sleep, scalars=[60_000])], label="held")
+    fast = c.submit([sub_task(echo, scalars=[3])])
+    assert isinstance(fast, concurrent.futures.Future)
+    done, pending = concurrent.futures.wait(
+        [slow, fast], timeout=60, return_when=concurrent.futures.FIRST_COMPLETED
+    )
+    assert done == {fast} and pending == {slow}
+    assert slow.cancel(terminate=True)
+    assert list(concurrent.futures.as_completed([slow], timeout=60)) == [slow]
+    assert slow.cancelled()
+
+    async def main() -> RunResult:
+        return await asyncio.wait_for(asyncio.wrap_future(fast), 60)
+
+    assert asyncio.run(main()).results[0].value["scalars"] == [3]
+    results = gather([c.submit([sub_task(echo, scalars=[n])]) for n in range(3)], timeout=60)
+    assert [r.results[0].value["scalars"] for r in results] == [[0], [1], [2]]
+
+
+def test_async_run_futures_compose_with_asyncio(daemon: DaemonProcess, tcp: TcpAccess) -> None:
+    async def go() -> None:
+        async with tcp.async_client(daemon, timeout=60) as ac:
+            echo = await ac.register(f"{TASKS}:echo")
+            futs = [await ac.submit([sub_task(echo, scalars=[n])]) for n in range(3)]
+            got = await asyncio.gather(*futs)
+            assert [r.results[0].value["scalars"] for r in got] == [[0], [1], [2]]
+            one = await asyncio.wait_for(futs[0], 30)
+            assert one.run_id == futs[0].run_id
+            seen = [await f for f in asyncio.as_completed(futs, timeout=60)]
+            assert sorted(r.run_id for r in seen) == sorted(f.run_id for f in futs)
 
     asyncio.run(go())
 

@@ -11,6 +11,7 @@ logged), ``await handle`` on the bound loop and from a foreign loop, and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any
 
@@ -358,3 +359,77 @@ def test_a_thread_in_worker_run_lets_another_thread_submit_and_wait() -> None:
         assert done.is_set()
     finally:
         w.close()
+
+
+# -- the standard library's futures functions ---------------------------------------------
+
+
+def test_concurrent_futures_wait_and_as_completed_take_run_handles(pool: Pool) -> None:
+    """``wait`` and ``as_completed`` read Future internals (``_condition``, ``_state``,
+    ``_waiters``): a RunHandle used to raise AttributeError there."""
+    flags = pool.w.alloc((1,), "int64")
+    fast = pool.w.submit(pool.one(pool.h["double_scalar"], 2))
+    assert isinstance(fast, concurrent.futures.Future)
+    assert fast.result(timeout=60) == [4]
+    slow = pool.w.submit(pool.gated_double(flags, 5))
+    done, pending = concurrent.futures.wait([fast, slow], timeout=0.05)
+    assert done == {fast} and pending == {slow}  # the gate holds slow: no timing involved
+    done, pending = concurrent.futures.wait([fast, slow], return_when="FIRST_COMPLETED")
+    assert done == {fast} and pending == {slow}
+    order: list[RunHandle] = []
+    threading.Timer(0.05, flags.__setitem__, (0, 1)).start()
+    for f in concurrent.futures.as_completed([slow, fast], timeout=60):
+        order.append(f)
+    assert order == [fast, slow] and slow.result() == [10]
+
+
+def test_wait_first_exception_and_cancelled_runs(pool: Pool) -> None:
+    flags = pool.w.alloc((1,), "int64")
+    # Failing first: under fifo a run starts at the head of admission only.
+    failing = pool.w.submit(pool.one(pool.h["fail"], 3))
+    held = pool.w.submit(pool.gated_double(flags, 1))
+    done, pending = concurrent.futures.wait(
+        [held, failing], timeout=60, return_when=concurrent.futures.FIRST_EXCEPTION
+    )
+    assert done == {failing} and pending == {held}
+    assert held.cancel() is True
+    flags[0] = 1  # the running task ends; the run ends cancelled
+    done, pending = concurrent.futures.wait([held], timeout=60)
+    assert done == {held} and not pending and held.cancelled()
+
+
+def test_asyncio_wrap_future_and_gather_of_run_handles(pool: Pool) -> None:
+    from simpler_daemon.futures import gather
+
+    async def main() -> tuple[list[Any], BaseException | None]:
+        ok = asyncio.wrap_future(pool.w.submit(pool.one(pool.h["double_scalar"], 21)))
+        bad = asyncio.wrap_future(pool.w.submit(pool.one(pool.h["fail"], 4)))
+        values = await asyncio.wait_for(ok, 60)
+        try:
+            await asyncio.wait_for(bad, 60)
+        except TaskError as exc:
+            return values, exc
+        return values, None
+
+    values, error = asyncio.run(main())
+    assert values == [42] and isinstance(error, TaskError)
+
+    runs = [pool.w.submit(pool.one(pool.h["double_scalar"], n)) for n in range(4)]
+    assert gather(runs, timeout=60) == [[0], [2], [4], [6]]
+    mixed = [runs[0], pool.w.submit(pool.one(pool.h["fail"], 5))]
+    with pytest.raises(TaskError):
+        gather(mixed, timeout=60)
+    out = gather(mixed, timeout=60, return_exceptions=True)
+    assert out[0] == [0] and isinstance(out[1], TaskError)
+
+
+def test_a_run_handle_is_settled_by_its_run_not_by_its_holder(pool: Pool) -> None:
+    handle = pool.w.submit(pool.one(pool.h["noop"]))
+    for call in (
+        lambda: handle.set_result(1),
+        lambda: handle.set_exception(ValueError()),
+        handle.set_running_or_notify_cancel,
+    ):
+        with pytest.raises(RuntimeError, match="settled by its run"):
+            call()
+    assert handle.result(timeout=60) == [None]
