@@ -112,8 +112,9 @@ def cmd_callables(c: Client, a: argparse.Namespace, out: Out) -> int:
 
 
 def cmd_register(c: Client, a: argparse.Namespace, out: Out) -> int:
-    # --reload re-imports the module in every child: same hashid, new code.
-    response = c.register_callable(a.path, a.kind, reload=a.reload)
+    # --reload re-imports the module in every child: same hashid, new code. Held until
+    # unregistered: a registration of simplerctl's own session would end as it exits.
+    response = c.register_callable(a.path, a.kind, reload=a.reload, persist=not a.reload)
     hashid, refcount = response.hashid, response.refcount
     if out.json:
         out.data(

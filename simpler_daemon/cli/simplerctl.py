@@ -8,7 +8,8 @@
                                 children indented, remote L3 sessions below
       callables                 every registered callable
       register PATH [--kind K] [--reload] [--timeout S]
-                                register "module:qualname"; --reload re-imports edited code
+                                register "module:qualname" until unregistered; --reload
+                                re-imports edited code
       unregister HASHID|PATH    drop one reference to a registration
       submit FILE [--wait|--watch] [--timeout S] [--keep] [--cancel-on-interrupt]
              [--idempotency-key K] [--label L] [--priority P]

@@ -51,6 +51,7 @@ from simpler_daemon.client.base import (
     _Base,
     mapped_errors,
 )
+from simpler_daemon.client.errors import DaemonError
 from simpler_daemon.client.fastpath import (
     AsyncFastTransport,
     FastTransport,
@@ -84,6 +85,7 @@ from simpler_daemon.client.results import (
     run_result,
     run_summary,
 )
+from simpler_daemon.client.session import AsyncSessionLease, SessionLease, session_lost
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = ["AsyncClient", "Client"]
@@ -108,6 +110,7 @@ class Client(_Base):
     """
 
     def _open(self) -> None:
+        self._lease = SessionLease()
         self._fast: FastTransport | None = None
         if self._fast_path is not None:
             self._fast = FastTransport(self._fast_path, self.client_id)
@@ -127,6 +130,7 @@ class Client(_Base):
         return self._done_watcher
 
     def close(self) -> None:
+        self._lease.end()  # the daemon releases this client's session registrations
         if self._fast is not None:
             self._fast.close()
         if self._channel is not None:
@@ -176,18 +180,36 @@ class Client(_Base):
         workers: Sequence[int] = (),
         *,
         reload: bool = False,
+        persist: bool = False,
     ) -> pb.RegisterCallableResponse:
         request = register_request(import_path, kind, workers, reload)
-        return self._call("RegisterCallable", request)  # type: ignore[no-any-return]
+        if persist or reload:  # a reload adds no reference
+            request.persist = persist
+            return self._call("RegisterCallable", request)  # type: ignore[no-any-return]
+        for retry in (False, True):
+            request.session = self._lease.current(self._fast, lambda: self.stub, self.metadata)
+            try:
+                return self._call("RegisterCallable", request)  # type: ignore[no-any-return]
+            except DaemonError as exc:
+                if retry or not session_lost(exc):
+                    raise
+                self._lease.lost(request.session)  # the connection was lost meanwhile
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    def register(self, import_path: str, kind: str = "sub", *, reload: bool = False) -> str:
+    def register(
+        self, import_path: str, kind: str = "sub", *, reload: bool = False, persist: bool = False
+    ) -> str:
         """Register ``module:qualname``; returns its hashid. ``reload``: re-import the
-        module in every worker (edited code) even when it is registered already."""
-        return self.register_callable(import_path, kind, reload=reload).hashid
+        module in every worker (edited code) even when it is registered already.
+
+        The reference belongs to this client's session: registering the same path again
+        adds none, and the daemon releases it when the client closes, its connection
+        ends or its process dies. ``persist``: keep it until :meth:`unregister`."""
+        return self.register_callable(import_path, kind, reload=reload, persist=persist).hashid
 
     def unregister(self, hashid: str) -> int:
-        """Drop one reference; returns the references left."""
-        request = pb.UnregisterCallableRequest(hashid=hashid)
+        """Drop one reference (this client's session's first); returns the references left."""
+        request = pb.UnregisterCallableRequest(hashid=hashid, session=self._lease.id)
         return int(self._call("UnregisterCallable", request).refcount)
 
     def list_callables(self) -> list[pb.CallableInfo]:
@@ -403,6 +425,7 @@ class AsyncClient(_Base):
     ``submit`` returns an :class:`AsyncRunFuture` (``await`` it for the result)."""
 
     def _open(self) -> None:
+        self._lease = AsyncSessionLease()
         self._fast: AsyncFastTransport | None = None
         if self._fast_path is not None:
             self._fast = AsyncFastTransport(self._fast_path, self.client_id)
@@ -415,6 +438,7 @@ class AsyncClient(_Base):
         return grpc.aio.insecure_channel(self.address, self.options)
 
     async def close(self) -> None:
+        self._lease.end()
         if self._fast is not None:
             await self._fast.close()
         if self._channel is not None:
@@ -462,15 +486,33 @@ class AsyncClient(_Base):
         workers: Sequence[int] = (),
         *,
         reload: bool = False,
+        persist: bool = False,
     ) -> pb.RegisterCallableResponse:
         request = register_request(import_path, kind, workers, reload)
-        return await self._call("RegisterCallable", request)  # type: ignore[no-any-return]
+        if persist or reload:
+            request.persist = persist
+            return await self._call("RegisterCallable", request)  # type: ignore[no-any-return]
+        for retry in (False, True):
+            request.session = await self._lease.current(
+                self._fast, lambda: self.stub, self.metadata
+            )
+            try:
+                return await self._call("RegisterCallable", request)  # type: ignore[no-any-return]
+            except DaemonError as exc:
+                if retry or not session_lost(exc):
+                    raise
+                self._lease.lost(request.session)
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    async def register(self, import_path: str, kind: str = "sub", *, reload: bool = False) -> str:
-        return (await self.register_callable(import_path, kind, reload=reload)).hashid
+    async def register(
+        self, import_path: str, kind: str = "sub", *, reload: bool = False, persist: bool = False
+    ) -> str:
+        """As :meth:`Client.register`."""
+        response = await self.register_callable(import_path, kind, reload=reload, persist=persist)
+        return response.hashid
 
     async def unregister(self, hashid: str) -> int:
-        request = pb.UnregisterCallableRequest(hashid=hashid)
+        request = pb.UnregisterCallableRequest(hashid=hashid, session=self._lease.id)
         return int((await self._call("UnregisterCallable", request)).refcount)
 
     async def list_callables(self) -> list[pb.CallableInfo]:

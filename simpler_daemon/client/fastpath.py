@@ -437,6 +437,37 @@ class FastTransport:
             else:
                 self._drop(conn)
 
+    def hold(self, name: str, request: Any, timeout: float | None) -> tuple[Any, Any]:
+        """Open a long-lived bidirectional call (KeepSession) on a connection of its own
+        and send ``request`` as its first message: ``(its first response, release)``.
+        The call lasts until ``release()`` or this transport's close (the connection
+        closes; the daemon cancels the handler), or until this process dies."""
+        method = _method(name)
+        deadline = None if timeout is None else _now() + timeout
+        if self._pid != os.getpid():
+            self._forked()
+        conn = _Conn(self.path, self.label)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
+            self._busy.add(conn)  # closed by close(), never pooled
+        try:
+            call_id = conn.next_id()
+            conn.arm(deadline)
+            conn.send(encode(Call(call_id, name, b"", None, True)), deadline)
+            conn.send(encode(Item(call_id, request.SerializeToString())), deadline)
+            frame = conn.frame(deadline, armed=True)
+            while frame.id != call_id:
+                frame = conn.frame(deadline)
+        except BaseException:
+            self._drop(conn)
+            raise
+        if type(frame) is not Item:
+            self._drop(conn)
+            raise status_error(frame.code, frame.details, frame.field)
+        return method.response.FromString(frame.data), lambda: self._drop(conn)
+
 
 # --------------------------------------------------------------------------- asyncio
 
@@ -601,6 +632,35 @@ class AsyncFastTransport:
                 self._queues.pop(call_id, None)
             else:
                 self._give_up(proto, call_id)
+
+    async def hold(self, name: str, request: Any, timeout: float | None) -> tuple[Any, Any]:
+        """Open a long-lived bidirectional call (KeepSession) with ``request`` as its
+        first message: ``(its first response, release)``. It lasts until ``release()``
+        (a Cancel frame), the connection ends, or this process dies."""
+        method = _method(name)
+        proto = await self._connection()
+        call_id = next(self._ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[call_id] = queue
+        write = proto.transport.write
+        write(encode(Call(call_id, name, b"", None, True)))
+        write(encode(Item(call_id, request.SerializeToString())))
+        try:
+            async with asyncio.timeout(timeout):
+                frame = await queue.get()
+        except TimeoutError as exc:
+            self._give_up(proto, call_id)
+            raise _deadline_error() from exc
+        except BaseException:
+            self._give_up(proto, call_id)
+            raise
+        if isinstance(frame, BaseException):
+            self._queues.pop(call_id, None)
+            raise frame
+        if type(frame) is not Item:
+            self._queues.pop(call_id, None)
+            raise status_error(frame.code, frame.details, frame.field)
+        return method.response.FromString(frame.data), lambda: self._give_up(proto, call_id)
 
     async def close(self) -> None:
         self._closed = True

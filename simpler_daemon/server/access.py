@@ -7,6 +7,7 @@ belongs to the caller's :class:`~simpler_daemon.server.peers.Identity` ``.owner`
     Read/Write/Free   --check_buffer: owner or admin, else AccessDenied
     SubmitRun args    --check_buffer for every buffer the plan pinned
     RegisterCallable  --registering: quota limits.per_client_registrations, slot held
+                        (a client session's references count until it ends: sessions.py)
     UnregisterCallable--drop_registration: the caller's own reference (an admin: anyone's)
     Cancel/Wait/Watch --check_run: the run record's owner or an admin
 
@@ -158,6 +159,11 @@ class Owners:
             self._registration_count[owner] = left
         else:
             self._registration_count.pop(owner, None)
+
+    def references(self, owner: str, hashid: str) -> int:
+        """References to ``hashid`` that ``owner`` holds (in sessions or not)."""
+        holders = self._registrations.get(hashid)
+        return holders[owner] if holders is not None else 0
 
     def registration_owner(self, who: Identity, hashid: str) -> str:
         """Whose reference an unregister by ``who`` drops: its own when it holds one,

@@ -1,19 +1,36 @@
-"""Callable RPCs of the daemon servicer: RegisterCallable, UnregisterCallable, ListCallables."""
+"""Callable RPCs of the daemon servicer: RegisterCallable, UnregisterCallable,
+ListCallables, and KeepSession, the lease of a client session (sessions.py).
+
+A registration in a session holds one reference per hashid, released when the
+session's KeepSession call ends (once the owner's runs active at that moment have
+finished: their tasks may still need the callable); one with ``persist`` or without
+a session holds its reference until unregistered, as do ``callables.preload``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 from simpler_daemon.callables import CallableHandle, resolve_import
-from simpler_daemon.errors import AccessDenied, InvalidField, LimitExceeded, UnknownObject
+from simpler_daemon.errors import (
+    AccessDenied,
+    InvalidField,
+    LimitExceeded,
+    Precondition,
+    UnknownObject,
+)
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
+from simpler_daemon.server.decoding import BadRequest
+from simpler_daemon.server.fastpath import FastContext
 from simpler_daemon.server.peers import Identity
 from simpler_daemon.server.plan import REGISTER_KINDS
-from simpler_daemon.server.rpc_base import ServiceBase, unary
+from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary
+from simpler_daemon.server.sessions import Session
 from simpler_daemon.server.status import at_field, error_text
 
 __all__ = ["CallablesRpc"]
@@ -45,10 +62,25 @@ class CallablesRpc(ServiceBase):
             )
         if request.reload:
             return await self._reload(request, who)
+        session: Session | None = None
+        if request.session and not request.persist:
+            session = self._sessions.get(who, request.session, "register a callable")
+        module, qualname, kind = self._plan.register_target(request)
+        target = f"{module}:{qualname}"
+        hashid = CallableHandle.for_import(target, kind).hashid  # type: ignore[arg-type]
+        entry = self._worker.registry.lookup(hashid)
+        if entry is not None and entry.state == "active":
+            if session is not None and not request.workers and session.refs[hashid] > 0:
+                # The session holds it already: no second reference (a client
+                # registering in a loop must not fill its quota).
+                return pb.RegisterCallableResponse(hashid=hashid, refcount=entry.refcount)
+        elif entry is not None and entry.state == "tombstone" and entry.settled is not None:
+            # Its last reference is being dropped (the session of a client that just
+            # exited, say): register it anew once that is done, rather than refuse.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(entry.settled)
         with self._owners.registering(who) as commit:
-            module, qualname, kind = self._plan.register_target(request)
             self._check_usable("register a callable")
-            target = f"{module}:{qualname}"
             fn: Callable[..., Any] | None = None
             if kind == "orchestration":
                 # Orchestration functions run in the daemon itself: import them here (off
@@ -75,15 +107,25 @@ class CallablesRpc(ServiceBase):
             if fn is not None:
                 self._orch_fns[handle.hashid] = fn
             commit(handle.hashid)
+        if session is not None:
+            if session.ended:  # its KeepSession call ended while this one registered
+                await self._drop_reference(who.owner, handle.hashid)
+                raise Precondition(
+                    "session",
+                    f"cannot register {target}: session {session.id} ended meanwhile "
+                    "(open a new one)",
+                )
+            self._sessions.add_ref(session, handle.hashid)
         entry = self._worker.registry.lookup(handle.hashid)
         refcount = entry.refcount if entry is not None else 1
         log.info(
-            "registered %s as %s (%s, refcount %d) for %s",
+            "registered %s as %s (%s, refcount %d) for %s%s",
             target,
             kind,
             handle.hashid,
             refcount,
             who,
+            f" in {session}" if session is not None else " until unregistered",
         )
         return pb.RegisterCallableResponse(hashid=handle.hashid, refcount=refcount)
 
@@ -134,17 +176,33 @@ class CallablesRpc(ServiceBase):
         handle = self._plan.handle(request.hashid, "hashid")
         owner = self._owners.registration_owner(self._who(context), handle.hashid)
         self._check_usable("unregister a callable")
+        # Which of the owner's references: its session's (the caller's first), else
+        # one held until unregistered.
+        unsessioned = self._owners.references(owner, handle.hashid) - self._sessions.held_by(
+            owner, handle.hashid
+        )
+        session = self._sessions.holder(owner, handle.hashid, request.session, unsessioned > 0)
+        refcount = await self._drop_reference(owner, handle.hashid, session)
+        return pb.UnregisterCallableResponse(refcount=refcount)
+
+    async def _drop_reference(self, owner: str, hashid: str, session: Session | None = None) -> int:
+        """Drop one reference ``owner`` holds (``session``'s when given): the references
+        left (0: the callable is gone from every worker)."""
+        handle = self._plan.handle(hashid, "hashid")
         try:
             await self._worker.unregister_async(handle)
         except Exception as exc:
             raise at_field("hashid", exc) from exc
-        self._owners.drop_registration(owner, handle.hashid)
-        entry = self._worker.registry.lookup(handle.hashid)
+        self._owners.drop_registration(owner, hashid)
+        if session is not None:
+            self._sessions.drop_ref(session, hashid)
+        entry = self._worker.registry.lookup(hashid)
         refcount = entry.refcount if entry is not None and entry.state == "active" else 0
         if refcount == 0:
-            self._orch_fns.pop(handle.hashid, None)
-            self._owners.forget_registration(handle.hashid)
-        return pb.UnregisterCallableResponse(refcount=refcount)
+            self._orch_fns.pop(hashid, None)
+            self._owners.forget_registration(hashid)
+            self._sessions.forget(hashid)
+        return refcount
 
     @unary
     async def ListCallables(self, request: Any, context: Any) -> Any:
@@ -156,5 +214,85 @@ class CallablesRpc(ServiceBase):
                 import_path=entry.spec.import_path or h.name,
                 kind=_ROLE_KINDS.get(h.role, pb.CALLABLE_KIND_UNSPECIFIED),
                 refcount=entry.refcount,
+                session_refs=min(self._sessions.held(h.hashid), entry.refcount),
             )
         return out
+
+    # -- client sessions -------------------------------------------------------------
+
+    @server_stream
+    async def KeepSession(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """The lease of one client session: open while this call lasts (sessions.py)."""
+        who = self._who(context)
+        requests = aiter(request)
+        # The local fast path learns of a dead client from the kernel at once; a gRPC
+        # connection may hang half-open (a vanished host): the client must renew.
+        ttl = 0.0 if type(context) is FastContext else self._limits.session_ttl
+        try:
+            async with asyncio.timeout(ttl or None):
+                first = await anext(requests, None)
+        except TimeoutError:
+            return
+        if first is None:
+            return  # closed before it named a session
+        if isinstance(first, BadRequest):
+            raise InvalidField("", first.describe())
+        self._check_usable("open a session")
+        session = self._sessions.open(who, first.session, self._limits.per_client_sessions)
+        why = "closed by the client"
+        log.debug("%s opened (ttl %s s)", session, ttl or "none")
+        try:
+            yield pb.SessionLease(session=session.id, ttl_seconds=ttl)
+            while True:
+                try:
+                    async with asyncio.timeout(ttl or None):
+                        renewal = await anext(requests, None)
+                except TimeoutError:
+                    why = f"not renewed for limits.session_ttl = {ttl} s"
+                    log.info("%s expired: %s", session, why)
+                    return
+                if renewal is None:
+                    return
+        except BaseException:
+            why = "its call ended (the connection was lost or the client died)"
+            raise
+        finally:
+            self._end_session(session, why)
+
+    def _end_session(self, session: Session, why: str) -> None:
+        """The session's call ended: release its references (in a task: this runs in a
+        handler being cancelled, and the owner's active runs are waited for first)."""
+        self._sessions.end(session)
+        if not session.refs:
+            log.debug("%s ended (%s)", session, why)
+            return
+        log.info(
+            "%s ended (%s): releasing its %d references",
+            session,
+            why,
+            sum(session.refs.values()),
+        )
+        task = asyncio.get_running_loop().create_task(self._release(session))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release(self, session: Session) -> None:
+        # Runs of the owner still active may dispatch tasks of these callables: they
+        # keep them until they end (a script that submits and exits leaves its runs
+        # running).
+        for rec in self._runs.list_runs(session.owner, set(), 1 << 62):
+            if not rec.terminal:
+                await rec.wait_finished(None)
+        for hashid, n in list(session.refs.items()):
+            for _ in range(n):
+                if self._worker.registry.lookup(hashid) is None:
+                    self._sessions.drop_ref(session, hashid)
+                    continue  # gone already (an admin unregistered it)
+                try:
+                    self._check_usable("release a session's registration")
+                    await self._drop_reference(session.owner, hashid, session)
+                except Exception as exc:
+                    log.warning(
+                        "cannot release %s's reference to %s: %s", session, hashid, error_text(exc)
+                    )
+                    return

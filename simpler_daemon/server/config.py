@@ -151,6 +151,8 @@ max_group_members = 65536
 per_client_runs = 128
 per_client_heap_bytes = 134217728   # 128 MiB
 per_client_registrations = 256
+per_client_sessions = 1024
+session_ttl = 30.0                  # seconds a gRPC client session lives unrenewed
 max_import_path_chars = 1024
 max_task_seconds = 0.0              # 0 = no ceiling on a task's time
 
@@ -237,6 +239,9 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
 #: Largest ``limits.max_task_seconds``: ``CallConfig.deadline_ms`` stops at a week
 #: (``args.MAX_DEADLINE_MS``; not imported here, the config loads without NumPy).
 _MAX_TASK_SECONDS: Final = 7 * 24 * 3600.0
+#: ``limits.session_ttl`` bounds: a client renews every third of it; a day at most.
+_MIN_SESSION_TTL: Final = 0.5
+_MAX_SESSION_TTL: Final = 24 * 3600.0
 #: The longest spin the config accepts (µs): beyond it a spin costs more CPU than any
 #: wake-up it could save.
 _MAX_SPIN_US: Final = 10_000
@@ -344,6 +349,13 @@ def _check(config: DaemonConfig) -> None:
                 raise Invalid(
                     f"limits.{f.name}",
                     f": must be between 0 (none) and {_MAX_TASK_SECONDS:.0f} (a week), got {value}",
+                )
+        elif f.name == "session_ttl":
+            if not _MIN_SESSION_TTL <= value <= _MAX_SESSION_TTL:  # NaN fails too
+                raise Invalid(
+                    f"limits.{f.name}",
+                    f": must be between {_MIN_SESSION_TTL} and {_MAX_SESSION_TTL:.0f} seconds, "
+                    f"got {value}",
                 )
         elif value <= 0:
             raise Invalid(f"limits.{f.name}", f": must be > 0, got {value}")

@@ -203,7 +203,16 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Bytes of heap buffers one client identity may hold at once (freed buffers stop
     counting; a client's buffers outlive its connection and keep counting)."""
     per_client_registrations: int = 256
-    """Callable registrations (references) one client identity may hold at once."""
+    """Callable registrations (references) one client identity may hold at once: the
+    live ones (those of a client session count until it ends, see session_ttl)."""
+    per_client_sessions: int = 1024
+    """Client sessions (KeepSession leases: one per client that registered) one client
+    identity may hold open at once."""
+    session_ttl: float = 30.0
+    """Seconds a gRPC client session lives without a renewal from its client (clients
+    renew every third of it): a client whose host or network vanished without closing
+    the connection loses its session's registrations after this long. The local fast
+    path needs none (the kernel reports the end of a connection)."""
     max_import_path_chars: int = 1024
     """Length of a RegisterCallable import path."""
     max_task_seconds: float = 0.0

@@ -39,6 +39,7 @@ from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.runs import RunTable
+from simpler_daemon.server.sessions import Sessions
 from simpler_daemon.server.status import bound_text, error_text, status_of
 
 __all__ = ["ServiceBase", "server_stream", "unary"]
@@ -125,6 +126,8 @@ class ServiceBase:
             admin_token=read_admin_token(sec.admin_token_file),
         )
         self._owners = Owners(config.limits)
+        self._sessions = Sessions()  # client sessions and their registrations
+        self._releasing: set[asyncio.Task[None]] = set()  # ended sessions' releases
         self._on_draining = on_draining
         self._on_resumed = on_resumed
         self._shutdown_requested = False

@@ -431,12 +431,14 @@ def test_heap_quota_is_per_identity_and_named(a: Admin, b: Peer) -> None:
 
 def test_registration_quota_and_path_length(a: Admin, b: Peer) -> None:
     path = f"{EXAMPLES}:scale"
-    hashids = [b.ok("register", path) for _ in range(QUOTAS["per_client_registrations"])]
+    # Held until unregistered, each one a reference (one session holds one per path).
+    quota = QUOTAS["per_client_registrations"]
+    hashids = [b.ok("register", path, persist=True) for _ in range(quota)]
     try:
-        details = b.refused("register", path, code=Code.RESOURCE_EXHAUSTED)
+        details = b.refused("register", path, persist=True, code=Code.RESOURCE_EXHAUSTED)
         assert "limits.per_client_registrations" in details
         b.ok("unregister", hashids.pop())
-        hashids.append(b.ok("register", path))
+        hashids.append(b.ok("register", path, persist=True))
     finally:
         for h in hashids:
             b.ok("unregister", h)

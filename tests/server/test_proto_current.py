@@ -19,6 +19,7 @@ EXPECTED_METHODS = {
     "ListWorkers": (False, False),
     "RegisterCallable": (False, False),
     "UnregisterCallable": (False, False),
+    "KeepSession": (True, True),
     "ListCallables": (False, False),
     "AllocBuffer": (False, False),
     "WriteBuffer": (True, False),

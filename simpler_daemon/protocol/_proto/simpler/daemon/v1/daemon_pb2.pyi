@@ -47,6 +47,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_COMPLETED: _ClassVar[RunState]
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_CANCELLED: _ClassVar[RunState]
+    RUN_STATE_LOST: _ClassVar[RunState]
 
 class RunEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,6 +88,7 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_SERVING: _ClassVar[ServingState]
     SERVING_STATE_DRAINING: _ClassVar[ServingState]
     SERVING_STATE_STOPPING: _ClassVar[ServingState]
+    SERVING_STATE_UNHEALTHY: _ClassVar[ServingState]
 CALLABLE_KIND_UNSPECIFIED: CallableKind
 CALLABLE_KIND_SUB: CallableKind
 CALLABLE_KIND_ORCHESTRATION: CallableKind
@@ -110,6 +112,7 @@ RUN_STATE_EXECUTING: RunState
 RUN_STATE_COMPLETED: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_CANCELLED: RunState
+RUN_STATE_LOST: RunState
 RUN_EVENT_TYPE_UNSPECIFIED: RunEventType
 RUN_EVENT_TYPE_SNAPSHOT: RunEventType
 RUN_EVENT_TYPE_TASK_DISPATCHED: RunEventType
@@ -135,13 +138,14 @@ SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
 SERVING_STATE_STOPPING: ServingState
+SERVING_STATE_UNHEALTHY: ServingState
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "level", "hostname", "pid", "start_time", "serving_state", "heap", "limits", "num_sub_workers", "num_next_level_workers", "active_runs", "caller", "caller_is_admin")
+    __slots__ = ("version", "level", "hostname", "pid", "start_time", "serving_state", "heap", "limits", "num_sub_workers", "num_next_level_workers", "active_runs", "caller", "caller_is_admin", "serving_reason")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +159,7 @@ class GetInfoResponse(_message.Message):
     ACTIVE_RUNS_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
     CALLER_IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
     version: str
     level: int
     hostname: str
@@ -168,7 +173,8 @@ class GetInfoResponse(_message.Message):
     active_runs: int
     caller: str
     caller_is_admin: bool
-    def __init__(self, version: _Optional[str] = ..., level: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., serving_state: _Optional[_Union[ServingState, str]] = ..., heap: _Optional[_Union[HeapInfo, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., num_sub_workers: _Optional[int] = ..., num_next_level_workers: _Optional[int] = ..., active_runs: _Optional[int] = ..., caller: _Optional[str] = ..., caller_is_admin: _Optional[bool] = ...) -> None: ...
+    serving_reason: str
+    def __init__(self, version: _Optional[str] = ..., level: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., serving_state: _Optional[_Union[ServingState, str]] = ..., heap: _Optional[_Union[HeapInfo, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., num_sub_workers: _Optional[int] = ..., num_next_level_workers: _Optional[int] = ..., active_runs: _Optional[int] = ..., caller: _Optional[str] = ..., caller_is_admin: _Optional[bool] = ..., serving_reason: _Optional[str] = ...) -> None: ...
 
 class HeapInfo(_message.Message):
     __slots__ = ("name", "size_bytes", "used_bytes")
@@ -265,16 +271,20 @@ class RemoteWorkerInfo(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., session_id: _Optional[str] = ..., runner_pid: _Optional[int] = ..., state: _Optional[_Union[RemoteSessionState, str]] = ..., health_age_seconds: _Optional[float] = ..., round_trip_us: _Optional[float] = ..., failures: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
 
 class RegisterCallableRequest(_message.Message):
-    __slots__ = ("import_path", "kind", "workers", "reload")
+    __slots__ = ("import_path", "kind", "workers", "reload", "session", "persist")
     IMPORT_PATH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RELOAD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_FIELD_NUMBER: _ClassVar[int]
     import_path: str
     kind: CallableKind
     workers: _containers.RepeatedScalarFieldContainer[int]
     reload: bool
-    def __init__(self, import_path: _Optional[str] = ..., kind: _Optional[_Union[CallableKind, str]] = ..., workers: _Optional[_Iterable[int]] = ..., reload: _Optional[bool] = ...) -> None: ...
+    session: str
+    persist: bool
+    def __init__(self, import_path: _Optional[str] = ..., kind: _Optional[_Union[CallableKind, str]] = ..., workers: _Optional[_Iterable[int]] = ..., reload: _Optional[bool] = ..., session: _Optional[str] = ..., persist: _Optional[bool] = ...) -> None: ...
 
 class RegisterCallableResponse(_message.Message):
     __slots__ = ("hashid", "refcount")
@@ -285,10 +295,26 @@ class RegisterCallableResponse(_message.Message):
     def __init__(self, hashid: _Optional[str] = ..., refcount: _Optional[int] = ...) -> None: ...
 
 class UnregisterCallableRequest(_message.Message):
-    __slots__ = ("hashid",)
+    __slots__ = ("hashid", "session")
     HASHID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     hashid: str
-    def __init__(self, hashid: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, hashid: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class KeepSessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class SessionLease(_message.Message):
+    __slots__ = ("session", "ttl_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ttl_seconds: float
+    def __init__(self, session: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class UnregisterCallableResponse(_message.Message):
     __slots__ = ("refcount",)
@@ -307,18 +333,20 @@ class ListCallablesResponse(_message.Message):
     def __init__(self, callables: _Optional[_Iterable[_Union[CallableInfo, _Mapping]]] = ...) -> None: ...
 
 class CallableInfo(_message.Message):
-    __slots__ = ("hashid", "import_path", "kind", "refcount", "workers")
+    __slots__ = ("hashid", "import_path", "kind", "refcount", "workers", "session_refs")
     HASHID_FIELD_NUMBER: _ClassVar[int]
     IMPORT_PATH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REFCOUNT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_REFS_FIELD_NUMBER: _ClassVar[int]
     hashid: str
     import_path: str
     kind: CallableKind
     refcount: int
     workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hashid: _Optional[str] = ..., import_path: _Optional[str] = ..., kind: _Optional[_Union[CallableKind, str]] = ..., refcount: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_refs: int
+    def __init__(self, hashid: _Optional[str] = ..., import_path: _Optional[str] = ..., kind: _Optional[_Union[CallableKind, str]] = ..., refcount: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., session_refs: _Optional[int] = ...) -> None: ...
 
 class AllocBufferRequest(_message.Message):
     __slots__ = ("shape", "dtype", "label")

@@ -58,6 +58,11 @@ class DaemonStub:
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.UnregisterCallableRequest.SerializeToString,
                 response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.UnregisterCallableResponse.FromString,
                 _registered_method=True)
+        self.KeepSession = channel.stream_stream(
+                '/simpler.daemon.v1.Daemon/KeepSession',
+                request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.KeepSessionRequest.SerializeToString,
+                response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.SessionLease.FromString,
+                _registered_method=True)
         self.ListCallables = channel.unary_unary(
                 '/simpler.daemon.v1.Daemon/ListCallables',
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListCallablesRequest.SerializeToString,
@@ -157,7 +162,9 @@ class DaemonServicer:
         """Register a Python callable by import path ("module:qualname"); the module
         must be under the daemon's callables.allowed_modules (else
         PERMISSION_DENIED). Registering the same path again returns the same
-        hashid and increments its reference count.
+        hashid and increments its reference count; within one client session
+        (RegisterCallableRequest.session) a path holds at most one reference, and
+        the session's references are released when the session ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +172,19 @@ class DaemonServicer:
 
     def UnregisterCallable(self, request, context):
         """Drop one reference to a registered callable; the last one unregisters it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepSession(self, request_iterator, context):
+        """Hold a client session open (its lease): the first request names the session
+        (a random id the client made); the first response grants it. The session
+        lasts while this call does: when the client closes it, the connection ends
+        or no request came for SessionLease.ttl_seconds (a client renews every
+        third of it; not needed on the local fast path), the session ends and every
+        reference registered in it is released (once the caller's runs active then
+        have finished). A session belongs to the identity that opened it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -313,6 +333,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.UnregisterCallable,
                     request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.UnregisterCallableRequest.FromString,
                     response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.UnregisterCallableResponse.SerializeToString,
+            ),
+            'KeepSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.KeepSession,
+                    request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.KeepSessionRequest.FromString,
+                    response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.SessionLease.SerializeToString,
             ),
             'ListCallables': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCallables,
@@ -499,6 +524,33 @@ class Daemon:
             '/simpler.daemon.v1.Daemon/UnregisterCallable',
             simpler_dot_daemon_dot_v1_dot_daemon__pb2.UnregisterCallableRequest.SerializeToString,
             simpler_dot_daemon_dot_v1_dot_daemon__pb2.UnregisterCallableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/simpler.daemon.v1.Daemon/KeepSession',
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.KeepSessionRequest.SerializeToString,
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.SessionLease.FromString,
             options,
             channel_credentials,
             insecure,
