@@ -15,7 +15,7 @@ from typing import Any, Final
 import grpc
 
 from simpler_daemon.errors import SimplerError
-from simpler_daemon.protocol.metadata import FIELD_METADATA
+from simpler_daemon.protocol.metadata import FIELD_METADATA, RETRY_AFTER_METADATA
 
 __all__ = [
     "Cancelled",
@@ -32,6 +32,10 @@ __all__ = [
     "daemon_error",
 ]
 
+
+# The daemon's retry-after hint as its refusals end ("...; retry after 500 ms"): what the
+# fast path carries (gRPC has the RETRY_AFTER_METADATA trailer too).
+_RETRY_AFTER_TEXT: Final = re.compile(r"retry after (\d+) ms$")
 
 # "tasks[3].members[0].tensors[1].dtype: ..." when the daemon sent no FIELD_METADATA.
 _FIELD_PREFIX: Final = re.compile(
@@ -74,6 +78,20 @@ class DaemonError(SimplerError, grpc.RpcError):  # type: ignore[misc]  # grpc is
     def status_name(self) -> str:
         return str(self._code.name)
 
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds the daemon suggests waiting before trying again, or None when it gave
+        no hint. A RESOURCE_EXHAUSTED with a hint is a limit reached for now (a client's
+        run queue, limits.per_client_queued_runs, or limits.max_concurrent_runs): the
+        client libraries retry it; one without a hint (a request too large) is final."""
+        for key, value in self._trailing:
+            if key == RETRY_AFTER_METADATA:
+                text = value.decode(errors="replace") if isinstance(value, bytes) else value
+                if text.isdigit():
+                    return int(text) / 1000.0
+        match = _RETRY_AFTER_TEXT.search(self._details or "")
+        return int(match.group(1)) / 1000.0 if match else None
+
     def __str__(self) -> str:
         return f"{self._code.name}: {self._details}" if self._details else self._code.name
 
@@ -94,7 +112,8 @@ class PermissionDenied(DaemonError, PermissionError):
 
 
 class ResourceExhausted(DaemonError):
-    """RESOURCE_EXHAUSTED: a limit or quota (the message names the setting)."""
+    """RESOURCE_EXHAUSTED: a limit or quota (the message names the setting);
+    :attr:`retry_after` is set when the daemon says a retry may succeed soon."""
 
 
 class FailedPrecondition(DaemonError):

@@ -58,11 +58,13 @@ class RunBuilder:
         config: CallConfig | None,
         priority: int = 1,
         client: object = None,
+        run_id: int | None = None,
     ) -> Run:
         """Create a run and queue it for admission. Under ``fair`` admission ``priority``
         (1 to ``MAX_PRIORITY``) weighs its share of the workers and ``client`` (hashable:
         the daemon's client identity) groups the runs that share one client's part;
-        ``fifo`` ignores both."""
+        ``fifo`` ignores both. ``run_id``: an id taken with ``Run.reserve_id`` (None: the
+        next one)."""
         if not callable(orch):
             raise TypeError(f"cannot submit a run: orchestration function {orch!r} is not callable")
         try:
@@ -71,7 +73,7 @@ class RunBuilder:
             raise TypeError(
                 f"cannot submit a run: client {client!r} is not hashable ({type(client).__name__})"
             ) from None
-        run = Run()
+        run = Run(run_id=run_id)
         run.priority = check_priority(priority)
         run.client = client
         run.orch = (orch, args, config or DEFAULT_CONFIG)

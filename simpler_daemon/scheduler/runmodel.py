@@ -230,8 +230,11 @@ class Run:
 
     _ids = itertools.count(1)
 
-    def __init__(self, on_done: Callable[[Run], None] | None = None) -> None:
-        self.run_id = next(Run._ids)
+    def __init__(
+        self, on_done: Callable[[Run], None] | None = None, run_id: int | None = None
+    ) -> None:
+        #: ``run_id``: one taken earlier with :meth:`reserve_id` (a daemon's queued run).
+        self.run_id = next(Run._ids) if run_id is None else run_id
         #: COMPLETED or FAILED; kept in step by the ``state`` setter (read on every task).
         self.terminal = False
         self.state = RunState.BUILDING
@@ -420,6 +423,12 @@ class Run:
         if self.error_index == slot.index or slot.failure is None:
             return self.error
         return self._task_error(slot, slot.failure)
+
+    @staticmethod
+    def reserve_id() -> int:
+        """Take the next run id now for a run created later (``Run(run_id=...)``): the
+        daemon names a run it queues before the engine sees it."""
+        return next(Run._ids)
 
     def __repr__(self) -> str:
         return f"Run({self.run_id}, {self.state.name}, slots={len(self.slots)}, remaining={self.remaining})"

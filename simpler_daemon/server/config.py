@@ -149,6 +149,7 @@ max_run_result_bytes = 16777216     # 16 MiB of task results per run
 max_finished_result_bytes = 268435456  # 256 MiB of results kept by finished runs
 max_group_members = 65536
 per_client_runs = 128
+per_client_queued_runs = 10000      # runs past per_client_runs wait QUEUED, up to this many
 per_client_heap_bytes = 134217728   # 128 MiB
 per_client_registrations = 256
 per_client_sessions = 1024

@@ -198,7 +198,12 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Members of one SUB_GROUP / NEXT_LEVEL_GROUP task."""
     per_client_runs: int = 128
     """Active runs of one client identity (``Identity.owner``); below max_concurrent_runs
-    so that one client cannot take every run slot."""
+    so that one client cannot take every run slot. Runs past it wait QUEUED in the
+    client's queue (per_client_queued_runs) and start in order as its active runs end."""
+    per_client_queued_runs: int = 10_000
+    """Runs of one client identity waiting QUEUED for one of its per_client_runs slots;
+    past it SubmitRun / RunOrchestration fail RESOURCE_EXHAUSTED naming this limit, with
+    a retry-after hint (the client libraries back off and retry)."""
     per_client_heap_bytes: int = 128 * MIB
     """Bytes of heap buffers one client identity may hold at once (freed buffers stop
     counting; a client's buffers outlive its connection and keep counting)."""

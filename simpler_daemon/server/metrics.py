@@ -354,6 +354,14 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
+        self._runs_queued = Gauge(
+            "runs_queued",
+            "Runs of a client waiting QUEUED past limits.per_client_runs (its per-client "
+            "queue, bounded by limits.per_client_queued_runs).",
+            ["client"],
+            namespace=ns,
+            registry=reg,
+        )
         self._lanes = Gauge(
             "lanes",
             "Worker lanes by kind and state.",
@@ -419,6 +427,14 @@ class Metrics:
 
     def set_queue_depth(self, queue: str, depth: int) -> None:
         self._queue_depth.labels(queue).set(depth)
+
+    def set_runs_queued(self, client: str, count: int) -> None:
+        """``client``'s runs waiting in its queue; 0 drops the client's series."""
+        if count:
+            self._runs_queued.labels(client).set(count)
+        else:
+            with contextlib.suppress(KeyError):
+                self._runs_queued.remove(client)
 
     def set_lanes(self, kind: str, state: str, count: int) -> None:
         """How many lanes of ``kind`` are in ``state`` (``idle``, ``busy``, ``failed``...)."""

@@ -30,7 +30,7 @@ from simpler_daemon.errors import (
     WorkerClosedError,
 )
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.protocol.metadata import FIELD_METADATA
+from simpler_daemon.protocol.metadata import FIELD_METADATA, RETRY_AFTER_METADATA
 from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.decoding import BadRequest
@@ -200,8 +200,12 @@ class ServiceBase:
         self._count(method, code)
         field = exc.field if isinstance(exc, RequestError) else ""
         # The field also travels on its own, so a client need not parse the details.
-        trailer = ((FIELD_METADATA, field),) if field.isascii() and field.isprintable() else ()
-        await context.abort(code, details, trailing_metadata=trailer if field else ())
+        shown = field and field.isascii() and field.isprintable()
+        trailer: tuple[tuple[str, str], ...] = ((FIELD_METADATA, field),) if shown else ()
+        retry_after = getattr(exc, "retry_after_ms", 0)  # runs.Backpressure: a limit for now
+        if retry_after:
+            trailer += ((RETRY_AFTER_METADATA, str(retry_after)),)
+        await context.abort(code, details, trailing_metadata=trailer)
         raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
 
     def _who(self, context: Any) -> Identity:

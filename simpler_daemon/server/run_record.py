@@ -626,6 +626,40 @@ class RunRecord:
         else:
             self.seq += 1
 
+    def end_unstarted(self, error: TaskError, *, cancelled: bool) -> None:
+        """End a run that never reached the engine (a queued run, see runs.py):
+        CANCELLED (``cancelled``) or FAILED with ``error``; its tasks count as failed."""
+        if self._final or self.run is not None:
+            return
+        self.failed = max(self.total, 0)
+        self.finish_ns = time.time_ns()
+        self.state = pb.RUN_STATE_CANCELLED if cancelled else pb.RUN_STATE_FAILED
+        self._error = error
+        self._was_cancelled = cancelled
+        message = str(error)
+        self.status_bytes = (
+            STATUS_BYTES + len(self.label) + len(self.key) + len(self.client) + 2 * len(message)
+        )
+        self._end(message)
+
+    def _end(self, message: str) -> None:
+        """The run is terminal in ``self.state``: tell watchers, waiters and the table."""
+        self.seq += 1
+        self._terminal_message = message
+        self._final = True
+        if self.watchers:  # else built when first asked for (terminal_event)
+            self._publish(self.terminal_event, force=True)
+        self.finished.set()
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+        if self._metrics is not None:
+            name = pb.RunState.Name(self.state).removeprefix("RUN_STATE_").lower()
+            self._metrics.run_finished(name)
+        if self.on_finished is not None:
+            self.on_finished(self)
+
     def _on_done(self, run: Run) -> None:
         if self._final:
             return
@@ -645,19 +679,7 @@ class RunRecord:
             message = str(run.error)
             if self.cancel_requested and self.cancel_reason and state == pb.RUN_STATE_CANCELLED:
                 message = f"run {self.run_id} cancelled: {self.cancel_reason}"
-        self.seq += 1
-        self._terminal_message = message
-        self._final = True
-        if self.watchers:  # else built when first asked for (terminal_event)
-            self._publish(self.terminal_event, force=True)
         self._t0.clear()
+        # Before _end: a watcher's terminal event is built from the kept status.
         self._keep_status(run, state == pb.RUN_STATE_CANCELLED, message)
-        self.finished.set()
-        waiters, self._waiters = self._waiters, None
-        for waiter in waiters or ():
-            if not waiter.done():
-                waiter.set_result(None)
-        if self._metrics is not None:
-            self._metrics.run_finished(pb.RunState.Name(state).removeprefix("RUN_STATE_").lower())
-        if self.on_finished is not None:
-            self.on_finished(self)
+        self._end(message)

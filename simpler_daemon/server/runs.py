@@ -7,6 +7,11 @@
          |  RunRecord per run  <---------------------------+ on_task_event, Run listeners,
          |  (counts, state, watchers, terminal event)         done callbacks
          v
+    RunTable.launch past limits.per_client_runs: the run waits QUEUED in its client's
+         queue (bounded by limits.per_client_queued_runs; its id reserved, its request
+         validated and its buffers pinned already); _admit starts the oldest queued run
+         of a client as one of its active runs ends (Cancel removes it, a drain cancels it)
+
     runs / active / live / finished (bounded by limits.max_finished_runs_kept and
     limits.max_finished_run_bytes: the oldest finished run of the client holding the
     most goes first; a finished run keeps a small status, not its slots), task result bytes
@@ -26,18 +31,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from simpler_daemon.args import CallConfig
 from simpler_daemon.endpoints.base import Outcome
-from simpler_daemon.engine.orchestrator import FailureInfo, TaskSlot
+from simpler_daemon.engine.orchestrator import FailureInfo, Run, TaskSlot
+from simpler_daemon.engine.runs import cancelled_error
 from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import (
     InvalidField,
     LimitExceeded,
     Precondition,
+    TaskError,
     UnknownObject,
     WorkerClosedError,
 )
@@ -56,8 +65,10 @@ from simpler_daemon.server.run_record import (
 
 __all__ = [
     "LIST_RUNS_DEFAULT",
+    "RETRY_AFTER_DEFAULT",
     "STATE_KEYS",
     "WATCH_QUEUE_LIMIT",
+    "Backpressure",
     "RunRecord",
     "RunTable",
     "Watcher",
@@ -74,6 +85,11 @@ LIST_RUNS_DEFAULT: Final = 100
 _EVICTIONS_REMEMBERED: Final = 4096
 #: The keys of :meth:`RunTable.state_counts` (metrics read them).
 STATE_KEYS: Final = ("queued", "active", "completed", "failed", "cancelled")
+#: The retry-after hint (seconds) of a refusal before any run has finished, and its bounds:
+#: the hint is the recent mean run time, the time a slot typically takes to free up.
+RETRY_AFTER_DEFAULT: Final = 0.5
+_RETRY_AFTER_MIN: Final = 0.05
+_RETRY_AFTER_MAX: Final = 10.0
 _STATE_KEY: Final[dict[int, str]] = {
     pb.RUN_STATE_QUEUED: "queued",
     pb.RUN_STATE_BUILDING: "active",
@@ -83,6 +99,29 @@ _STATE_KEY: Final[dict[int, str]] = {
     pb.RUN_STATE_FAILED: "failed",
     pb.RUN_STATE_CANCELLED: "cancelled",
 }
+
+
+class Backpressure(LimitExceeded):
+    """A run limit reached for now (limits.per_client_queued_runs, max_concurrent_runs):
+    RESOURCE_EXHAUSTED with ``retry_after`` (seconds), the daemon's hint of when a retry
+    may succeed; the text ends with it too (``retry after 500 ms``), for either transport."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        ms = max(1, round(retry_after * 1000))
+        super().__init__("", f"{message}; retry after {ms} ms")
+        self.retry_after_ms = ms
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A run waiting in its client's queue: what :meth:`RunTable.launch` submits when its
+    turn comes, and ``on_start`` (called once it started or ended, e.g. to hand over pins)."""
+
+    rec: RunRecord
+    orch: Callable[..., Any]
+    args: Any
+    config: CallConfig | None
+    on_start: Callable[[RunRecord], None] | None = None
 
 
 class RunTable:
@@ -117,19 +156,38 @@ class RunTable:
         # Keys whose request is being planned / launched: a retry waits for it.
         self._pending_keys: dict[str, tuple[bytes, asyncio.Future[None]]] = {}
         self._client_runs: Counter[str] = Counter()
+        # Runs waiting for one of their client's limits.per_client_runs slots, oldest
+        # first, per client (a client has an entry while its queue is not empty).
+        self._queues: dict[str, OrderedDict[int, _Queued]] = {}
+        self._admitting: asyncio.Task[None] | None = None
+        # Mean time of recent runs from start to end (seconds): the retry-after hint.
+        self._run_seconds = RETRY_AFTER_DEFAULT
+        self._started_ns: dict[int, int] = {}
         self._drain_lock = asyncio.Lock()
 
     def reconfigure(self, limits: LimitsConfig) -> None:
         """New run limits (SIGHUP) for runs submitted from now on; runs already
         admitted stay. limits.max_concurrent_runs is the daemon's gate here; the
         engine's fair admission keeps the bound it started with (runs beyond it wait
-        QUEUED). Finished runs past the new retention limits are forgotten now."""
+        QUEUED). Finished runs past the new retention limits are forgotten now; a
+        higher limits.per_client_runs starts queued runs now."""
         self._limits = limits
         self._trim()
+        if self._queues:
+            self._schedule_admission()
 
     @property
     def active_count(self) -> int:
         return len(self._active)
+
+    @property
+    def queued_count(self) -> int:
+        """Runs waiting in the clients' queues (past limits.per_client_runs)."""
+        return sum(len(q) for q in self._queues.values())
+
+    def queued_of(self, client: str) -> list[int]:
+        """``client``'s queued run ids, in the order they will start."""
+        return list(self._queues.get(client, ()))
 
     def new_record(
         self, *, label: str, client: str, key: str, total: int | None, priority: int = 1
@@ -235,22 +293,36 @@ class RunTable:
             del self._pending_keys[key]
             done.set_result(None)
 
+    def _must_queue(self, client: str) -> bool:
+        """Whether a new run of ``client`` waits: it is at limits.per_client_runs or has
+        runs waiting already (a new run never overtakes them)."""
+        return client in self._queues or self._client_runs[client] >= self._limits.per_client_runs
+
+    def _retry_after(self) -> float:
+        return min(max(self._run_seconds, _RETRY_AFTER_MIN), _RETRY_AFTER_MAX)
+
     def check_capacity(self, client: str, what: str) -> None:
-        """``LimitExceeded`` when the daemon is at limits.max_concurrent_runs or the
-        client (``Identity.owner``) at its quota limits.per_client_runs."""
+        """``Backpressure`` (RESOURCE_EXHAUSTED with a retry-after hint) when the client
+        (``Identity.owner``) must queue the run and its queue holds
+        limits.per_client_queued_runs already, or the run would start now and the daemon
+        is at limits.max_concurrent_runs."""
+        if self._must_queue(client):
+            limit = self._limits.per_client_queued_runs
+            queued = len(self._queues.get(client, ()))
+            if queued >= limit:
+                raise Backpressure(
+                    f"cannot {what}: queue full (limits.per_client_queued_runs = {limit}): "
+                    f"{client} has {self._client_runs[client]} active runs (limits."
+                    f"per_client_runs = {self._limits.per_client_runs}) and {queued} queued",
+                    self._retry_after(),
+                )
+            return
         limit = self._limits.max_concurrent_runs
         if len(self._active) >= limit:
-            raise LimitExceeded(
-                "",
+            raise Backpressure(
                 f"cannot {what}: {len(self._active)} runs are active "
                 f"(limits.max_concurrent_runs = {limit})",
-            )
-        quota = self._limits.per_client_runs
-        if self._client_runs[client] >= quota:
-            raise LimitExceeded(
-                "",
-                f"cannot {what}: quota limits.per_client_runs ({quota}) reached: "
-                f"{client} has {self._client_runs[client]} active runs",
+                self._retry_after(),
             )
 
     # -- scheduler events ------------------------------------------------------------------
@@ -322,6 +394,17 @@ class RunTable:
             self._client_runs[rec.client] = n
         else:
             self._client_runs.pop(rec.client, None)
+        started = self._started_ns.pop(rec.run_id, None)
+        if started is not None and rec.finish_ns > started:
+            seconds = (rec.finish_ns - started) / 1e9
+            self._run_seconds += (seconds - self._run_seconds) / 8  # the recent runs' mean
+        self._remember_finished(rec)
+        if self._queues:
+            self._schedule_admission()
+
+    def _unstarted_finished(self, rec: RunRecord) -> None:
+        """A queued run ended before it started (cancelled, or refused at its turn)."""
+        self._log_finished(rec)
         self._remember_finished(rec)
 
     def _remember_finished(self, rec: RunRecord) -> None:
@@ -415,16 +498,65 @@ class RunTable:
         orch: Callable[..., Any],
         args: Any = None,
         config: CallConfig | None = None,
+        on_start: Callable[[RunRecord], None] | None = None,
     ) -> int:
         """Submit ``orch`` as a run tracked by ``rec``; returns the run id.
 
-        Raises ``Precondition`` when the Worker is closing.
+        Past the client's limits.per_client_runs the run waits QUEUED in its client's
+        queue instead (its id taken now); ``on_start`` is called once it started or
+        ended without starting (at once for a run that starts now). The caller checked
+        :meth:`check_capacity`. Raises ``Precondition`` when the Worker is closing.
         """
+        if self._must_queue(rec.client):
+            return self._enqueue(_Queued(rec, orch, args, config, on_start))
+        run_id = await self._start(rec, orch, args, config)
+        if on_start is not None:
+            on_start(rec)
+        return run_id
+
+    def _enqueue(self, item: _Queued) -> int:
+        rec = item.rec
+        rec.run_id = Run.reserve_id()
+        rec.on_finished = self._unstarted_finished
+        queue = self._queues.setdefault(rec.client, OrderedDict())
+        queue[rec.run_id] = item
+        self._add(rec)
+        if self._metrics is not None:
+            self._metrics.set_runs_queued(rec.client, len(queue))
+        log.debug(
+            "run %d of %s queued: %d active runs (limits.per_client_runs = %d), %d queued",
+            rec.run_id,
+            rec.client,
+            self._client_runs[rec.client],
+            self._limits.per_client_runs,
+            len(queue),
+        )
+        return rec.run_id
+
+    def _add(self, rec: RunRecord) -> None:
+        """Know ``rec`` (and its idempotency key) from now on."""
+        run_id = rec.run_id
+        self._runs[run_id] = rec
+        self._highest_id = max(self._highest_id, run_id)
+        if rec.key:
+            scoped = self._scoped(rec.client, rec.key)
+            self._keys[scoped] = run_id
+            self._key_prints[scoped] = rec.key_print
+
+    async def _start(
+        self,
+        rec: RunRecord,
+        orch: Callable[..., Any],
+        args: Any,
+        config: CallConfig | None,
+        run_id: int | None = None,
+    ) -> int:
+        """Hand the run to the Worker (``run_id``: the one a queued run reserved)."""
         rec.on_bind = self._bound
         try:
             # Never suspends: the run is queued (and, when admitted, built) right here.
             handle = await self._worker.submit_async(
-                orch, args, config, priority=rec.priority, client=rec.client
+                orch, args, config, priority=rec.priority, client=rec.client, run_id=run_id
             )
         except WorkerClosedError as exc:
             raise Precondition("", str(exc)) from exc
@@ -432,29 +564,96 @@ class RunTable:
             rec.handle = handle
         rec.bind(handle.run)
         run_id = rec.run_id
-        self._runs[run_id] = rec
-        self._highest_id = max(self._highest_id, run_id)
+        if run_id not in self._runs:  # a queued run is known already
+            self._add(rec)
         if rec.terminal:  # finished while it was submitted (its orchestration failed at once)
             self._log_finished(rec)
             self._remember_finished(rec)
         else:
             self._active[run_id] = rec
             self._client_runs[rec.client] += 1
+            self._started_ns[run_id] = time.time_ns()
             rec.on_finished = self._run_finished
-        if rec.key:
-            scoped = self._scoped(rec.client, rec.key)
-            self._keys[scoped] = run_id
-            self._key_prints[scoped] = rec.key_print
-        log.debug("run %d submitted by %s (%s)", run_id, rec.client, rec.label or "no label")
+        log.debug("run %d started for %s (%s)", run_id, rec.client, rec.label or "no label")
         return run_id
+
+    # -- the clients' queues ---------------------------------------------------------------
+
+    def _schedule_admission(self) -> None:
+        """Start queued runs soon (on the loop, outside the Scheduler's callbacks)."""
+        if self._admitting is None or self._admitting.done():
+            self._admitting = asyncio.get_running_loop().create_task(self._admit())
+
+    async def _admit(self) -> None:
+        """Start the oldest queued runs of every client that has a free
+        limits.per_client_runs slot (and the daemon one of limits.max_concurrent_runs)."""
+        for client in list(self._queues):
+            queue = self._queues.get(client)
+            if queue is None:
+                continue
+            while (
+                queue
+                and self._client_runs[client] < self._limits.per_client_runs
+                and len(self._active) < self._limits.max_concurrent_runs
+            ):
+                _, item = queue.popitem(last=False)
+                await self._start_queued(item)
+            if not queue:
+                del self._queues[client]
+            if self._metrics is not None:
+                self._metrics.set_runs_queued(client, len(queue))
+
+    async def _start_queued(self, item: _Queued) -> None:
+        rec = item.rec
+        rec.on_finished = None  # _start sets the started run's own
+        try:
+            await self._start(rec, item.orch, item.args, item.config, rec.run_id)
+        except Exception as exc:  # the daemon is closing: the run ends, it never started
+            why = str(exc)
+            rec.on_finished = self._unstarted_finished
+            error = TaskError(
+                f"run {rec.run_id} could not start after waiting in its queue: {why}",
+                run_id=rec.run_id,
+                outcome="SKIPPED",
+                remote_text=str(why),
+            )
+            rec.end_unstarted(error, cancelled=False)
+        log.debug("run %d of %s left its queue", rec.run_id, rec.client)
+        if item.on_start is not None:
+            item.on_start(rec)
+
+    def _dequeue(self, rec: RunRecord) -> _Queued | None:
+        queue = self._queues.get(rec.client)
+        item = None if queue is None else queue.pop(rec.run_id, None)
+        if queue is not None and not queue:
+            del self._queues[rec.client]
+        if item is not None and self._metrics is not None:
+            self._metrics.set_runs_queued(rec.client, len(queue or ()))
+        return item
+
+    def _cancel_queued(self, rec: RunRecord, reason: str, by: str) -> bool:
+        """Cancel a run still waiting in its queue: it ends CANCELLED without starting."""
+        item = self._dequeue(rec)
+        if item is None:
+            return False
+        rec.cancel_requested = True
+        rec.cancel_reason = reason
+        rec.end_unstarted(cancelled_error(rec.run_id, reason), cancelled=True)
+        oplog.run_cancelled(rec.run_id, by, reason, False)
+        if item.on_start is not None:
+            item.on_start(rec)
+        return True
 
     def cancel(
         self, rec: RunRecord, reason: str, *, terminate: bool = False, by: str = "daemon"
     ) -> bool:
         """Cancel a run that is not terminal; False when it already was. ``terminate``
         also stops its running tasks (their workers are killed and replaced); ``by``:
-        who asked (the operator log names them)."""
+        who asked (the operator log names them). A queued run leaves its queue and ends
+        CANCELLED at once."""
         run = rec.run
+        if run is None and not rec.terminal:
+            return self._cancel_queued(rec, reason, by)
         if rec.terminal or run is None or run.terminal:
             return False
         if not rec.cancel_requested:
@@ -492,9 +691,16 @@ class RunTable:
         The caller has already stopped admitting runs. The cancelled runs become
         terminal once their running tasks finish; watchers see them CANCELLED. A
         :meth:`abort_drain` (Resume) during the grace ends it at once, cancelling
-        nothing: ``finished`` then counts the runs that had finished by then.
+        nothing: ``finished`` then counts the runs that had finished by then. Runs
+        still waiting in a client's queue are cancelled at once (counted in
+        ``cancelled``): they never started, and the drain admits no run.
         """
         async with self._drain_lock:
+            queued = [item.rec for queue in self._queues.values() for item in queue.values()]
+            for rec in queued:
+                self._cancel_queued(rec, f"{reason}: the run was still queued", "drain")
+            if queued:
+                log.warning("drain: cancelled %d queued runs that never started", len(queued))
             active = list(self._active.values())
             aborted = self._drain_aborted = asyncio.Event()
             if active:
@@ -517,7 +723,7 @@ class RunTable:
                     "drain: resumed during the grace period; %d runs left running",
                     len(active) - finished,
                 )
-                return finished, 0
+                return finished, len(queued)
             cancelled = 0
             for rec in active:
                 if not rec.terminal and self.cancel(rec, reason, by="drain"):
@@ -526,7 +732,7 @@ class RunTable:
                 log.warning(
                     "drain: cancelled %d runs that did not finish in %.1fs", cancelled, grace
                 )
-            return len(active) - cancelled, cancelled
+            return len(active) - cancelled, cancelled + len(queued)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no run is active; False when ``timeout`` passed first."""

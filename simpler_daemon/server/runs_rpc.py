@@ -1,6 +1,10 @@
 """Run RPCs of the daemon servicer: SubmitRun, RunOrchestration, WatchRun, WaitRun,
 CancelRun, ListRuns.
 
+A client's runs past ``limits.per_client_runs`` are accepted and wait QUEUED in its
+queue (runs.py), validated and with their buffers pinned from the submit on: a
+FreeBuffer meanwhile is deferred, so a queued run never finds its buffers gone.
+
 A run belongs to its submitter (``Identity.owner``): only the owner or an admin
 waits for, watches or cancels it, and ListRuns shows a client its own runs (an
 admin every client's). The owner is also the engine's ``client`` of the run, so
@@ -76,13 +80,18 @@ class RunsRpc(ServiceBase):
         """Plan (in slices: the loop keeps serving) and launch a SubmitRun; its record.
 
         Every buffer the tasks reference is pinned from the moment it is checked until
-        the run is terminal: a FreeBuffer meanwhile is deferred (``deferred = true``)."""
+        the run is terminal (a queued run's too): a FreeBuffer meanwhile is deferred
+        (``deferred = true``)."""
         runs = self._runs
         check_label(request.label)
         priority = run_priority(request.priority)
         client = who.owner
         self._admission_checks(client, "submit a run")
         pins: set[int] = set()
+
+        def hold(rec: Any) -> None:  # once the run started (or ended while queued)
+            self._hold_until_done(rec, pins)
+
         try:
             plan, total = await self._plan.plan_run(request, pins)
             self._check_pins(who, pins, "submit a run with")
@@ -96,11 +105,10 @@ class RunsRpc(ServiceBase):
                 priority=priority,
             )
             rec.key_print = key_print
-            await runs.launch(rec, declarative(plan, rec.bind))
+            await runs.launch(rec, declarative(plan, rec.bind), on_start=hold)
         except BaseException:
             self._unpin(pins)
             raise
-        self._hold_until_done(rec, pins)
         return rec
 
     @unary
@@ -140,6 +148,10 @@ class RunsRpc(ServiceBase):
         client = who.owner
         self._admission_checks(client, "run an orchestration")
         pins: set[int] = set()
+
+        def hold(rec: Any) -> None:  # once the run started (or ended while queued)
+            self._hold_until_done(rec, pins)
+
         try:
             args = self._plan.task_args(request.args, "args", pins)
             self._check_pins(who, pins, "run an orchestration with")
@@ -158,11 +170,10 @@ class RunsRpc(ServiceBase):
                 rec.bind(o.run)
                 return await run_off_loop(target, o, a, c)
 
-            run_id = await self._runs.launch(rec, orch, args, config)
+            run_id = await self._runs.launch(rec, orch, args, config, on_start=hold)
         except BaseException:
             self._unpin(pins)
             raise
-        self._hold_until_done(rec, pins)
         return run_id
 
     @server_stream

@@ -45,6 +45,7 @@ Code = grpc.StatusCode
 FLAG_WAIT_MS = 60_000
 QUOTAS = {
     "per_client_runs": 2,
+    "per_client_queued_runs": 1,
     "per_client_heap_bytes": 1 << 20,
     "per_client_registrations": 4,
     "max_streams_per_client": 4,
@@ -400,10 +401,12 @@ def test_idempotency_keys_are_scoped_per_owner(a: Admin, b: Peer) -> None:
 
 def test_run_quota_is_per_identity_and_named(a: Admin, b: Peer) -> None:
     flag = int(b.ok("alloc_buffer", [2], "uint8")["buffer_id"])
-    runs = [int(b.ok("submit", _hold_spec(a.wait, flag))["run_id"]) for _ in range(2)]
+    runs = [int(b.ok("submit", _hold_spec(a.wait, flag))["run_id"]) for _ in range(3)]
     try:
+        # Past limits.per_client_runs a run waits QUEUED; past the queue it is refused.
+        assert b.ok("wait_run", runs[2], 0)["state"] == pb.RunState.Name(pb.RUN_STATE_QUEUED)
         details = b.refused("submit", _hold_spec(a.wait, flag), code=Code.RESOURCE_EXHAUSTED)
-        assert "limits.per_client_runs" in details and "(2)" in details
+        assert "limits.per_client_queued_runs = 1" in details and "retry after" in details
         # Another identity is not affected by this one's quota.
         c = a.client
         buf = int(c.alloc_buffer((4,), "float32").buffer_id)
