@@ -39,7 +39,7 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from simpler_daemon.endpoints.base import (
@@ -140,10 +140,13 @@ class RemoteL3Endpoint:
         session: Session,
         *,
         label: str | None = None,
+        live_sessions: Mapping[int, int] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.spec = spec
         self.session = session
+        #: The parent's number for this session of the worker (``session_generation``).
+        self.generation = session.generation
         self.where = format_host_port(session.host, session.port)
         self.label = label or f"remote worker {worker_id} ({self.where})"
         self.caps = EndpointCaps(
@@ -174,7 +177,9 @@ class RemoteL3Endpoint:
         self._next_seq = 1
         self._rbuf = bytearray(RECV_CHUNK)
         self._rview = memoryview(self._rbuf)
-        self._codec = TaskCodec(sid, wid, self.label)
+        # ``live_sessions``: worker id -> live session generation (the fleet's table):
+        # a TASK naming a buffer of an ended session is refused before it is sent.
+        self._codec = TaskCodec(sid, wid, self.label, live_sessions)
         #: Why the endpoint failed (sticky); None while healthy.
         self.failure: str | None = None
         self.stopping = False

@@ -16,6 +16,7 @@ session and only moves the bytes it returns.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
@@ -54,19 +55,29 @@ _MAX_TAG: Final = max(Tag)
 class TaskCodec:
     """Encodes the requests of one session's command lane (errors name ``label``)."""
 
-    __slots__ = ("_wire_configs", "label", "session_id", "worker_id")
+    __slots__ = ("_wire_configs", "label", "live", "session_id", "worker_id")
 
-    def __init__(self, session_id: int, worker_id: int, label: str) -> None:
+    def __init__(
+        self,
+        session_id: int,
+        worker_id: int,
+        label: str,
+        live: Mapping[int, int] | None = None,
+    ) -> None:
         self.session_id = session_id
         self.worker_id = worker_id
         self.label = label
+        #: Remote worker id -> generation of its live session (the fleet's table, read
+        #: at each dispatch); a tensor of any other generation is refused. None: no check.
+        self.live = live
         self._wire_configs: dict[bytes, tuple[WireConfig, int]] = {}
 
     def task(self, d: WorkerDispatch) -> tuple[Task, int]:
         """The TASK payload of ``d`` and its ``deadline_ms``.
 
         Raises ``EndpointError`` for a host tensor (it lives on this process's
-        heap, the runner cannot see it) or a malformed args blob.
+        heap, the runner cannot see it), a tensor of a session that ended (queued
+        before its owner reconnected: its data is lost) or a malformed args blob.
         """
         slot = d.task_slot
         blob: bytes = slot.blobs[d.group_index]
@@ -90,10 +101,19 @@ class TaskCodec:
                             f"cannot submit to {self.label}: tensor {i} is a host array on "
                             "this process's heap; allocate it with alloc_remote"
                         )
-                    # buffer_offset (f[6]) holds the owner worker id of a remote tensor.
+                    # buffer_offset (f[6]) holds the owner worker id of a remote tensor
+                    # and, above it, the owner's session generation.
+                    owner, session = f[6] & 0xFFFFFFFF, f[6] >> 32
+                    live = self.live
+                    if live is not None and live.get(owner) != session:
+                        raise EndpointError(
+                            f"cannot submit to {self.label}: tensor {i} is buffer {f[0]} of "
+                            f"session {session} of remote worker {owner}, which ended: its "
+                            "data is lost"
+                        )
                     tensors.append(
                         RemoteTensor(
-                            f[6],
+                            owner,
                             f[0],
                             f[5],
                             f[7],
@@ -102,6 +122,7 @@ class TaskCodec:
                             list(f[9 : 9 + nd]),
                             list(f[17 : 17 + nd]),
                             f[2],
+                            session,
                         )
                     )
             scalars = list(struct.unpack_from(f"<{s}Q", blob, end)) if s else []

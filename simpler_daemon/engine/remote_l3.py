@@ -82,13 +82,21 @@ class RemoteFleet:
         self.specs: dict[int, RemoteWorkerSpec] = {}
         self.endpoints: dict[int, Any] = {}  # worker id -> RemoteL3Endpoint
         self.installs: dict[str, _Install] = {}
-        self.buffers: dict[tuple[int, int, int], _Buffer] = {}
+        self.buffers: dict[tuple[int, ...], _Buffer] = {}
+        #: Worker id -> generation of its live session (1 for the first, +1 per
+        #: reconnect); absent while it has none. Every buffer ref names the generation it
+        #: belongs to: one of any other generation is refused (its data is lost). The
+        #: endpoints read this table at each dispatch.
+        self.live: dict[int, int] = {}
+        #: Worker id -> generation of its latest session (the next one gets + 1).
+        self.generations: dict[int, int] = {}
         self.reconnects: dict[int, int] = {}
         #: Why a worker was given up (its session failed and no new one could be opened).
         self.gone: dict[int, str] = {}
-        #: ("free" | "release", worker, ref) deferred while a task pinned the buffer; sent
-        #: by a later control once nothing references it.
-        self._deferred: list[tuple[str, int, RemoteTensorRef]] = []
+        #: ("free" | "release", worker, its session generation, ref) deferred while a task
+        #: pinned the buffer; sent by a later control once nothing references it, and
+        #: only to that session (a new one never had the buffer).
+        self._deferred: list[tuple[str, int, int, RemoteTensorRef]] = []
         #: Only while the Worker serves are failed sessions replaced.
         self.serving = False
         self._scheduler: Scheduler | None = None
@@ -258,8 +266,15 @@ class RemoteFleet:
             first = errors[min(errors)]
             msg = "; ".join(str(e) for _, e in sorted(errors.items()))
             raise StartupError(f"cannot start remote workers: {msg}") from first
-        self.endpoints.update(opened)
+        for w, ep in opened.items():
+            self._adopt(w, ep)
         return opened
+
+    def _adopt(self, worker_id: int, ep: Any) -> None:
+        """``ep`` is worker ``worker_id``'s session from now on (on the driving side)."""
+        self.endpoints[worker_id] = ep
+        self.live[worker_id] = ep.generation
+        self.generations[worker_id] = max(self.generations.get(worker_id, 0), ep.generation)
 
     def open_one(
         self,
@@ -276,8 +291,10 @@ class RemoteFleet:
         spec = self.specs[worker_id]
         if callables is None:
             callables = self.manifest_callables(worker_id)
-        session = open_session(spec, worker_id, callables, deadline, opened)
-        return RemoteL3Endpoint(worker_id, spec, session)
+        # A failed attempt attached nothing: the next one may reuse its number.
+        generation = self.generations.get(worker_id, 0) + 1
+        session = open_session(spec, worker_id, callables, deadline, opened, generation)
+        return RemoteL3Endpoint(worker_id, spec, session, live_sessions=self.live)
 
     # -- serving (after init) -----------------------------------------------------------------
 
@@ -309,7 +326,7 @@ class RemoteFleet:
     def attach_live(self, worker_id: int, ep: Any) -> None:
         """A session opened after init joins the Scheduler as a new lane."""
         assert self._scheduler is not None
-        self.endpoints[worker_id] = ep
+        self._adopt(worker_id, ep)
         self._scheduler.add_next_level(worker_id, ep)
         self._watch(ep)
         self._scheduler.wake()
@@ -402,7 +419,7 @@ class RemoteFleet:
             ep.shutdown(0.5)
             return
         wid = lane.worker_id
-        self.endpoints[wid] = ep
+        self._adopt(wid, ep)
         lane.endpoint = ep
         lane.active = lane.staged = None
         lane.inflight = 0
@@ -417,13 +434,20 @@ class RemoteFleet:
 
         The failed endpoint stays in ``endpoints`` until a new session replaces it, so
         its row keeps the failure and controls fail with its reason."""
+        self.live.pop(worker_id, None)
         for key, buf in list(self.buffers.items()):
             if key[0] == worker_id:
+                # Pins of queued tasks go with it: their keys name this generation,
+                # which no buffer of a later session has, so unpinning them is a no-op.
                 del self.buffers[key]
                 # Its importers still hold snapshots: drop them with the next control.
-                self._deferred.extend(("release", w, buf.ref) for w in sorted(buf.imported_by))
+                self._deferred.extend(
+                    ("release", w, self.live.get(w, 0), buf.ref) for w in sorted(buf.imported_by)
+                )
             else:
                 buf.imported_by.discard(worker_id)
+        # What was deferred for that session will never be sent: it holds nothing now.
+        self._deferred = [e for e in self._deferred if e[1] != worker_id]
 
     def shutdown(self, timeout: float) -> None:
         """SHUTDOWN every session and close its sockets (runners then exit on their own)."""
@@ -453,7 +477,15 @@ class RemoteFleet:
 
     # -- controls ---------------------------------------------------------------------------
 
+    def catch_up(self) -> None:
+        """Blocking API: apply what the reconnect threads handed over (a new session)
+        now, so a control sees it without waiting for a Scheduler round."""
+        driver = self._driver
+        if driver is not None and driver.loop is None and driver.lock.held_here():
+            driver.poll_now()
+
     async def control(self, worker_id: int, name: str, body: bytes) -> bytes:
+        self.catch_up()
         ep = self.endpoint(worker_id, name)
         if self._deferred:
             await self._flush_deferred()
@@ -475,16 +507,14 @@ class RemoteFleet:
 
     async def _flush_deferred(self) -> None:
         """Send the frees and releases whose buffer no live task references any more."""
-        keep: list[tuple[str, int, RemoteTensorRef]] = []
-        ready: list[tuple[str, int, RemoteTensorRef]] = []
+        keep: list[tuple[str, int, int, RemoteTensorRef]] = []
+        ready: list[tuple[str, int, int, RemoteTensorRef]] = []
         for entry in self._deferred:
-            cur = self.buffers.get(entry[2].key)
-            pinned = cur is not None and cur.ref.session == entry[2].session
-            (keep if pinned else ready).append(entry)
+            (keep if entry[3].key in self.buffers else ready).append(entry)
         self._deferred = keep
-        for op, w, ref in ready:
+        for op, w, gen, ref in ready:
             ep = self.endpoints.get(w)
-            if ep is None or ep.poisoned:
+            if ep is None or ep.poisoned or self.live.get(w) != gen:
                 continue  # that session ended: what it held went with it
             try:
                 await self._send(ep, op, _key_body(ref))
@@ -501,14 +531,26 @@ class RemoteFleet:
             raise ValueError(f"cannot alloc_remote: shape {shp} has a negative dimension")
         dt = np.dtype(dtype)
         dtype_code(dt)
-        self.endpoint(worker_id, "alloc_remote")
+        self.catch_up()
+        ep = self.endpoint(worker_id, "alloc_remote")
+        sid, gen = ep.session.session_id, ep.generation
         raw = await self.control(
             worker_id, "alloc", wire.encode_payload(wire.AllocBody(shape=list(shp), dtype=dt.name))
         )
         res = wire.decode_payload(wire.AllocResult, raw)
-        session = self.endpoint(worker_id, "alloc_remote").session.session_id
+        if self.endpoints.get(worker_id) is not ep:  # replaced while the reply came back
+            raise EndpointError(
+                f"cannot alloc_remote: the session of remote worker {worker_id} ended meanwhile"
+            )
         ref = RemoteTensorRef(
-            worker_id, res.buffer_id, res.generation, shp, dt.name, res.nbytes, session=session
+            worker_id,
+            res.buffer_id,
+            res.generation,
+            shp,
+            dt.name,
+            res.nbytes,
+            session=sid,
+            session_generation=gen,
         )
         self.buffers[ref.key] = _Buffer(ref)
         return ref
@@ -519,14 +561,15 @@ class RemoteFleet:
                 f"cannot {what}: expected a RemoteTensorRef from alloc_remote, got {type(ref).__name__}"
             )
         buf = self.buffers.get(ref.key)
-        # A new session numbers its buffers afresh: the session id tells them apart.
-        if buf is None or buf.freed or buf.ref.session != ref.session:
-            raise ValueError(
-                f"cannot {what}: {ref!r} is not a live buffer (freed, or its session ended)"
-            )
+        if buf is None and self.live.get(ref.owner) != ref.session_generation:
+            # A new session numbers its buffers afresh: the generation tells them apart.
+            raise ValueError(f"cannot {what}: {ref.describe_lost()}")
+        if buf is None or buf.freed:
+            raise ValueError(f"cannot {what}: {ref!r} is not a live buffer (it was freed)")
         return buf
 
     async def copy_to(self, ref: RemoteTensorRef, array: Any) -> None:
+        self.catch_up()
         self._live(ref, "copy_to_remote")
         src = np.asarray(array)
         if src.size != int(np.prod(ref.shape, dtype=np.int64)):
@@ -541,10 +584,12 @@ class RemoteFleet:
                 generation=ref.generation,
                 offset=ref.byte_offset + off,
                 data=data[off : off + CHUNK],
+                session=ref.session_generation,
             )
             await self.control(ref.owner, "copy_to", wire.encode_payload(body))
 
     async def copy_from(self, ref: RemoteTensorRef) -> np.ndarray[Any, Any]:
+        self.catch_up()
         self._live(ref, "copy_from_remote")
         out = np.empty(ref.shape, dtype=np.dtype(ref.dtype))
         flat = out.reshape(-1).view(np.uint8)
@@ -555,6 +600,7 @@ class RemoteFleet:
                 generation=ref.generation,
                 offset=ref.byte_offset + off,
                 nbytes=n,
+                session=ref.session_generation,
             )
             raw = await self.control(ref.owner, "copy_from", wire.encode_payload(body))
             if len(raw) != n:
@@ -568,12 +614,14 @@ class RemoteFleet:
     async def free(self, ref: RemoteTensorRef) -> None:
         """Free a remote buffer and drop the snapshots imported from it; both wait while
         a task still references it."""
+        self.catch_up()
         buf = self._live(ref, "free")
         buf.freed = True
         ops = [("release", w, ref) for w in sorted(buf.imported_by)] + [("free", ref.owner, ref)]
         buf.imported_by.clear()
         if buf.pins:
-            self._deferred.extend(ops)  # sent by a later control, once the last task retired
+            # Sent by a later control, once the last task retired (to these sessions only).
+            self._deferred.extend((op, w, self.live.get(w, 0), r) for op, w, r in ops)
             return
         del self.buffers[ref.key]
         for op, w, r in ops:
@@ -581,6 +629,7 @@ class RemoteFleet:
 
     async def import_(self, ref: RemoteTensorRef, worker_id: int) -> None:
         """Give ``worker_id`` a snapshot of ``ref`` (read from its owner now)."""
+        self.catch_up()
         buf = self._live(ref, "import_remote")
         if worker_id == ref.owner:
             raise ValueError(f"cannot import_remote: worker {worker_id} already owns {ref!r}")
@@ -597,17 +646,19 @@ class RemoteFleet:
                 offset=off,
                 data=data[off : off + CHUNK],
                 final=off == offsets[-1],
+                session=ref.session_generation,
             )
             await self.control(worker_id, "import", wire.encode_payload(body))
         buf.imported_by.add(worker_id)
 
     async def release(self, ref: RemoteTensorRef, worker_id: int) -> None:
+        self.catch_up()
         buf = self._live(ref, "release_remote")
         if worker_id not in buf.imported_by:
             raise ValueError(f"cannot release_remote: worker {worker_id} has not imported {ref!r}")
         buf.imported_by.discard(worker_id)  # no new task on that worker may use it
-        if buf.pins:
-            self._deferred.append(("release", worker_id, ref))  # a queued task still may
+        if buf.pins:  # a queued task still may use it
+            self._deferred.append(("release", worker_id, self.live.get(worker_id, 0), ref))
         elif worker_id in self.endpoints:
             await self.control(worker_id, "release", _key_body(ref))
 
@@ -630,6 +681,7 @@ class RemoteFleet:
             ref.shape,
             ref.strides,
             remote=True,
+            session=ref.session_generation,
         )
 
     def check_installed(self, handle: Any, targets: list[int], api: str) -> None:
@@ -645,10 +697,10 @@ class RemoteFleet:
                     f"RemoteCallable('pkg.mod:fn') with workers=[{w}]"
                 )
 
-    def pin(self, key: tuple[int, int, int]) -> None:
+    def pin(self, key: tuple[int, ...]) -> None:
         self.buffers[key].pins += 1
 
-    def unpin(self, key: tuple[int, int, int]) -> None:
+    def unpin(self, key: tuple[int, ...]) -> None:
         buf = self.buffers.get(key)
         if buf is not None:
             buf.pins -= 1
@@ -722,5 +774,10 @@ def _state(ep: Any, gone: bool, serving: bool) -> str:
 
 def _key_body(ref: RemoteTensorRef) -> bytes:
     return wire.encode_payload(
-        wire.BufferKey(owner=ref.owner, buffer_id=ref.buffer_id, generation=ref.generation)
+        wire.BufferKey(
+            owner=ref.owner,
+            buffer_id=ref.buffer_id,
+            generation=ref.generation,
+            session=ref.session_generation,
+        )
     )

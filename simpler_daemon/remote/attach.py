@@ -72,6 +72,8 @@ class Session:
     command: socket.socket
     health: socket.socket
     hello: Hello
+    generation: int = 0
+    """The parent's number for this session of the worker (``session_generation``)."""
 
     def close(self) -> None:
         for sock in (self.command, self.health):
@@ -91,8 +93,12 @@ def open_session(
     callables: list[ManifestCallable],
     deadline: float,
     opened: list[socket.socket] | None = None,
+    generation: int = 0,
 ) -> Session:
     """Open a session on ``spec.endpoint`` before ``deadline`` (``time.monotonic()``).
+
+    ``generation`` is the parent's number for this session of the worker (the
+    manifest's ``session_generation``).
 
     Every socket is appended to ``opened`` as it is created, so another thread can
     abort the attempt by shutting them down. Raises ``ValueError`` for a hostname
@@ -147,6 +153,7 @@ def open_session(
                 callables=list(callables),
                 session_timeout_s=float(spec.session_timeout_s),
                 startup_budget_s=_remaining(deadline, budget, "sending the manifest"),
+                session_generation=generation,
             )
             _send(control, encode_auth(token) + encode_lp_json(manifest), deadline, budget, where)
             try:
@@ -181,7 +188,7 @@ def open_session(
     control.close()  # the worker keeps nothing of the handshake connection
     command.setblocking(False)
     health.setblocking(False)
-    return Session(worker_id, session_id, host, port, reply.pid, command, health, hello)
+    return Session(worker_id, session_id, host, port, reply.pid, command, health, hello, generation)
 
 
 def _read_token(spec: RemoteWorkerSpec, prefix: str) -> bytes:

@@ -117,6 +117,10 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """A peer silent for this long is gone (health and TCP user timeout)."""
     startup_budget_s: float = 30.0
     """What remains of the parent's start-up budget; the runner must be attached by then."""
+    session_generation: int = 0
+    """The parent's number for this session of the worker (1, then +1 per reconnect).
+    Every remote tensor and buffer control names the generation it belongs to; the
+    runner refuses any other one (its buffers are numbered afresh per session)."""
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -210,6 +214,8 @@ def validate_manifest(m: Manifest, limits: ManifestLimits) -> None:
         raise bad("attach_key", "must be 64 lowercase hex digits (32 random bytes)")
     if not 0 <= m.worker_id <= _I32_MAX:
         raise bad("worker_id", f"must be in 0..{_I32_MAX}, got {m.worker_id}")
+    if not 0 <= m.session_generation <= _I32_MAX:
+        raise bad("session_generation", f"must be in 0..{_I32_MAX}, got {m.session_generation}")
     if m.parent_level != 4:
         raise bad(
             "parent_level",

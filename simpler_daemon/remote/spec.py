@@ -4,7 +4,8 @@ These are plain values with no I/O. ``RemoteWorkerSpec`` names a host's
 ``simpler-remote-worker`` and the inner L3 to build there; ``RemoteCallable``
 names an L3 orchestration function by import path; ``RemoteTensorRef`` names a
 buffer living in one remote worker's heap (its identity is the owner worker id,
-the buffer id and the generation, so a freed and reused buffer never aliases).
+the buffer id, the generation and the owner's session generation, so neither a
+freed and reused buffer nor one of a later session ever aliases).
 """
 
 from __future__ import annotations
@@ -151,9 +152,12 @@ class RemoteTensorRef(TensorRef):
     dtype: str
     nbytes: int
     byte_offset: int = 0
-    #: The owner's session when it was allocated: a new session numbers its buffers
-    #: afresh, so a ref from a session that ended never names a new buffer.
+    #: The owner's session id when it was allocated (random, for diagnostics).
     session: int = 0
+    #: The owner's session generation (1 for its first session, +1 per reconnect): a
+    #: new session numbers its buffers afresh, so the generation is part of the
+    #: buffer's identity and a ref from a session that ended never names a new buffer.
+    session_generation: int = 0
     #: The strides of a C-contiguous array of ``shape`` (derived).
     strides: tuple[int, ...] = field(init=False, compare=False)
 
@@ -170,14 +174,23 @@ class RemoteTensorRef(TensorRef):
         object.__setattr__(self, "strides", tuple(reversed(strides)))
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        """The buffer's identity: (owner worker id, buffer id, generation)."""
-        return (self.owner, self.buffer_id, self.generation)
+    def key(self) -> tuple[int, int, int, int]:
+        """The buffer's identity: (owner worker id, buffer id, generation, session
+        generation), the key of its descriptor (``TensorDesc.key``) too."""
+        return (self.owner, self.buffer_id, self.generation, self.session_generation)
+
+    def describe_lost(self) -> str:
+        """What this ref names once its session ended (the words of every refusal)."""
+        return (
+            f"buffer {self.buffer_id} of session {self.session_generation} of remote worker "
+            f"{self.owner}, which ended: its data is lost"
+        )
 
     def __repr__(self) -> str:
         return (
-            f"RemoteTensorRef(worker={self.owner}, buffer={self.buffer_id}, "
-            f"generation={self.generation}, shape={self.shape}, dtype={np.dtype(self.dtype).name})"
+            f"RemoteTensorRef(worker={self.owner}, session={self.session_generation}, "
+            f"buffer={self.buffer_id}, generation={self.generation}, shape={self.shape}, "
+            f"dtype={np.dtype(self.dtype).name})"
         )
 
 

@@ -197,6 +197,8 @@ class RemoteTensor(
     shape: Shape
     strides: Strides
     tag: TensorTag
+    #: The owner's session generation: a runner refuses a tensor of another session.
+    session: U32 = 0
 
 
 class InlineTensor(
@@ -277,6 +279,8 @@ class BufferKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     owner: I32
     buffer_id: U64
     generation: U64
+    #: The owner's session generation (every body naming a buffer carries it).
+    session: U32 = 0
 
 
 class CopyTo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -284,6 +288,7 @@ class CopyTo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     generation: U64
     offset: U64
     data: ControlData
+    session: U32 = 0
 
 
 class CopyFrom(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -291,6 +296,7 @@ class CopyFrom(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     generation: U64
     offset: U64
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTROL_DATA)]
+    session: U32 = 0
 
 
 class ImportBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -302,6 +308,8 @@ class ImportBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offset: U64
     data: ControlData
     final: bool
+    #: The owner's session generation (part of the snapshot's key on the importer).
+    session: U32 = 0
 
 
 # name -> body struct; None means the body must be empty.

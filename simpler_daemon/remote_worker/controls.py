@@ -16,8 +16,14 @@ Tables:
 * ``installed``: hashid -> :class:`Installed` (kind, target, refcount, the inner
   handle for sub/chip callables); ``pending``: prepared, not yet committed.
 * ``own``: buffer id -> heap ``Buffer`` allocated by ``alloc`` (owner = this worker).
-* ``imports``: (owner, buffer id, generation) -> :class:`ImportEntry`, a local
-  snapshot of another worker's buffer (a heap buffer of its own).
+* ``imports``: (owner, buffer id, generation, owner's session generation) ->
+  :class:`ImportEntry`, a local snapshot of another worker's buffer (a heap buffer of
+  its own).
+
+Every tensor and buffer control names the session generation of the buffer's owner;
+this session's own buffers answer only to ``session_generation`` (the manifest's): a
+reference from before the parent reconnected is refused, never taken for a buffer
+this session numbered the same way.
 
 A task runs one at a time (the command lane has one request in flight), so a
 ``free`` never races a task; buffers still go through the heap's pin counts, so
@@ -65,7 +71,8 @@ from simpler_daemon.remote.wire import (
 )
 
 Kind = Literal["sub", "chip", "orchestration"]
-ImportKey = tuple[int, int, int]
+#: (owner, buffer id, generation, the owner's session generation).
+ImportKey = tuple[int, int, int, int]
 
 #: Control versions this runner understands.
 CONTROL_VERSION = 1
@@ -194,9 +201,11 @@ class SessionControls:
         worker_id: int,
         host: str,
         allowed_modules: tuple[str, ...],
+        session_generation: int = 0,
     ) -> None:
         self.inner = inner
         self.worker_id = worker_id
+        self.session_generation = session_generation
         self.host = host
         self.allowed_modules = allowed_modules
         self.orchestrations: dict[bytes, Callable[..., Any]] = {}
@@ -414,7 +423,17 @@ class SessionControls:
         self.own[buf.buffer_id] = buf
         return AllocResult(buffer_id=buf.buffer_id, generation=buf.generation, nbytes=buf.nbytes)
 
-    def _own(self, op: str, buffer_id: int, generation: int) -> Buffer:
+    def _lost(self, owner: int, buffer_id: int, session: int) -> str:
+        return (
+            f"buffer {buffer_id} of session {session} of remote worker {owner}, which ended: "
+            f"its data is lost ({self.where} is session {self.session_generation})"
+        )
+
+    def _own(self, op: str, buffer_id: int, generation: int, session: int) -> Buffer:
+        if session != self.session_generation:
+            raise ControlFailure(
+                E_CONTROL_FAILED, f"cannot {op} {self._lost(self.worker_id, buffer_id, session)}"
+            )
         buf = self.own.get(buffer_id)
         if buf is None:
             raise ControlFailure(
@@ -437,7 +456,7 @@ class SessionControls:
                 f"cannot free buffer {msg.buffer_id}: it is owned by worker {msg.owner}, "
                 f"not {self.where} (release an import instead)",
             )
-        buf = self._own("free", msg.buffer_id, msg.generation)
+        buf = self._own("free", msg.buffer_id, msg.generation, msg.session)
         del self.own[msg.buffer_id]
         # The heap defers the release while an inner task slot still pins the buffer.
         self.inner.heap.free(buf)
@@ -447,7 +466,7 @@ class SessionControls:
         return self.inner.heap.array(buf).reshape(-1).view(np.uint8)[: buf.nbytes]
 
     def copy_to(self, msg: CopyTo) -> None:
-        buf = self._own("copy_to", msg.buffer_id, msg.generation)
+        buf = self._own("copy_to", msg.buffer_id, msg.generation, msg.session)
         end = msg.offset + len(msg.data)
         if end > buf.nbytes:
             raise ControlFailure(
@@ -458,7 +477,7 @@ class SessionControls:
         self._raw(buf)[msg.offset : end] = np.frombuffer(msg.data, dtype=np.uint8)
 
     def copy_from(self, msg: CopyFrom) -> bytes:
-        buf = self._own("copy_from", msg.buffer_id, msg.generation)
+        buf = self._own("copy_from", msg.buffer_id, msg.generation, msg.session)
         end = msg.offset + msg.nbytes
         if end > buf.nbytes:
             raise ControlFailure(
@@ -470,7 +489,7 @@ class SessionControls:
 
     def import_chunk(self, msg: ImportBody) -> None:
         """One chunk of a snapshot of another worker's buffer; the first creates the copy."""
-        key = (msg.owner, msg.buffer_id, msg.generation)
+        key = (msg.owner, msg.buffer_id, msg.generation, msg.session)
         what = (
             f"cannot import buffer {msg.buffer_id} (generation {msg.generation}) of worker "
             f"{msg.owner} into {self.where}"
@@ -505,7 +524,7 @@ class SessionControls:
             entry.complete = True
 
     def release(self, msg: BufferKey) -> None:
-        key = (msg.owner, msg.buffer_id, msg.generation)
+        key = (msg.owner, msg.buffer_id, msg.generation, msg.session)
         entry = self.imports.pop(key, None)
         if entry is None:
             raise ControlFailure(
@@ -582,13 +601,15 @@ class SessionControls:
     def _remote_view(self, i: int, t: RemoteTensor) -> np.ndarray[Any, Any]:
         key = f"tensor {i} (owner {t.owner}, buffer {t.buffer_id}, generation {t.generation})"
         if t.owner == self.worker_id:
+            if t.session != self.session_generation:
+                raise BadTaskArgs(f"tensor {i} is {self._lost(t.owner, t.buffer_id, t.session)}")
             buf = self.own.get(t.buffer_id)
             if buf is None:
                 raise BadTaskArgs(f"{key}: not allocated on {self.where}")
             if buf.generation != t.generation:
                 raise BadTaskArgs(f"{key}: stale generation (current {buf.generation})")
         else:
-            entry = self.imports.get((t.owner, t.buffer_id, t.generation))
+            entry = self.imports.get((t.owner, t.buffer_id, t.generation, t.session))
             if entry is None:
                 raise BadTaskArgs(f"{key}: not imported on {self.where}")
             if not entry.complete:

@@ -189,6 +189,7 @@ class SessionRunner:
             worker_id=self.worker_id,
             host=self.host,
             allowed_modules=allowed,
+            session_generation=m.session_generation,
         )
         for i, c in enumerate(m.callables):
             try:

@@ -116,7 +116,11 @@ def test_a_ref_from_a_session_that_ended_never_touches_the_new_sessions_buffers(
         lambda: w4.copy_from_remote(old),
         lambda: w4.free(old),
     ):
-        with pytest.raises(ValueError, match="not a live buffer"):
+        with pytest.raises(
+            ValueError,
+            match=rf"buffer {old.buffer_id} of session 1 of remote worker {a}, which ended: "
+            "its data is lost",
+        ):
             call()
     assert (w4.copy_from_remote(new) == 0).all()
 

@@ -117,7 +117,7 @@ def test_remote_descriptor_round_trips_with_its_owner(heap: Heap, fleet: RemoteF
     assert desc.remote and desc.buffer_offset == 1 and desc.buffer_id == 7
     assert desc.generation == 3 and desc.shape == (16,) and desc.strides == (4,)
     assert desc.tag is Tag.INOUT and scalars == [3]
-    assert slot.pins == [(1, 7, 3)] and fleet.buffers[x.key].pins == 1
+    assert slot.pins == [(1, 7, 3, 0)] and fleet.buffers[x.key].pins == 1
 
 
 def test_dependencies_key_on_owner_buffer_generation(heap: Heap, fleet: RemoteFleet) -> None:
@@ -171,12 +171,13 @@ def test_a_remote_tensor_of_another_worker_needs_an_import(heap: Heap, fleet: Re
 def test_a_ref_from_an_ended_session_never_names_a_new_buffer(
     heap: Heap, fleet: RemoteFleet
 ) -> None:
-    old = RemoteTensorRef(1, 7, 3, (16,), "float32", 64, session=111)
+    old = RemoteTensorRef(1, 7, 3, (16,), "float32", 64, session=111, session_generation=1)
     # The new session numbered its first buffer the same way: same (owner, id, generation).
-    new = RemoteTensorRef(1, 7, 3, (16,), "float32", 64, session=222)
+    new = RemoteTensorRef(1, 7, 3, (16,), "float32", 64, session=222, session_generation=2)
     fleet.buffers[new.key] = _Buffer(new)
+    fleet.live[1] = 2
     o = Orchestrator(sink_with(heap, fleet), Run())
-    with pytest.raises(ValueError, match="not a live buffer"):
+    with pytest.raises(ValueError, match="buffer 7 of session 1 of remote worker 1, which ended"):
         o.submit_next_level(CHIP, TaskArgs().add_tensor(old), worker=1)
     o.submit_next_level(CHIP, TaskArgs().add_tensor(new), worker=1)
 
@@ -186,7 +187,7 @@ def test_a_freed_or_lost_remote_buffer_is_refused(heap: Heap, fleet: RemoteFleet
     x = ref_on(fleet, owner=1)
     fleet.forget_session(1)  # the session ended: its buffers went with it
     o = Orchestrator(sink, Run())
-    with pytest.raises(ValueError, match="not a live buffer"):
+    with pytest.raises(ValueError, match="which ended: its data is lost"):
         o.submit_next_level(CHIP, TaskArgs().add_tensor(x), worker=1)
 
 
