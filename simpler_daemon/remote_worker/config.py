@@ -112,9 +112,16 @@ class SessionsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max: int = 16
     """Concurrent sessions (runner processes)."""
     max_connections: int = 64
-    """Connections in their handshake at once; more are refused at accept."""
+    """Connections in their handshake at once. A new one beyond it closes the oldest
+    unauthenticated handshake (of the source with the most); it is refused only when
+    every handshake has authenticated already."""
+    max_connections_per_source: int = 16
+    """Connections from one source address in their handshake at once, counted from
+    accept (before TLS); a new one beyond it closes that source's oldest
+    unauthenticated handshake."""
     handshake_timeout: float = 10.0
-    """Seconds a parent has to authenticate and send its manifest."""
+    """Seconds a connection has, from accept, to complete TLS, authenticate and send its
+    manifest; then it is closed."""
     max_manifest_bytes: int = MAX_MANIFEST_BYTES
     max_callables: int = 256
     """Callables one manifest may install."""
@@ -135,7 +142,9 @@ class CallablesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     allowed_modules: list[str] = msgspec.field(default_factory=default_allowed_modules)
     """A module is allowed when it equals an entry or lies below one (``entry.``)."""
     python_path: list[str] = []
-    """Absolute directories put in front of the runners' import path (PYTHONPATH)."""
+    """Absolute, existing directories put in front of the runners' import path. The
+    runner starts isolated (``python -I``): neither the working directory nor
+    PYTHON* variables reach its ``sys.path``; these entries are added explicitly."""
 
     def allows(self, module: str) -> bool:
         return module_allowed(module, self.allowed_modules)
@@ -224,7 +233,13 @@ def _check(config: RemoteWorkerConfig, insecure: bool) -> None:
             "tls.client_ca_file", " requires tls.cert_file and tls.key_file (mutual TLS is TLS)"
         )
 
-    for name in ("max", "max_connections", "max_manifest_bytes", "max_heap_bytes"):
+    for name in (
+        "max",
+        "max_connections",
+        "max_connections_per_source",
+        "max_manifest_bytes",
+        "max_heap_bytes",
+    ):
         if getattr(s, name) <= 0:
             raise Invalid(f"sessions.{name}", f": must be > 0, got {getattr(s, name)}")
     for name in ("max_callables", "max_sub_workers", "max_chips"):
@@ -248,13 +263,7 @@ def _check(config: RemoteWorkerConfig, insecure: bool) -> None:
         "callables.allowed_modules", config.callables.allowed_modules, trailing_dot=True
     )
     for i, path in enumerate(config.callables.python_path):
-        if not path:
-            raise Invalid(f"callables.python_path[{i}]", ": is empty")
-        check_path(f"callables.python_path[{i}]", path)
-        if ":" in path:
-            raise Invalid(
-                f"callables.python_path[{i}]", f": {path!r} contains ':', the PYTHONPATH separator"
-            )
+        _check_import_dir(f"callables.python_path[{i}]", path)
 
     if not is_loopback(host) and not insecure:
         lacking = [
@@ -273,6 +282,22 @@ def _check(config: RemoteWorkerConfig, insecure: bool) -> None:
                 "the port could run code as this user. Configure TLS and a token, or pass "
                 "--insecure on a trusted network",
             )
+
+
+def _check_import_dir(key: str, path: str) -> None:
+    """``path`` is an absolute directory this user may list and enter: the runners
+    import job modules from it."""
+    if not path:
+        raise Invalid(key, ": is empty")
+    check_path(key, path)
+    if ":" in path:
+        raise Invalid(key, f": {path!r} contains ':', the PYTHONPATH separator")
+    if not os.path.exists(path):
+        raise Invalid(key, f": {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise Invalid(key, f": {path!r} is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise Invalid(key, f": {path!r} is not readable by uid {os.getuid()}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -37,8 +37,11 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import signal
+import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -74,6 +77,7 @@ __all__ = [
     "EXIT_CONFIG",
     "EXIT_OK",
     "EXIT_STARTUP",
+    "FAILED_AUTH_DELAY_S",
     "RUNNER_ARGV_ENV",
     "RemoteWorkerService",
     "SessionInfo",
@@ -95,6 +99,12 @@ _LINGER: Final = 1.0
 # Unread input drained at most after a refusal: a whole manifest.
 _MAX_DRAIN: Final = 16 << 20
 _WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})
+#: A wrong token from a source with too many failures is answered after this long.
+FAILED_AUTH_DELAY_S: Final = 1.0
+#: Closing connections to make room is logged at warning once per source per this long.
+_EVICT_LOG_EVERY_S: Final = 60.0
+_MAX_LOGGED_HOSTS: Final = 4096
+_LISTEN_BACKLOG: Final = 128
 
 log = logging.getLogger("simpler_daemon.remote.worker")
 
@@ -116,12 +126,31 @@ class SessionInfo:
     pump: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """One connection in its handshake (TLS, token, manifest), from accept on."""
+
+    host: str
+    peer: str
+    since: float = field(default_factory=time.monotonic)
+    #: Its token was right: it is a parent's, and is never closed to make room.
+    authenticated: bool = False
+    #: Closed to make room for a newer connection (see ``RemoteWorkerService._admit``).
+    evicted: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+def _unauthenticated(handshakes: dict[int, _Pending]) -> int:
+    return sum(1 for hs in handshakes.values() if not hs.authenticated and not hs.evicted)
+
+
 class _Refused(Exception):
     """Ends a connection with ``{"ok": false, "error": str(exc)}``."""
 
 
 class _AuthFailed(_Refused):
-    """A wrong token: counted against the peer's host (``FailedAuthLimiter``)."""
+    """A wrong token: counted against the peer's host (``FailedAuthLimiter``), and
+    answered late once that host has failed too often."""
 
 
 class _StartFailed(Exception):
@@ -149,7 +178,8 @@ class RemoteWorkerService:
         self.config = config
         self._token = credentials.token
         self._ssl = credentials.ssl_context
-        #: Hosts that sent too many wrong tokens are refused a while (not even compared).
+        #: Counts wrong tokens per source; a source over the limit gets its wrong tokens
+        #: answered late (never its correct ones refused).
         self.auth_limiter = FailedAuthLimiter()
         self._limits = cfg.manifest_limits(config)
         self.notifier = notifier or SystemdNotifier(None)
@@ -157,7 +187,9 @@ class RemoteWorkerService:
         self._announce = announce or _print
         self.sessions: dict[int, SessionInfo] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._handshakes = 0
+        #: Connections in their handshake, by source address, oldest first.
+        self._pending: dict[str, dict[int, _Pending]] = {}
+        self._evict_logged: dict[str, float] = {}
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self.address: tuple[str, int] | None = None
@@ -175,21 +207,14 @@ class RemoteWorkerService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop_event.set)
         host, port = self.config.listen_address
-        s = self.config.sessions
         try:
-            server = await asyncio.start_server(
-                self._on_connection,
-                host,
-                port,
-                ssl=self._ssl,
-                ssl_handshake_timeout=s.handshake_timeout if self._ssl else None,
-                limit=_READY_LINE_LIMIT,
-            )
+            listener = _listen(host, port)
         except OSError as exc:
             raise StartupError(
                 f"cannot listen on {self.config.worker.listen}: {exc.strerror or exc}"
             ) from exc
-        bound = server.sockets[0].getsockname()
+        acceptor = asyncio.create_task(self._accept(listener), name="accept")
+        bound = listener.getsockname()
         self.address = (bound[0], bound[1])
         where = format_host_port(bound[0], bound[1])
         self._announce(f"listening on {where}")
@@ -210,14 +235,15 @@ class RemoteWorkerService:
             self._stopping = True
             self.notifier.stopping(f"stopping: {len(self.sessions)} sessions")
             log.info("stopping: %d sessions", len(self.sessions))
-            server.close()
+            acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acceptor
+            listener.close()
             await self._stop_sessions()
             if watchdog is not None:
                 watchdog.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watchdog
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 1.0)
         log.info("stopped")
         return EXIT_OK
 
@@ -257,76 +283,187 @@ class RemoteWorkerService:
 
     # -- one connection ------------------------------------------------------------------
 
-    def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.create_task(self._connection(reader, writer), name="handshake")
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept connections and admit each one (``_admit``) before a byte is read."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and the like: the next accept may work
+                log.warning("cannot accept a connection: %s", exc.strerror or exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._admit(conn, addr)
+
+    def _admit(self, conn: socket.socket, addr: Any) -> None:
+        """Count the connection against its source's and the listener's limits, making
+        room by closing the oldest unauthenticated handshake when one is full.
+
+        A parent sends its token right after connecting, so the handshakes that are
+        oldest and still unauthenticated are the idle or slow ones: a flood of them,
+        even from the parent's own address, never keeps a prompt parent out. Only
+        when every handshake in the way has authenticated is the new one refused.
+        """
+        host = addr[0] if isinstance(addr, tuple) and addr else "?"
+        peer = format_host_port(addr[0], addr[1]) if isinstance(addr, tuple) else "?"
+        s = self.config.sessions
+        mine = self._pending.setdefault(host, {})
+        if len(mine) >= s.max_connections_per_source:
+            self._evict(host, "sessions.max_connections_per_source")
+        if sum(len(v) for v in self._pending.values()) >= s.max_connections:
+            victim = max(self._pending, key=lambda h: _unauthenticated(self._pending[h]))
+            self._evict(victim, "sessions.max_connections")
+        refused = ""
+        if len(mine) >= s.max_connections_per_source:
+            refused = (
+                f"cannot open session: {len(mine)} connections from {host} are already "
+                "in their handshake (limit sessions.max_connections_per_source)"
+            )
+        elif sum(len(v) for v in self._pending.values()) >= s.max_connections:
+            refused = (
+                f"cannot open session: {sum(len(v) for v in self._pending.values())} "
+                "connections are already in their handshake (limit sessions.max_connections)"
+            )
+        hs = _Pending(host, peer)
+        if not refused:
+            mine[id(hs)] = hs
+        elif not mine:
+            self._pending.pop(host, None)
+        task = asyncio.create_task(self._connection(conn, hs, refused), name="handshake")
+        hs.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peername = writer.get_extra_info("peername")
-        peer = format_host_port(peername[0], peername[1]) if peername else "?"
-        host = peername[0] if peername else "?"
-        counted = False
+    def _evict(self, host: str, limit: str) -> None:
+        """Close the oldest unauthenticated handshake of ``host`` (if it has one)."""
+        for hs in self._pending.get(host, {}).values():
+            if not hs.authenticated and not hs.evicted:
+                hs.evicted = True
+                self._forget(hs)
+                if hs.task is not None:
+                    hs.task.cancel()
+                now = time.monotonic()
+                if now - self._evict_logged.get(host, -math.inf) >= _EVICT_LOG_EVERY_S:
+                    self._evict_logged[host] = now
+                    log.warning(
+                        "closed an unauthenticated connection from %s (open %.1f s) to make "
+                        "room (%s); more are logged at debug for %.0f s",
+                        hs.peer, now - hs.since, limit, _EVICT_LOG_EVERY_S,
+                    )  # fmt: skip
+                else:
+                    log.debug("closed an unauthenticated connection from %s (%s)", hs.peer, limit)
+                return
+
+    def _forget(self, hs: _Pending) -> None:
+        mine = self._pending.get(hs.host)
+        if mine is not None and mine.pop(id(hs), None) is not None and not mine:
+            del self._pending[hs.host]
+            if len(self._evict_logged) > _MAX_LOGGED_HOSTS:
+                self._evict_logged.clear()
+
+    async def _connection(self, conn: socket.socket, hs: _Pending, refused: str) -> None:
+        loop = asyncio.get_running_loop()
+        peer = hs.peer
         log.debug("connection from %s", peer)
+        s = self.config.sessions
+        reader = asyncio.StreamReader(limit=_READY_LINE_LIMIT)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        writer: asyncio.StreamWriter | None = None
         try:
-            if self._stopping:
-                raise _Refused("cannot open session: the worker is stopping")
-            blocked = self.auth_limiter.blocked_for(host)
-            if blocked:
-                raise _Refused(
-                    f"cannot open session: too many failed authentications from {host}; "
-                    f"refused for {blocked:.0f} s"
-                )
-            if self._handshakes >= self.config.sessions.max_connections:
-                raise _Refused(
-                    f"cannot open session: {self._handshakes} connections are already in their "
-                    "handshake (limit sessions.max_connections)"
-                )
-            self._handshakes += 1
-            counted = True
-            manifest = await self._handshake(reader)
-            self._handshakes -= 1
-            counted = False
+            # One deadline for all of it: the TLS handshake, the token and the manifest.
+            async with asyncio.timeout(s.handshake_timeout) as deadline:
+                try:
+                    transport, _ = await loop.connect_accepted_socket(
+                        lambda: protocol,
+                        conn,
+                        ssl=self._ssl,
+                        ssl_handshake_timeout=s.handshake_timeout if self._ssl else None,
+                    )
+                except (OSError, ssl.SSLError) as exc:
+                    log.debug("connection from %s: TLS handshake failed: %s", peer, exc)
+                    return
+                writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+                if self._stopping:
+                    raise _Refused("cannot open session: the worker is stopping")
+                if refused:
+                    raise _Refused(refused)
+                manifest = await self._handshake(reader, hs)
+                deadline.reschedule(None)
+            self._forget(hs)
             await self._session(manifest, peer, writer)
+        except TimeoutError:
+            if writer is None:
+                log.debug("connection from %s: no TLS handshake within the deadline", peer)
+                return
+            log.info("refused %s: handshake not completed in time", peer)
+            await _refuse(
+                reader,
+                writer,
+                f"cannot open session: handshake not completed within {s.handshake_timeout:g}s "
+                "(sessions.handshake_timeout)",
+            )
         except _AuthFailed as exc:
-            limiter = self.auth_limiter
-            failures = limiter.failed(host)
-            if failures >= limiter.max_failures:
-                log.warning(
-                    "refusing %s for %.0f s: %d failed authentications within %.0f s",
-                    host, limiter.block_s, failures, limiter.window_s,
-                )  # fmt: skip
-            else:
-                log.warning("refused %s: %s", peer, exc)
-            await _refuse(reader, writer, str(exc))
+            assert writer is not None
+            await self._auth_failed(hs, reader, writer, str(exc))
         except _Refused as exc:
             log.info("refused %s: %s", peer, exc)
-            await _refuse(reader, writer, str(exc))
+            if writer is not None:
+                await _refuse(reader, writer, str(exc))
         except asyncio.CancelledError:
-            _abort(writer)
-            raise
+            if writer is not None:
+                _abort(writer)
+            if not hs.evicted:
+                raise
         except Exception:
             # A bug must not take the listener or another connection down.
             log.exception("connection from %s failed", peer)
-            _abort(writer)
+            if writer is not None:
+                _abort(writer)
         finally:
-            if counted:
-                self._handshakes -= 1
-            writer.close()
+            self._forget(hs)
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
 
-    async def _handshake(self, reader: asyncio.StreamReader) -> Manifest:
+    async def _auth_failed(
+        self,
+        hs: _Pending,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        error: str,
+    ) -> None:
+        """Count a wrong token against its source; once the source has failed too often,
+        answer each further wrong token only after ``FAILED_AUTH_DELAY_S``.
+
+        The source is never refused: its next connection's token is compared as usual,
+        so a correct one (the real parent sharing an address with a guesser) is
+        accepted at once. Only the failures are slowed down.
+        """
+        limiter = self.auth_limiter
+        failures = limiter.failed(hs.host)
+        if failures >= limiter.max_failures:
+            log.warning(
+                "%d failed authentications from %s within %.0f s: for %.0f s its wrong "
+                "tokens are answered after %.0f s (a correct token is still accepted)",
+                failures, hs.host, limiter.window_s, limiter.block_s, FAILED_AUTH_DELAY_S,
+            )  # fmt: skip
+        else:
+            log.warning("refused %s: %s", hs.peer, error)
+        if limiter.blocked_for(hs.host):
+            await asyncio.sleep(FAILED_AUTH_DELAY_S)
+        await _refuse(reader, writer, error)
+
+    async def _handshake(self, reader: asyncio.StreamReader, hs: _Pending) -> Manifest:
+        """Token, then manifest (the caller bounds both with the handshake deadline)."""
         s = self.config.sessions
         try:
-            async with asyncio.timeout(s.handshake_timeout):
-                token = await read_auth(reader)
-                if not hmac.compare_digest(token, self._token):
-                    raise _AuthFailed("cannot open session: authentication failed")
-                data = await read_lp(reader, s.max_manifest_bytes)
-        except TimeoutError:
-            raise _Refused(
-                f"cannot open session: handshake not completed within {s.handshake_timeout:g}s "
-                "(sessions.handshake_timeout)"
-            ) from None
+            token = await read_auth(reader)
+            if not hmac.compare_digest(token, self._token):
+                raise _AuthFailed("cannot open session: authentication failed")
+            hs.authenticated = True  # from here on it is a parent's: never evicted
+            log.debug("connection from %s: authenticated", hs.peer)
+            data = await read_lp(reader, s.max_manifest_bytes)
         except ProtocolError as exc:
             raise _Refused(f"cannot open session: {exc}") from None
         except OSError as exc:  # a reset, or a TLS record error after the TLS handshake
@@ -577,6 +714,16 @@ async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, er
                 budget -= len(chunk)
     except (TimeoutError, ConnectionError, OSError):
         pass
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The non-blocking listening socket (SO_REUSEADDR, as asyncio.start_server sets it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server(
+        (host, port), family=family, backlog=_LISTEN_BACKLOG, dualstack_ipv6=False
+    )
+    sock.setblocking(False)
+    return sock
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:

@@ -40,7 +40,7 @@ from simpler_daemon.remote.manifest import (
 )
 from simpler_daemon.remote_worker import config as cfg
 from simpler_daemon.remote_worker.config import RemoteWorkerConfig
-from tests.support.remote_worker import self_signed
+from tests.support.remote_worker import run_cli, self_signed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,6 +123,11 @@ def test_string_setting_keeps_text_from_env(tmp_path: Path) -> None:
         ("[tls]\nclient_ca_file = '/ca.pem'\n", "tls.client_ca_file", "requires tls.cert_file"),
         ("[sessions]\nmax = 0\n", "sessions.max", "> 0"),
         ("[sessions]\nmax_connections = 0\n", "sessions.max_connections", "> 0"),
+        (
+            "[sessions]\nmax_connections_per_source = 0\n",
+            "sessions.max_connections_per_source",
+            "> 0",
+        ),
         ("[sessions]\nmax_callables = -1\n", "sessions.max_callables", ">= 0"),
         ("[sessions]\nmax_manifest_bytes = 16777217\n", "sessions.max_manifest_bytes", "at most"),
         ("[sessions]\nhandshake_timeout = 0.0\n", "sessions.handshake_timeout", "> 0"),
@@ -131,7 +136,7 @@ def test_string_setting_keeps_text_from_env(tmp_path: Path) -> None:
         ("[sessions]\nkill_grace = -0.1\n", "sessions.kill_grace", ">= 0"),
         ("[sessions]\nmax_heap_bytes = 0\n", "sessions.max_heap_bytes", "> 0"),
         ("[callables]\nallowed_modules = ['a..b']\n", "callables.allowed_modules[0]", "dotted"),
-        ("[callables]\npython_path = ['/ok', 'rel']\n", "callables.python_path[1]", "absolute"),
+        ("[callables]\npython_path = ['/tmp', 'rel']\n", "callables.python_path[1]", "absolute"),
         ("[callables]\npython_path = ['/a:/b']\n", "callables.python_path[0]", "separator"),
         ("[callables]\npython_path = ['']\n", "callables.python_path[0]", "empty"),
     ],
@@ -141,6 +146,26 @@ def test_every_error_names_its_key(tmp_path: Path, text: str, key: str, fragment
     assert exc.key == key
     assert key in str(exc) and fragment in str(exc)
     assert str(exc).startswith(f"cannot load config {tmp_path / 'worker.toml'}: ")
+
+
+def test_python_path_entries_must_be_existing_directories(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for bad, fragment in (
+        (tmp_path / "missing", "does not exist"),
+        (afile, "is not a directory"),
+    ):
+        exc = config_error(tmp_path, f"[callables]\npython_path = ['{jobs}', '{bad}']\n")
+        assert exc.key == "callables.python_path[1]"
+        assert f"callables.python_path[1]: '{bad}' {fragment}" in str(exc)
+    # check-config says the same, with exit status 2 and nothing started.
+    (tmp_path / "w.toml").write_text(f"[callables]\npython_path = ['{tmp_path / 'missing'}']\n")
+    done = run_cli("check-config", str(tmp_path / "w.toml"))
+    assert done.returncode == 2, done
+    assert f"callables.python_path[0]: '{tmp_path / 'missing'}' does not exist" in done.stderr
+    assert cfg.load(None, env={}, overrides={"callables.python_path": [str(jobs)]})
 
 
 def test_error_names_where_the_value_came_from(tmp_path: Path) -> None:

@@ -192,13 +192,28 @@ def test_connection_and_session_limits(start_worker: Callable[..., RunningWorker
         "ok": False,
         "error": "cannot open session: 1 sessions already running (limit sessions.max)",
     }
-    # One connection in its handshake uses up sessions.max_connections.
+    # An unauthenticated connection in its handshake fills sessions.max_connections: a
+    # new one closes it to make room (a parent is never kept out by idle connections).
     hold = socket.create_connection(("127.0.0.1", w.port), timeout=30)
     try:
         hold.sendall(b"SL")
         w.wait_accepted(hold)
         reply = w.handshake(manifest(worker_id=0))
-        assert "connections are already in their handshake" in reply["error"]
+        assert reply["error"].endswith("1 sessions already running (limit sessions.max)")
+        with contextlib.suppress(ConnectionError):
+            assert hold.recv(100) == b""
+        assert "to make room (sessions.max_connections)" in w.log_text()
+        # One that authenticated is a parent's: it is never closed, so the next is refused.
+        hold2 = socket.create_connection(("127.0.0.1", w.port), timeout=30)
+        with hold2:
+            hold2.sendall(encode_auth(TOKEN) + (100).to_bytes(4, "little"))
+            peer = f"127.0.0.1:{hold2.getsockname()[1]}"
+            poll_for(lambda: f"connection from {peer}: authenticated" in w.log_text(), timeout=10)
+            reply = w.handshake(manifest(worker_id=0))
+            assert reply["error"] == (
+                "cannot open session: 1 connections are already in their handshake "
+                "(limit sessions.max_connections)"
+            )
     finally:
         hold.close()
     # The session ends (its runner dies): the worker reaps it and the slot is free again.
@@ -232,6 +247,7 @@ def test_runner_spec_file_and_environment(
     spec_dir = tmp_path / "specs"
     spec_dir.mkdir()
     jobs = tmp_path / "jobs"
+    jobs.mkdir()
     w = start_worker(
         "--set",
         f'worker.spec_dir="{spec_dir}"',
