@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import bisect
 import errno
+import itertools
 import math
 import mmap
 import operator
 import os
 import re
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -96,7 +97,7 @@ class Heap:
         self._buffers: dict[int, Buffer] = {}
         self._starts: list[int] = []  # sorted offsets of live buffers
         self._by_start: dict[int, Buffer] = {}
-        self._next_id = 1
+        self._ids: Iterator[int] = itertools.count(1)
         self._generation = 0
         self._touched = (
             0  # end of the highest range ever allocated; beyond it pages are fresh zeros
@@ -114,6 +115,11 @@ class Heap:
         """Allocate a C-contiguous array on the heap and return a view of it."""
         buf = self.alloc_buffer(shape, dtype)
         return self.array(buf)
+
+    def continue_ids(self, ids: Iterator[int]) -> None:
+        """Take buffer ids from ``ids`` from now on (the daemon's run history hands them
+        out so that they never repeat across its restarts)."""
+        self._ids = ids
 
     def alloc_buffer(self, shape: tuple[int, ...] | int, dtype: Any = "float32") -> Buffer:
         self._check_open()
@@ -148,8 +154,7 @@ class Heap:
             self._base[off : min(off + nbytes, self._touched)] = 0
         self._touched = max(self._touched, off + length)
         self._generation += 1
-        buf = Buffer(self._next_id, self._generation, off, nbytes, shp, dt.str)
-        self._next_id += 1
+        buf = Buffer(next(self._ids), self._generation, off, nbytes, shp, dt.str)
         self._buffers[buf.buffer_id] = buf
         bisect.insort(self._starts, off)
         self._by_start[off] = buf

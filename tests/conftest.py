@@ -37,6 +37,11 @@ pytest.register_assert_rewrite(
 from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files  # noqa: E402
 from tests.support.worker_pool import TASKS, Pool  # noqa: E402
 
+# A daemon a test starts keeps no run history unless the test gives it a state_dir
+# (tests/support/daemon_harness.py does, one per daemon): never the user's
+# ~/.local/state, and never one directory shared by daemons running at once.
+os.environ.setdefault("SIMPLER_DAEMON__DAEMON__STATE_DIR", ":memory:")
+
 # A shell without job control starts background commands with SIGINT ignored (``make
 # test &`` in a script, nohup), and Python then never raises KeyboardInterrupt; exec'd
 # processes inherit an ignored signal, but not a handler. The Ctrl-C tests (a Worker's

@@ -228,7 +228,7 @@ def print_status(out: Out, status: Any) -> None:
         f"(done {c.done}/{c.total}, failed {c.failed}, running {c.running})"
     )
     message = error_message(status)
-    if status.state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED) and message:
+    if status.state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST) and message:
         out.line(f"  error: {message}")
 
 
@@ -308,7 +308,12 @@ def progress_fields(ev: pb.RunEvent, elapsed: float) -> dict[str, Any]:
     finished = c.done + c.failed
     rate = finished / elapsed if elapsed > 0 else 0.0
     eta: float | None = None
-    if ev.state in (pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED):
+    if ev.state in (
+        pb.RUN_STATE_COMPLETED,
+        pb.RUN_STATE_FAILED,
+        pb.RUN_STATE_CANCELLED,
+        pb.RUN_STATE_LOST,
+    ):
         eta = 0.0
     elif rate > 0:
         eta = (c.total - finished) / rate

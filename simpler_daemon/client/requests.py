@@ -53,7 +53,7 @@ MAX_WAIT_S: Final = 1e8
 #: Bytes per WriteBuffer message unless the caller asks for less.
 WRITE_CHUNK: Final = 1 << 20
 TERMINAL_STATES: Final = frozenset(
-    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
+    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST}
 )
 
 #: The run states a ListRuns filter may name.

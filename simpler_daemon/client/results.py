@@ -66,6 +66,8 @@ class RunPhase(enum.IntEnum):
     COMPLETED = pb.RUN_STATE_COMPLETED
     FAILED = pb.RUN_STATE_FAILED
     CANCELLED = pb.RUN_STATE_CANCELLED
+    #: The daemon stopped while the run was active (reported after its restart).
+    LOST = pb.RUN_STATE_LOST
 
     @property
     def terminal(self) -> bool:
@@ -80,7 +82,9 @@ class RunPhase(enum.IntEnum):
             return cls.UNSPECIFIED
 
 
-_TERMINAL: Final = frozenset({RunPhase.COMPLETED, RunPhase.FAILED, RunPhase.CANCELLED})
+_TERMINAL: Final = frozenset(
+    {RunPhase.COMPLETED, RunPhase.FAILED, RunPhase.CANCELLED, RunPhase.LOST}
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,7 +142,7 @@ class RunResult:
 
     @property
     def terminal(self) -> bool:
-        """COMPLETED, FAILED or CANCELLED."""
+        """COMPLETED, FAILED, CANCELLED or LOST."""
         return self.state.terminal
 
     def values(self) -> dict[int, Any]:

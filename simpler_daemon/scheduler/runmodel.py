@@ -24,7 +24,7 @@ import asyncio
 import enum
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -228,7 +228,13 @@ class TensorMap:
 class Run:
     """One submitted graph."""
 
-    _ids = itertools.count(1)
+    _ids: Iterator[int] = itertools.count(1)
+
+    @classmethod
+    def continue_ids(cls, ids: Iterator[int]) -> None:
+        """Number runs from ``ids`` from now on, process-wide (the daemon's run history
+        hands them out so that they never repeat across its restarts)."""
+        cls._ids = ids
 
     def __init__(
         self, on_done: Callable[[Run], None] | None = None, run_id: int | None = None

@@ -57,13 +57,20 @@ from simpler_daemon.system.configfile import (
     is_dotted,
     parse_host_port,
 )
-from simpler_daemon.system.runtimedir import SOCKET_NAME, default_runtime_dir, fast_socket_path
+from simpler_daemon.system.runtimedir import (
+    MEMORY_STATE,
+    SOCKET_NAME,
+    default_runtime_dir,
+    default_state_dir,
+    fast_socket_path,
+)
 
 __all__ = [
     "DEFAULT_CONFIG_TOML",
     "DEFAULT_RUN_RESULT_BYTES",
     "ENV_PREFIX",
     "GIB",
+    "MEMORY_STATE",
     "MIB",
     "RESULT_HEADROOM_BYTES",
     "CallablesConfig",
@@ -80,6 +87,7 @@ __all__ = [
     "ServiceConfig",
     "WorkersConfig",
     "default_runtime_dir",
+    "default_state_dir",
     "dump",
     "load",
     "parse_host_port",
@@ -109,6 +117,7 @@ DEFAULT_CONFIG_TOML: Final = """\
 [daemon]
 level = 3
 runtime_dir = ""            # "" = $XDG_RUNTIME_DIR/simpler-daemon, /run/user/<uid>/..., see docs
+state_dir = ""              # run history; "" = $STATE_DIRECTORY or ~/.local/state/simpler-daemon, ":memory:" = none
 startup_timeout = 30.0
 shutdown_grace = 30.0
 log_format = "text"
@@ -220,6 +229,8 @@ def resolve(config: DaemonConfig, env: Mapping[str, str] | None = None) -> Daemo
     service = config.daemon
     if not service.runtime_dir:
         service = replace(service, runtime_dir=default_runtime_dir(env))
+    if not service.state_dir:
+        service = replace(service, state_dir=default_state_dir(env))
     grpc = config.grpc
     if not grpc.unix_socket:
         grpc = replace(grpc, unix_socket=os.path.join(service.runtime_dir, SOCKET_NAME))
@@ -263,6 +274,8 @@ def _check(config: DaemonConfig) -> None:
         raise Invalid("daemon.startup_timeout", f": must be > 0, got {service.startup_timeout}")
     if not (math.isfinite(service.shutdown_grace) and service.shutdown_grace >= 0):
         raise Invalid("daemon.shutdown_grace", f": must be >= 0, got {service.shutdown_grace}")
+    if service.state_dir != MEMORY_STATE:
+        check_path("daemon.state_dir", service.state_dir)
     check_path("daemon.runtime_dir", service.runtime_dir)
 
     for name in ("spin_us", "child_spin_us"):

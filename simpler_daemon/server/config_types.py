@@ -51,6 +51,10 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     runtime_dir: str = ""
     """Socket and state directory; "" = ``default_runtime_dir()`` (``$XDG_RUNTIME_DIR``,
     ``/run/user/<uid>``, ``/run`` for root, else ``/tmp/simpler-daemon-<uid>``)."""
+    state_dir: str = ""
+    """Where the run history lives (``runs.sqlite3``, server/history.py); "" =
+    ``$STATE_DIRECTORY`` under systemd, else ``$XDG_STATE_HOME/simpler-daemon``, else
+    ``~/.local/state/simpler-daemon``; ``":memory:"`` = keep no history."""
     startup_timeout: float = 30.0
     """Seconds for every child to report ready before start-up fails."""
     shutdown_grace: float = 30.0

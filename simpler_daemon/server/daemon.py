@@ -55,6 +55,7 @@ from simpler_daemon.server.config import (
     RemoteWorkerConfig,
     parse_host_port,
 )
+from simpler_daemon.server.history import History, open_history
 from simpler_daemon.server.listeners import (
     bind_private_socket,
     prepare_socket_paths,
@@ -186,11 +187,16 @@ class Daemon:
         notifier: SystemdNotifier | None = None,
         announce: Callable[[str], None] | None = None,
         reload_config: Callable[[], DaemonConfig] | None = None,
+        reset_state: bool = False,
     ) -> None:
         """``reload_config()`` loads the configuration again from its sources (SIGHUP);
-        None: SIGHUP has nothing to reload and says so."""
+        None: SIGHUP has nothing to reload and says so. ``reset_state`` (``--reset-state``):
+        a run history that cannot be opened is moved aside instead of failing start-up."""
         check_limits(config)
         self.config = config
+        self._reset_state = reset_state
+        #: The run history (server/history.py), opened by prepare(); None: ":memory:".
+        self.history: History | None = None
         self.notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._announce = announce or (lambda _line: None)
         self.worker: Worker | None = None
@@ -272,6 +278,12 @@ class Daemon:
             worker.close()
             raise
         self.worker = worker
+        try:  # after the forks: no child holds the history's lock or database
+            self.history = open_history(cfg.daemon.state_dir, worker.heap, reset=self._reset_state)
+        except BaseException:
+            self.worker = None
+            worker.close()
+            raise
         log.info(
             "worker pool ready: %d SUB workers, %d chips, %d local L3 workers, "
             "%d remote workers, heap %d bytes",
@@ -550,6 +562,7 @@ class Daemon:
             on_draining=self._not_serving,
             on_resumed=self._serving_again,
             relay=self._relay,
+            history=self.history,
         )
         service.start()
         self._service = service
@@ -731,6 +744,8 @@ class Daemon:
                 await self.worker.close_async(CLOSE_TIMEOUT)
             except Exception:
                 log.exception("closing the worker pool failed")
+        if self.history is not None:  # the runs are settled: record them, unlock
+            await self.history.close()
         if self._relay is not None:
             self._relay.stop_accepting()
         if self._fast is not None:

@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="TOML configuration (default: the embedded default)"
     )
     add_set_option(serve, example="workers.num_sub_workers=4")
+    serve.add_argument(
+        "--reset-state",
+        action="store_true",
+        help="move a run history that cannot be opened (corrupt) aside and start an empty one",
+    )
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("file", metavar="FILE")
     return ap
@@ -147,7 +152,13 @@ def _serve(args: argparse.Namespace) -> int:
     announce = announcer(config.daemon.log_format, prefix="simpler-daemon")
 
     try:
-        daemon = Daemon(config, notifier=notifier, announce=announce, reload_config=reload_config)
+        daemon = Daemon(
+            config,
+            notifier=notifier,
+            announce=announce,
+            reload_config=reload_config,
+            reset_state=args.reset_state,
+        )
         daemon.prepare()  # every fork happens here, before any thread exists
     except ConfigError as exc:
         _err(str(exc))

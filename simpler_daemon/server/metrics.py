@@ -391,6 +391,13 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
+        self._history_failures = Counter(
+            "history_write_failures",
+            "Writes to the run history (daemon.state_dir) that failed, e.g. on a full disk; "
+            "the runs went on.",
+            namespace=ns,
+            registry=reg,
+        )
         self._build = Info("build", "The daemon's version and Python.", namespace=ns, registry=reg)
         self._build.info({"version": __version__, "python": platform.python_version()})
         if runtime_metrics:
@@ -442,6 +449,10 @@ class Metrics:
 
     def child_restarted(self, kind: str) -> None:
         self._restarts.labels(kind).inc()
+
+    def history_write_failed(self) -> None:
+        """A write to the run history failed (any thread)."""
+        self._history_failures.inc()
 
     def grpc_request(self, method: str, code: str) -> None:
         """A gRPC call to ``method`` finished with status ``code`` (``OK``, ``NOT_FOUND``...)."""

@@ -35,6 +35,7 @@ from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.decoding import BadRequest
 from simpler_daemon.server.fastpath import FastContext
+from simpler_daemon.server.history import History
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
 from simpler_daemon.server.plan import Planner
@@ -116,6 +117,7 @@ class ServiceBase:
         on_draining: Callable[[], Awaitable[None]] | None = None,
         on_resumed: Callable[[], Awaitable[None]] | None = None,
         relay: UnixRelay | None = None,
+        history: History | None = None,
     ) -> None:
         self._worker = worker
         self._relay = relay
@@ -142,6 +144,8 @@ class ServiceBase:
             credentials_dir=config.workers.remote_credentials_dir,
         )
         self._runs = RunTable(worker, config.limits, metrics)
+        if history is not None:  # the runs of earlier daemon processes (server/history.py)
+            self._runs.restore(history)
         self.serving_state: pb.ServingState = pb.SERVING_STATE_SERVING
         self.start_ns = time.time_ns()
         self._streams: Counter[str] = Counter()

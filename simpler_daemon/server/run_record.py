@@ -27,6 +27,7 @@ from simpler_daemon.engine.orchestrator import FailureInfo, Run, RunState, SlotS
 from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.errors import LimitExceeded, Precondition, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.history import StoredRun
 from simpler_daemon.server.metrics import Metrics
 
 __all__ = [
@@ -43,7 +44,11 @@ log = logging.getLogger("simpler_daemon.service")
 
 #: Events a watcher may fall behind by before it is sent a fresh snapshot instead.
 WATCH_QUEUE_LIMIT: Final = 65_536
-_TERMINAL: Final = frozenset({pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED})
+_TERMINAL: Final = frozenset(
+    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST}
+)
+#: States whose RunStatus carries the run's error.
+_WITH_ERROR: Final = frozenset({pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST})
 #: Requests larger than this are fingerprinted on a thread (hashing megabytes stalls the loop).
 _BIG_REQUEST: Final = 1 << 16
 #: Room in a response for what surrounds the results (the RunStatus itself).
@@ -116,6 +121,7 @@ class RunRecord:
     # Slotted: the daemon keeps up to limits.max_finished_runs_kept of them.
     __slots__ = (
         "_error",
+        "_error_pb",
         "_final",
         "_metrics",
         "_results",
@@ -206,10 +212,86 @@ class RunRecord:
         self.results_dropped = ""
         # Kept from the run when it turns terminal (the engine's Run is released then).
         self._error: TaskError | None = None
+        # The error as recorded in the run history (a run from before a restart).
+        self._error_pb: Any = None
         self._was_cancelled = False
         self._results: list[tuple[int, int | None, bytes]] = []
         #: Bytes this finished run's status is counted for (limits.max_finished_run_bytes).
         self.status_bytes = 0
+
+    # -- the run history (server/history.py) -------------------------------------------
+
+    @classmethod
+    def restored(cls, row: StoredRun, metrics: Metrics | None) -> RunRecord:
+        """A finished run of an earlier daemon process, from the run history (a run that
+        was active when that daemon stopped comes back LOST)."""
+        rec = cls(
+            label=row.label,
+            client=row.client,
+            key=row.key,
+            total=row.total,
+            metrics=metrics,
+            priority=row.priority,
+        )
+        rec.run_id = row.run_id
+        rec.key_print = row.key_print
+        rec.done = row.done
+        rec.failed = row.failed
+        rec.running = 0
+        rec.seq = row.seq
+        rec.state = row.state  # type: ignore[assignment]
+        rec.submit_ns = row.submit_ns
+        rec.finish_ns = row.finish_ns
+        rec._terminal_message = row.message
+        rec._final = True
+        rec.finished.set()
+        rec._was_cancelled = row.state == pb.RUN_STATE_CANCELLED
+        text = 0
+        if row.error is not None:
+            rec._error_pb = pb.RunError.FromString(row.error)
+            text = len(rec._error_pb.message) + len(rec._error_pb.remote_text)
+            if rec._error_pb.HasField("task_index"):
+                rec.error_task_index = rec._error_pb.task_index
+        if row.results:
+            rec._results = [(t, m, bytes(v)) for t, m, v in row.results]
+            rec.result_bytes = sum(
+                len(v) + RESULT_FRAMING + RESULT_KEPT_OVERHEAD for _, _, v in rec._results
+            )
+        rec.results_dropped = row.results_dropped
+        rec.status_bytes = (
+            STATUS_BYTES + len(rec.label) + len(rec.key) + len(rec.client) + len(row.message) + text
+        )
+        return rec
+
+    def history_row(self, pid: int) -> tuple[Any, ...]:
+        """What the run history records of this run now (a ``StoredRun``'s fields, the
+        results still a list, then the time and the daemon's ``pid``); on the loop."""
+        final = self._final
+        state = self.state if final else self.proto_state()
+        err = self.error_proto() if final else None
+        counts = self.counts()
+        return (
+            self.run_id,
+            self.client,
+            self.label,
+            self.key,
+            self.key_print,
+            self.priority,
+            int(state),
+            counts.total,
+            counts.done,
+            counts.failed,
+            counts.running,
+            self.submit_ns,
+            self.finish_ns,
+            self.seq,
+            self._terminal_message,
+            None if err is None else err.SerializeToString(),
+            self._results if final and self._results else None,
+            self.results_dropped,
+            time.time_ns(),
+            pid,
+        )
 
     # -- binding ---------------------------------------------------------------------
 
@@ -333,6 +415,8 @@ class RunRecord:
         )
 
     def error_proto(self) -> Any:
+        if self._error_pb is not None:
+            return self._error_pb
         run = self.run
         err = run.error if run is not None else self._error
         if err is None:
@@ -364,7 +448,7 @@ class RunRecord:
             client=self.client,
             priority=self.priority,
         )
-        if out.state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED):
+        if out.state in _WITH_ERROR:
             err = self.error_proto()
             if err is not None:
                 out.error.CopyFrom(err)

@@ -53,6 +53,7 @@ from simpler_daemon.errors import (
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
 from simpler_daemon.server.config import LimitsConfig, run_result_limit
+from simpler_daemon.server.history import History
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.plan import MAX_KEY
 from simpler_daemon.server.run_record import (
@@ -132,6 +133,9 @@ class RunTable:
         self._worker = worker
         self._limits = limits
         self._metrics = metrics
+        #: The run history (server/history.py; None: daemon.state_dir = ":memory:", or
+        #: not restored yet): told of every run known, changed, finished and forgotten.
+        self._history: History | None = None
         self._runs: dict[int, RunRecord] = {}
         self._active: dict[int, RunRecord] = {}
         self._live: dict[int, RunRecord] = {}  # bound to an engine Run, not yet finished
@@ -225,6 +229,39 @@ class RunTable:
         for rec in self._runs.values():
             counts[_STATE_KEY.get(rec.proto_state(), "queued")] += 1
         return counts
+
+    def restore(self, history: History) -> None:
+        """Start recording into ``history`` and know the runs it kept from earlier daemon
+        processes (finished or LOST), within today's retention limits (the runs past
+        them are forgotten, in the history too). Call before any run is launched."""
+        stored, history.stored = history.stored, []
+        history.metrics = self._metrics
+        history.start()
+        self._history = None  # restoring rewrites nothing
+        try:
+            for row in stored:
+                rec = RunRecord.restored(row, self._metrics)
+                self._runs[rec.run_id] = rec
+                if rec.key:
+                    scoped = self._scoped(rec.client, rec.key)
+                    self._keys[scoped] = rec.run_id
+                    self._key_prints[scoped] = rec.key_print
+                self._remember_finished(rec)
+        finally:
+            self._history = history
+        for row in stored:
+            if row.run_id not in self._runs:
+                history.forget(row.run_id)
+        # Every id below the history's next one may have been given out before.
+        self._highest_id = max(self._highest_id, history.run_ids.next_id - 1)
+        if stored:
+            log.info(
+                "run history %s: %d earlier runs known (%d of them LOST: active when "
+                "their daemon stopped)",
+                history.path,
+                len(self._runs),
+                history.lost,
+            )
 
     def record(self, run_id: int, field: str = "run_id") -> RunRecord:
         """The run's record; ``InvalidField`` for 0, ``UnknownObject`` for an unknown id
@@ -384,6 +421,8 @@ class RunTable:
 
     def _bound(self, rec: RunRecord) -> None:
         self._live[rec.run_id] = rec
+        if self._history is not None:
+            self._history.submitted(rec)
 
     def _run_finished(self, rec: RunRecord) -> None:
         self._log_finished(rec)
@@ -416,6 +455,8 @@ class RunTable:
             self._finished_result_bytes += rec.result_bytes
         self._finished_status_bytes += rec.status_bytes
         self._status_bytes_by_client[rec.client] += rec.status_bytes
+        if self._history is not None:
+            self._history.finished(rec)
         self._trim()
 
     def _trim(self) -> None:
@@ -434,6 +475,8 @@ class RunTable:
             victim = self._runs.get(old)
             if victim is not None:
                 freed = victim.drop_results(f"limits.max_finished_result_bytes = {limit}")
+                if self._history is not None:
+                    self._history.changed(victim)
                 self._finished_result_bytes -= freed
                 log.info(
                     "run %d: results (%d bytes) dropped: finished runs keep at most %d bytes",
@@ -469,6 +512,8 @@ class RunTable:
         if gone is None:
             return
         self._evicted[old] = why
+        if self._history is not None:
+            self._history.forget(old)
         if len(self._evicted) > _EVICTIONS_REMEMBERED:
             self._evicted.popitem(last=False)
         self._finished_status_bytes -= gone.status_bytes

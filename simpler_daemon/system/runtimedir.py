@@ -6,6 +6,10 @@ The daemon creates these paths and a client searches for them
     daemon.runtime_dir = ""      ->  default_runtime_dir()
     grpc.unix_socket = ""        ->  <runtime_dir>/daemon.sock
     fast.unix_socket = ""        ->  <runtime_dir>/daemon.fast.sock  (fast_socket_path)
+
+and its run history (which, unlike the sockets, must survive a reboot)::
+
+    daemon.state_dir = ""        ->  default_state_dir()
 """
 
 from __future__ import annotations
@@ -15,12 +19,21 @@ import stat
 from collections.abc import Mapping
 from typing import Final
 
-__all__ = ["FAST_SUFFIX", "SOCKET_NAME", "default_runtime_dir", "fast_socket_path"]
+__all__ = [
+    "FAST_SUFFIX",
+    "MEMORY_STATE",
+    "SOCKET_NAME",
+    "default_runtime_dir",
+    "default_state_dir",
+    "fast_socket_path",
+]
 
 #: The gRPC socket's file name in the runtime directory.
 SOCKET_NAME: Final = "daemon.sock"
 #: The fast path's socket sits beside the gRPC one: ``daemon.sock`` -> ``daemon.fast.sock``.
 FAST_SUFFIX: Final = ".fast.sock"
+#: ``daemon.state_dir`` that keeps no run history (ids still never repeat in one process).
+MEMORY_STATE: Final = ":memory:"
 
 
 def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
@@ -54,3 +67,21 @@ def fast_socket_path(grpc_socket: str) -> str:
     directory, name = os.path.split(grpc_socket)
     stem = name[: -len(".sock")] if name.endswith(".sock") else name
     return os.path.join(directory, stem + FAST_SUFFIX)
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where the daemon keeps its run history when ``daemon.state_dir`` is not set.
+
+    ``$STATE_DIRECTORY`` under systemd (``StateDirectory=``; the first of a
+    colon-separated list); else ``$XDG_STATE_HOME/simpler-daemon``; else
+    ``~/.local/state/simpler-daemon``.
+    """
+    env = os.environ if env is None else env
+    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd and os.path.isabs(systemd):
+        return systemd
+    xdg = env.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "simpler-daemon")
+    home = env.get("HOME", "") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "state", "simpler-daemon")

@@ -253,6 +253,7 @@ def test_daemon_passes_its_spins_to_the_worker(short_dir: Path) -> None:
         env={},
         overrides={
             "daemon.runtime_dir": str(short_dir),
+            "daemon.state_dir": ":memory:",
             "workers.num_sub_workers": "1",
             "scheduler.spin_us": "150",
             "scheduler.child_spin_us": "75",

@@ -77,6 +77,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
     "daemon": {
         "level": 4,
         "runtime_dir": "/srv/simpler",
+        "state_dir": "/var/lib/simpler",
         "startup_timeout": 12.5,
         "shutdown_grace": 0.0,
         "log_format": "json",

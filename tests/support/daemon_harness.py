@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +127,15 @@ class DaemonProcess:
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
         *,
         env: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> None:
+        """``args``: more ``serve`` options (``--reset-state``)."""
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         sections = merged(overrides)
         sections["daemon"].setdefault("runtime_dir", str(directory / "run"))
+        # Its own run history (server/history.py), beside its sockets.
+        sections["daemon"].setdefault("state_dir", str(directory / "state"))
         self.socket = str(
             sections.get("grpc", {}).get("unix_socket") or directory / "run" / "daemon.sock"
         )
@@ -140,6 +144,7 @@ class DaemonProcess:
         self.stdout_path = directory / "stdout.txt"
         self.stderr_path = directory / "stderr.txt"
         self.extra_env = dict(env or {})
+        self.extra_args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.worker_pids: list[int] = []
 
@@ -151,9 +156,10 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         env = dict(os.environ)
         env.pop("SIMPLER_DAEMON_SOCKET", None)
+        env.pop("SIMPLER_DAEMON__DAEMON__STATE_DIR", None)  # the config names its state_dir
         env.update(NOTIFY_SOCKET=self.notify.path, PYTHONUNBUFFERED="1", **self.extra_env)
         cmd = [sys.executable, "-m", "simpler_daemon.server.main", "serve"]
-        cmd += ["--config", str(self.config_path)]
+        cmd += ["--config", str(self.config_path), *self.extra_args]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err

@@ -22,6 +22,11 @@ def nothing(args: Any) -> None:
     """Return None: no result travels back."""
 
 
+def blob(args: Any) -> bytes:
+    """Return ``scalars[0]`` zero bytes (a result of a chosen size)."""
+    return bytes(int(args.scalars[0]))
+
+
 def sleep_ms(args: Any) -> None:
     """``time.sleep(scalars[0] / 1000)``: a task stuck in a system call."""
     time.sleep(args.scalars[0] / 1000.0)
