@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import selectors
 import socket
 import ssl
 import threading
@@ -47,9 +48,12 @@ log = logging.getLogger("simpler_daemon.remote.session")
 
 ATTACH_BYTES = 40  # u64 LE session_id + 32 raw bytes of the attach key
 HEALTH_INTERVAL_S = 0.2
-#: How long one health-lane candidate may take to present its attach bytes: the
-#: lane is accepted one connection at a time, so a silent peer must not hold it.
+#: How long one health-lane candidate may take to present its attach bytes (its TLS
+#: handshake included). Candidates are checked side by side, so a silent one holds up
+#: nobody; this only bounds what it costs.
 HEALTH_CANDIDATE_S = 2.0
+#: Health-lane candidates checked at once; a newer one drops the oldest.
+MAX_HEALTH_CANDIDATES = 64
 #: How long the health thread waits for a blocked loop to take a stop request.
 STOP_ACK_S = 1.0
 _COMMAND_TYPES = frozenset({FrameType.TASK, FrameType.CONTROL, FrameType.SHUTDOWN})
@@ -201,48 +205,136 @@ class HealthLane(threading.Thread):
         return None
 
     def _accept(self) -> socket.socket | None:
+        """The first candidate that presents the right attach bytes, or None.
+
+        Candidates are checked side by side (non-blocking, one selector), each within
+        ``HEALTH_CANDIDATE_S``: a silent or slow connection, with or without TLS, never
+        holds up the parent's, however many there are (past ``MAX_HEALTH_CANDIDATES``
+        the oldest is dropped).
+        """
         r = self.runner
-        while not self.stop_event.is_set():
-            remaining = r.deadline - time.monotonic()
-            if remaining <= 0 or r.parent_gone():
-                return None
-            self.listener.settimeout(min(HEALTH_INTERVAL_S, remaining))
+        sel = selectors.DefaultSelector()
+        pending: dict[int, _Candidate] = {}  # fd -> candidate, oldest first
+        self.listener.setblocking(False)
+        sel.register(self.listener, selectors.EVENT_READ)
+        try:
+            while not self.stop_event.is_set():
+                now = time.monotonic()
+                if now >= r.deadline or r.parent_gone():
+                    return None
+                for fd, cand in list(pending.items()):
+                    if now >= cand.until:
+                        log.warning("health lane: dropped a candidate: no attach bytes in time")
+                        self._drop(sel, pending, fd)
+                wake = min([r.deadline, *(c.until for c in pending.values())])
+                for key, _ in sel.select(max(0.0, min(HEALTH_INTERVAL_S, wake - now))):
+                    if key.fileobj is self.listener:
+                        self._take(sel, pending)
+                        continue
+                    fd = key.fd
+                    cand = pending.get(fd)
+                    if cand is None:
+                        continue
+                    try:
+                        state = cand.step(r)
+                    except (OSError, ssl.SSLError) as exc:
+                        log.warning("health lane: dropped a candidate connection: %s", exc)
+                        state = _REJECTED
+                    if state == _ATTACHED:
+                        sel.unregister(cand.sock)
+                        del pending[fd]
+                        cand.sock.setblocking(True)
+                        return cand.sock
+                    if state == _REJECTED:
+                        self._drop(sel, pending, fd)
+                    else:
+                        sel.modify(cand.sock, state)
+            return None
+        finally:
+            for fd in list(pending):
+                self._drop(sel, pending, fd)
+            sel.close()
+
+    def _take(self, sel: selectors.BaseSelector, pending: dict[int, _Candidate]) -> None:
+        """Accept what the listener holds; each becomes a candidate."""
+        r = self.runner
+        while True:
             try:
                 conn, _ = self.listener.accept()
-            except TimeoutError:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the candidates time out
+                log.warning("health lane: cannot accept a connection: %s", exc)
+                return
+            try:
+                tune_socket(conn, r.manifest.session_timeout_s)
+                conn.setblocking(False)
+                sock: socket.socket = conn
+                if r.tls is not None:
+                    sock = r.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ssl.SSLError) as exc:
+                log.warning("health lane: dropped a candidate connection: %s", exc)
+                conn.close()
                 continue
-            except OSError:
-                return None
+            if len(pending) >= MAX_HEALTH_CANDIDATES:
+                log.warning("health lane: dropped the oldest of %d candidates", len(pending))
+                self._drop(sel, pending, next(iter(pending)))
             budget = min(HEALTH_CANDIDATE_S, max(0.0, r.deadline - time.monotonic()))
-            sock = self._check(conn, time.monotonic() + budget)
-            if sock is not None:
-                return sock
-        return None
+            cand = _Candidate(sock, time.monotonic() + budget, r.tls is not None)
+            pending[sock.fileno()] = cand
+            sel.register(sock, selectors.EVENT_READ)
 
-    def _check(self, conn: socket.socket, until: float) -> socket.socket | None:
-        """The candidate's attach bytes, or None (closed) when they are wrong or late."""
-        r = self.runner
-        sock: socket.socket = conn
-        try:
-            tune_socket(conn, r.manifest.session_timeout_s)
-            conn.settimeout(max(0.001, until - time.monotonic()))
-            if r.tls is not None:
-                sock = r.tls.wrap_socket(conn, server_side=True)
-            data = b""
-            while len(data) < ATTACH_BYTES:
-                sock.settimeout(max(0.001, until - time.monotonic()))
-                chunk = sock.recv(ATTACH_BYTES - len(data))
-                if not chunk:
-                    break
-                data += chunk
-            if r.attach_ok(data):
-                return sock
-            log.warning("health lane: rejected a connection with a wrong attach key")
-        except (OSError, ssl.SSLError) as exc:
-            log.warning("health lane: dropped a candidate connection: %s", exc)
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector, pending: dict[int, _Candidate], fd: int) -> None:
+        cand = pending.pop(fd)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(cand.sock)
         with contextlib.suppress(OSError):
-            sock.close()
-        return None
+            cand.sock.close()
+
+
+_ATTACHED = 0
+_REJECTED = -1
+
+
+class _Candidate:
+    """One health-lane connection that has not shown its attach bytes yet."""
+
+    __slots__ = ("data", "handshaking", "sock", "until")
+
+    def __init__(self, sock: socket.socket, until: float, tls: bool) -> None:
+        self.sock = sock
+        self.until = until
+        self.handshaking = tls
+        self.data = b""
+
+    def step(self, r: LaneHost) -> int:
+        """Advance on readiness: ``_ATTACHED``, ``_REJECTED``, or the selector events
+        to wait for next. ``OSError`` / ``ssl.SSLError`` when the connection failed."""
+        sock = self.sock
+        if self.handshaking:
+            assert isinstance(sock, ssl.SSLSocket)
+            try:
+                sock.do_handshake()
+            except ssl.SSLWantReadError:
+                return selectors.EVENT_READ
+            except ssl.SSLWantWriteError:
+                return selectors.EVENT_WRITE
+            self.handshaking = False
+        while len(self.data) < ATTACH_BYTES:
+            try:
+                chunk = sock.recv(ATTACH_BYTES - len(self.data))
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return selectors.EVENT_READ
+            except ssl.SSLWantWriteError:
+                return selectors.EVENT_WRITE
+            if not chunk:
+                return _REJECTED
+            self.data += chunk
+        if r.attach_ok(self.data):
+            return _ATTACHED
+        log.warning("health lane: rejected a connection with a wrong attach key")
+        return _REJECTED
 
 
 # -- command lane ----------------------------------------------------------------------------------

@@ -653,6 +653,44 @@ def test_wrong_attach_key_rejected_then_right_key_attaches(
     )
 
 
+@pytest.mark.parametrize("with_tls", [False, True], ids=["tcp", "tls"])
+def test_silent_health_connections_during_attach_do_not_stall_it(
+    tmp_path: Path, runners: list[Runner], with_tls: bool
+) -> None:
+    # Checked one at a time, 12 silent candidates held the health lane for 2 s each,
+    # past the 15 s attach deadline.
+    tls: dict[str, str | None] | None = None
+    ctx: ssl.SSLContext | None = None
+    if with_tls:
+        pair = self_signed_cert(tmp_path)
+        if pair is None:
+            pytest.skip("the openssl CLI is not available")
+        cert, key = pair
+        tls = {"cert_file": str(cert), "key_file": str(key), "client_ca_file": None}
+        ctx = ssl.create_default_context(cafile=str(cert))
+    r = Runner(tmp_path, budget_s=15.0, tls=tls, client_tls=ctx)
+    runners.append(r)
+    assert r.ready["ok"], r.ready
+    silent = [socket.create_connection(r._addr(r.ready["health"]), timeout=10) for _ in range(12)]
+    try:
+        if ctx is not None:
+            # Half of them finish TLS, then say nothing; the rest never start it.
+            for i, s in enumerate(silent[:6]):
+                silent[i] = ctx.wrap_socket(s, server_hostname="127.0.0.1")
+        r.attach()
+        poll_for(lambda: len(r.health_seqs) >= 2, timeout=10)
+        buf = r.alloc([1], "int8")
+        assert (
+            r.task("tests.support.l3_jobs:fill_remote", [tensor(buf, [1], "int8")], [5]).error_code
+            == 0
+        )
+    finally:
+        for s in silent:
+            s.close()
+    r.send(FrameType.SHUTDOWN)
+    assert r.wait_exit() == 0
+
+
 def test_command_eof_ends_session(runner: Runner) -> None:
     assert runner.command is not None
     runner.command.close()
