@@ -222,8 +222,8 @@ class HealthLane(threading.Thread):
                 now = time.monotonic()
                 if now >= r.deadline or r.parent_gone():
                     return None
-                for fd, cand in list(pending.items()):
-                    if now >= cand.until:
+                for fd, old in list(pending.items()):
+                    if now >= old.until:
                         log.warning("health lane: dropped a candidate: no attach bytes in time")
                         self._drop(sel, pending, fd)
                 wake = min([r.deadline, *(c.until for c in pending.values())])
@@ -232,9 +232,10 @@ class HealthLane(threading.Thread):
                         self._take(sel, pending)
                         continue
                     fd = key.fd
-                    cand = pending.get(fd)
-                    if cand is None:
+                    found = pending.get(fd)
+                    if found is None:
                         continue
+                    cand = found
                     try:
                         state = cand.step(r)
                     except (OSError, ssl.SSLError) as exc:
