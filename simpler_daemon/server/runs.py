@@ -241,11 +241,7 @@ class RunTable:
         try:
             for row in stored:
                 rec = RunRecord.restored(row, self._metrics)
-                self._runs[rec.run_id] = rec
-                if rec.key:
-                    scoped = self._scoped(rec.client, rec.key)
-                    self._keys[scoped] = rec.run_id
-                    self._key_prints[scoped] = rec.key_print
+                self._add(rec)
                 self._remember_finished(rec)
         finally:
             self._history = history
@@ -587,6 +583,8 @@ class RunTable:
             scoped = self._scoped(rec.client, rec.key)
             self._keys[scoped] = run_id
             self._key_prints[scoped] = rec.key_print
+        if self._history is not None:  # a queued run is recorded QUEUED from now on
+            self._history.submitted(rec)
 
     async def _start(
         self,

@@ -163,7 +163,8 @@ def test_a_run_active_when_the_daemon_is_killed_comes_back_lost_with_its_counts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = tmp_path / "state"
-    first = daemon_on(tmp_path, "a", state).start()
+    # One active run per client: a second one waits QUEUED in the client's queue.
+    first = daemon_on(tmp_path, "a", state, {"limits": {"per_client_runs": 1}}).start()
     try:
         with first.client() as c:
             nothing = c.register(f"{TASKS}:nothing")
@@ -172,10 +173,18 @@ def test_a_run_active_when_the_daemon_is_killed_comes_back_lost_with_its_counts(
             done = c.run([sub_task(nothing)], label="before")
             tasks = [sub_task(nothing) for _ in range(3)] + [sub_task(sleep, scalars=[60_000])]
             run = int(c.submit(tasks, label="long"))
+            queued = int(c.submit([sub_task(nothing)], label="queued"))
+            assert c.wait_run(queued, timeout=0).state is RunPhase.QUEUED
 
             def recorded() -> bool:
-                row = stored(state).get(run)
-                return row is not None and row["done"] == 3 and row["running"] == 1
+                rows = stored(state)
+                row, waiting = rows.get(run), rows.get(queued)
+                return (
+                    row is not None
+                    and (row["done"], row["running"]) == (3, 1)
+                    and waiting is not None
+                    and waiting["state"] == RunPhase.QUEUED
+                )
 
             wait_until(recorded, timeout=60, message="the history never recorded 3 done, 1 running")
     finally:
@@ -193,17 +202,20 @@ def test_a_run_active_when_the_daemon_is_killed_comes_back_lost_with_its_counts(
             assert lost.error.outcome == "LOST"
             with pytest.raises(TaskError, match=f"pid {first.pid}"):
                 c.wait(run)
-            assert [r.run_id for r in c.list_runs(states=["lost"])] == [run]
+            assert [r.run_id for r in c.list_runs(states=["lost"])] == [queued, run]
+            never = c.wait_run(queued, timeout=30)
+            assert never.state is RunPhase.LOST and never.label == "queued"
+            assert (never.counts.total, never.counts.done) == (1, 0)
             assert c.wait_run(done.run_id).state is RunPhase.COMPLETED
 
             # Ids were reserved ahead: after a kill they jump, never repeat.
             nothing = c.register(f"{TASKS}:nothing")
-            assert c.run([sub_task(nothing)]).run_id > run
+            assert c.run([sub_task(nothing)]).run_id > queued
             assert int(c.alloc_array(np.zeros(4, dtype=np.float32))) > buffer
 
         code, out, err = Ctl(second.socket, capsys)("runs", "--state", "lost")
         assert code == 0, err
-        assert f"{run} " in out and "LOST" in out
+        assert f"{run} " in out and f"{queued} " in out and out.count("LOST") == 2
         code, out, err = Ctl(second.socket, capsys)("wait", str(run))
         assert code == 1, err  # a run that did not complete
         assert f"run {run}: LOST (done 3/4, failed 0, running 0)" in out
