@@ -66,6 +66,8 @@ def cmd_info(c: Client, a: argparse.Namespace, out: Out) -> int:
         f"{info.active_runs} active runs"
         + (f", admission {lim.admission}" if lim.admission else "")
     )
+    if info.serving_reason:
+        out.line(f"health:   {info.serving_reason}")
     out.line(f"workers:  {info.num_sub_workers} SUB, {info.num_next_level_workers} NEXT_LEVEL")
     out.line(f"heap:     {heap_line(info.heap)}; {len(buffers)} buffers you can see")
     out.line(

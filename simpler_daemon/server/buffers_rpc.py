@@ -172,6 +172,8 @@ class BuffersRpc(ServiceBase):
                     offset=pos, data=heap.mmap[buf.offset + pos : buf.offset + stop]
                 )
                 pos = stop
+            if end == buf.nbytes:  # the last byte went out: a drain owes this buffer no more
+                self._owed.read(buf.buffer_id, buf.generation)
 
     @unary
     async def FreeBuffer(self, request: Any, context: Any) -> Any:
@@ -184,6 +186,7 @@ class BuffersRpc(ServiceBase):
         self._worker.heap.free(buf.buffer_id)
         self._labels.pop(buf.buffer_id, None)
         self._owners.drop_buffer(buf.buffer_id)
+        self._owed.changed()
         return pb.FreeBufferResponse(deferred=deferred)
 
     @unary

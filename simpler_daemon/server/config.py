@@ -190,6 +190,9 @@ admin_token_file = ""
 admission = "fair"          # "fair": runs share the workers by priority; "fifo": head run first
 spin_us = 200               # the Scheduler's spin before parking while tasks are in flight
 child_spin_us = 50          # a SUB worker's spin for its next task before parking
+
+[health]
+unhealthy_exit_s = 60.0     # a pool without workers this long: stop the watchdog pings; 0 = never
 """
 
 _SCHEMA: Final = ConfigSchema(
@@ -277,6 +280,9 @@ def _check(config: DaemonConfig) -> None:
     if service.state_dir != MEMORY_STATE:
         check_path("daemon.state_dir", service.state_dir)
     check_path("daemon.runtime_dir", service.runtime_dir)
+    exit_s = config.health.unhealthy_exit_s
+    if not (math.isfinite(exit_s) and exit_s >= 0):
+        raise Invalid("health.unhealthy_exit_s", f": must be >= 0 (0 = never), got {exit_s}")
 
     for name in ("spin_us", "child_spin_us"):
         value = getattr(config.scheduler, name)

@@ -305,6 +305,16 @@ class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     least 16 bytes, mode 0600); "" = no token (keep ``listen`` on loopback then)."""
 
 
+class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[health]`` section: what the daemon does when a worker pool has no live
+    worker left and none is being replaced (server/health.py)."""
+
+    unhealthy_exit_s: float = 60.0
+    """Seconds the daemon may stay unhealthy (health NOT_SERVING) before it stops its
+    systemd watchdog pings, so that systemd (``WatchdogSec=``) restarts it; the pings
+    resume if capacity returns first. 0 = never stop them (report only)."""
+
+
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration; decode with ``msgspec.toml.decode(data, type=DaemonConfig)``
     or, with layering and validation, :func:`load`."""
@@ -318,3 +328,4 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     fast: FastConfig = msgspec.field(default_factory=FastConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)

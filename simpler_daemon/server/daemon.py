@@ -55,6 +55,7 @@ from simpler_daemon.server.config import (
     RemoteWorkerConfig,
     parse_host_port,
 )
+from simpler_daemon.server.health import HealthState, HealthWatch
 from simpler_daemon.server.history import History, open_history
 from simpler_daemon.server.listeners import (
     bind_private_socket,
@@ -223,6 +224,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._reload_config = reload_config
         self._ready_status = ""
+        #: Whether every worker pool has capacity (server/health.py).
+        self.health = HealthState(config.health.unhealthy_exit_s)
         #: Signals that arrived between prepare() and serve() (main records them).
         self.pending_signals: list[int] = []
 
@@ -622,9 +625,7 @@ class Daemon:
             await self._metrics.start(host, port)
             self._tasks.append(asyncio.create_task(self._update_gauges(), name="metrics-gauges"))
 
-        serving = health_pb2.HealthCheckResponse.SERVING
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, serving)
+        await self._publish_health()
         self._announce(f"listening on unix:{path}")
         if self._fast_bound:
             self._announce(f"fast path on {self.fast_socket_path}")
@@ -645,9 +646,18 @@ class Daemon:
         log.info("ready: %s", status)
         self._ready_status = status
         self.notifier.ready(status)
-        period = self.notifier.ping_period()
-        if cfg.daemon.watchdog and period:
+        period = self.notifier.ping_period() if cfg.daemon.watchdog else None
+        if period:
             self._tasks.append(asyncio.create_task(self._watchdog(period), name="watchdog"))
+        watch = HealthWatch(
+            worker,
+            self.health,
+            publish=self._publish_health,
+            notifier=self.notifier,
+            watchdog=bool(period),
+            metrics=self._metrics,
+        )
+        self._tasks.append(asyncio.create_task(watch.run(), name="health"))
 
     async def _start_fast(self, service: Any) -> None:
         """The local fast path (server/fastpath.py) beside the gRPC socket, with the same
@@ -666,28 +676,47 @@ class Daemon:
         await publish_fast(self._fast, path, cfg.grpc.socket_mode, self._gid)
         self._fast_bound = True
 
-    async def _not_serving(self) -> None:
-        """Health turns NOT_SERVING: a drain began (load balancers stop sending work)."""
+    async def _publish_health(self) -> None:
+        """gRPC health (both names), GetInfo's reason and the serving gauge: SERVING while
+        runs are admitted and every worker pool has capacity, else NOT_SERVING."""
         from grpc_health.v1 import health_pb2
 
+        from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2
+
+        service = self._service
+        serving = (
+            service is not None
+            and service.serving_state == daemon_pb2.SERVING_STATE_SERVING
+            and self.health.healthy
+        )
+        if service is not None:
+            service.health_reason = self.health.reason
         if self._health is not None:
+            status = health_pb2.HealthCheckResponse
             for name in ("", SERVICE_NAME):
-                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                await self._health.set(name, status.SERVING if serving else status.NOT_SERVING)
+        if self._metrics is not None:
+            self._metrics.set_serving(serving)
+
+    async def _not_serving(self) -> None:
+        """Health turns NOT_SERVING: a drain began (load balancers stop sending work)."""
+        await self._publish_health()
         self.notifier.status("draining: no new runs are admitted")
 
     async def _serving_again(self) -> None:
-        """Health turns SERVING again: a Resume undid the drain."""
-        from grpc_health.v1 import health_pb2
-
-        if self._health is not None:
-            for name in ("", SERVICE_NAME):
-                await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.notifier.status("serving: drain undone by Resume")
+        """Health turns SERVING again (unless a pool is down): a Resume undid the drain."""
+        await self._publish_health()
+        if self.health.healthy:
+            self.notifier.status("serving: drain undone by Resume")
+        else:
+            self.notifier.status(f"drain undone by Resume, but unhealthy: {self.health.reason}")
 
     async def _watchdog(self, period: float) -> None:
-        """WATCHDOG=1 from the event loop: a wedged loop stops the pings."""
+        """WATCHDOG=1 from the event loop: a wedged loop stops the pings, and so does a
+        daemon unhealthy for health.unhealthy_exit_s (server/health.py)."""
         while True:
-            self.notifier.watchdog()
+            if not self.health.pings_stopped:
+                self.notifier.watchdog()
             await asyncio.sleep(period)
 
     async def _update_gauges(self) -> None:
@@ -717,6 +746,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         reason = self._stop_reason or "stop"
         grace = self.config.daemon.shutdown_grace
+        started = asyncio.get_running_loop().time()
         self.notifier.stopping(f"stopping ({reason})")
         log.info("stopping (%s)", reason)
         for task in self._tasks:
@@ -738,6 +768,8 @@ class Daemon:
                 # Cancelled runs end once their running tasks do; watchers then see CANCELLED.
                 await service.wait_idle(CLOSE_TIMEOUT / 2)
             log.info("runs: %d finished during shutdown, %d cancelled", finished, cancelled)
+            left = grace - (asyncio.get_running_loop().time() - started)
+            await service.settle_owed(left, self.notifier.status)
         if self.worker is not None:
             self.notifier.status("stopping: shutting down worker processes")
             try:

@@ -391,6 +391,20 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
+        self._serving = Gauge(
+            "serving",
+            "1 while the daemon admits runs and every worker pool has capacity (gRPC health "
+            "SERVING); 0 while it is unhealthy, draining or stopping.",
+            namespace=ns,
+            registry=reg,
+        )
+        self._pool_down = Gauge(
+            "worker_pool_down",
+            "1 while a worker pool has no live worker left and none is being replaced.",
+            ["pool"],
+            namespace=ns,
+            registry=reg,
+        )
         self._history_failures = Counter(
             "history_write_failures",
             "Writes to the run history (daemon.state_dir) that failed, e.g. on a full disk; "
@@ -453,6 +467,14 @@ class Metrics:
     def history_write_failed(self) -> None:
         """A write to the run history failed (any thread)."""
         self._history_failures.inc()
+
+    def set_serving(self, serving: bool) -> None:
+        """Whether gRPC health reports SERVING (see server/health.py)."""
+        self._serving.set(1 if serving else 0)
+
+    def set_pool_down(self, pool: str, down: bool) -> None:
+        """Whether worker pool ``pool`` (``sub``, ``chip``, ``l3``) has no capacity left."""
+        self._pool_down.labels(pool).set(1 if down else 0)
 
     def grpc_request(self, method: str, code: str) -> None:
         """A gRPC call to ``method`` finished with status ``code`` (``OK``, ``NOT_FOUND``...)."""

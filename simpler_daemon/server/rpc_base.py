@@ -37,6 +37,7 @@ from simpler_daemon.server.decoding import BadRequest
 from simpler_daemon.server.fastpath import FastContext
 from simpler_daemon.server.history import History
 from simpler_daemon.server.metrics import Metrics
+from simpler_daemon.server.owed import OwedOutputs
 from simpler_daemon.server.peers import AdminPolicy, Identity, UnixRelay, identify
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.runs import RunTable
@@ -147,6 +148,11 @@ class ServiceBase:
         if history is not None:  # the runs of earlier daemon processes (server/history.py)
             self._runs.restore(history)
         self.serving_state: pb.ServingState = pb.SERVING_STATE_SERVING
+        #: Why a worker pool has no capacity ("" = every pool has; set by the daemon, see
+        #: server/health.py): GetInfo then reports SERVING_STATE_UNHEALTHY.
+        self.health_reason = ""
+        #: What a drain owes the clients: the outputs of the runs it let finish.
+        self._owed = OwedOutputs(worker.heap)
         self.start_ns = time.time_ns()
         self._streams: Counter[str] = Counter()
         self._labels: dict[int, str] = {}
@@ -262,6 +268,12 @@ class ServiceBase:
             pins.clear()
         else:  # an engine without submit-time pins: let go when the run is done
             run.add_done_callback(lambda _run: self._unpin(pins))
+
+    def _took_status(self, rec: Any) -> None:
+        """``rec``'s owner was just answered with its status (WaitRun, WatchRun): a
+        finished run's final status is no longer owed to it (server/owed.py)."""
+        if rec.terminal:
+            self._owed.collected(rec.run_id)
 
     def _check_usable(self, what: str) -> None:
         if self._worker.state is not WorkerState.READY:

@@ -25,6 +25,7 @@ from simpler_daemon.callables import parse_import_path, resolve_import
 from simpler_daemon.errors import AccessDenied, InvalidField, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.offloop import run_off_loop
+from simpler_daemon.server.owed import output_buffers
 from simpler_daemon.server.peers import Identity, client_label
 from simpler_daemon.server.plan import (
     check_label,
@@ -74,6 +75,7 @@ class RunsRpc(ServiceBase):
         response = pb.SubmitRunResponse(run_id=rec.run_id)
         if wait is not None:
             response.status.CopyFrom(await runs.wait(rec, wait, include_results=results))
+            self._took_status(rec)
         return response
 
     async def _submit_run(self, request: Any, who: Identity, key_print: bytes) -> Any:
@@ -109,6 +111,7 @@ class RunsRpc(ServiceBase):
         except BaseException:
             self._unpin(pins)
             raise
+        self._owed.note(rec, output_buffers(m for task in request.tasks for m in task.members))
         return rec
 
     @unary
@@ -174,6 +177,7 @@ class RunsRpc(ServiceBase):
         except BaseException:
             self._unpin(pins)
             raise
+        self._owed.note(rec, output_buffers((request.args,)))
         return run_id
 
     @server_stream
@@ -185,6 +189,7 @@ class RunsRpc(ServiceBase):
             async with contextlib.aclosing(rec.events(request.after_sequence)) as events:
                 async for event in events:
                     yield event
+        self._took_status(rec)
 
     @unary
     async def WaitRun(self, request: Any, context: Any) -> Any:
@@ -195,7 +200,9 @@ class RunsRpc(ServiceBase):
             if request.HasField("timeout_seconds")
             else None
         )
-        return await self._runs.wait(rec, timeout, include_results=request.include_results)
+        status = await self._runs.wait(rec, timeout, include_results=request.include_results)
+        self._took_status(rec)
+        return status
 
     @unary
     async def CancelRun(self, request: Any, context: Any) -> Any:

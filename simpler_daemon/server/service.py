@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from simpler_daemon import __version__
@@ -71,7 +72,12 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
             hostname=self._hostname,
             pid=os.getpid(),
             start_time=now_ts(self.start_ns),
-            serving_state=self.serving_state,
+            serving_state=(
+                pb.SERVING_STATE_UNHEALTHY
+                if self.health_reason and self.serving_state == pb.SERVING_STATE_SERVING
+                else self.serving_state
+            ),
+            serving_reason=self.health_reason,
             heap=pb.HeapInfo(name=heap.name or "", size_bytes=heap.size, used_bytes=used),
             limits=pb.Limits(
                 max_message_bytes=lim.max_message_bytes,
@@ -158,6 +164,7 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
         # call answers runs_cancelled = 0 (runs_finished: those that finished meanwhile).
         self.serving_state = pb.SERVING_STATE_SERVING
         aborted = self._runs.abort_drain()
+        self._owed.end()
         log.info(
             "resumed by %s: admitting runs again%s",
             who,
@@ -177,7 +184,14 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
             self.serving_state = pb.SERVING_STATE_DRAINING
             if self._on_draining is not None:
                 await self._on_draining()
+        self._owed.begin()
         return await self._runs.drain(grace, reason=reason)
+
+    async def settle_owed(self, timeout: float, status: Callable[[str], Any]) -> bool:
+        """Keep serving until the owners of the runs a drain let finish have read their
+        outputs (server/owed.py), at most ``timeout`` seconds; ``status`` gets a line for
+        systemd. False when something was left unread."""
+        return await self._owed.settle(timeout, status)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no run is active; False when ``timeout`` passed first."""

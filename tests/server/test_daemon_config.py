@@ -156,6 +156,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "admin_token_file": "/etc/simpler/admin-token",
     },
     "scheduler": {"admission": "fifo", "spin_us": 150, "child_spin_us": 75},
+    "health": {"unhealthy_exit_s": 5.0},
 }
 
 
@@ -275,6 +276,8 @@ def test_dump_escapes_strings(tmp_path: Path) -> None:
         ("[workers]\nheap_bytes = 0\n", "workers.heap_bytes", "must be > 0"),
         ("[daemon]\nstartup_timeout = 0.0\n", "daemon.startup_timeout", "must be > 0"),
         ("[daemon]\nshutdown_grace = nan\n", "daemon.shutdown_grace", "must be >= 0"),
+        ("[health]\nunhealthy_exit_s = -1.0\n", "health.unhealthy_exit_s", "must be >= 0"),
+        ("[health]\nunhealthy_exit_s = inf\n", "health.unhealthy_exit_s", "(0 = never)"),
         ("[daemon]\nruntime_dir = 'run'\n", "daemon.runtime_dir", "must be an absolute path"),
     ],
 )
