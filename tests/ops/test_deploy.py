@@ -90,6 +90,8 @@ def test_daemon_unit_settings() -> None:
         "TimeoutStopSec": "60",
         "RuntimeDirectory": "simpler-daemon",
         "RuntimeDirectoryMode": "0750",
+        "StateDirectory": "simpler-daemon",
+        "StateDirectoryMode": "0700",
         "Restart": "on-failure",
         "RestartPreventExitStatus": "2 3",
         "User": "simpler",
