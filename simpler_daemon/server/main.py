@@ -2,7 +2,7 @@
 
 ::
 
-    simpler-daemon serve [--config FILE] [--set section.key=value ...]
+    simpler-daemon serve [--config FILE] [--set section.key=value ...] [--reset-state]
     simpler-daemon check-config FILE
     simpler-daemon --version
 
@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="TOML configuration (default: the embedded default)"
     )
     add_set_option(serve, example="workers.num_sub_workers=4")
+    serve.add_argument(
+        "--reset-state",
+        action="store_true",
+        help="move a run history that cannot be opened (corrupt) aside and start an empty one",
+    )
     serve.add_argument(
         "--reset-state",
         action="store_true",

@@ -116,6 +116,8 @@ def test_runs_results_and_ids_survive_a_graceful_restart(
             label="two echoes",
             priority=5,
         )
+        keyed = c.submit([sub_task(echo, scalars=[1])], idempotency_key="once")
+        assert c.wait_run(int(keyed), timeout=60).state is RunPhase.COMPLETED
         bad = c.submit([sub_task(fail, scalars=[3])], label="fails")
         bad_status = c.wait_run(int(bad), timeout=60)
         assert bad_status.state is RunPhase.FAILED
@@ -124,7 +126,7 @@ def test_runs_results_and_ids_survive_a_graceful_restart(
     with stopped_at_the_end(daemon_on(tmp_path, "b", state).start()) as second:
         with second.client() as c:
             runs = {r.run_id: r for r in c.list_runs()}
-            assert set(runs) == {ok.run_id, int(bad)}
+            assert set(runs) == {ok.run_id, int(keyed), int(bad)}
             row = runs[ok.run_id]
             assert row.state is RunPhase.COMPLETED and row.label == "two echoes"
             assert (row.counts.total, row.counts.done, row.counts.failed) == (2, 2, 0)
@@ -141,9 +143,15 @@ def test_runs_results_and_ids_survive_a_graceful_restart(
             assert "example failure (scalar 3)" in failed.error.remote_text
             with pytest.raises(TaskError):
                 c.wait(int(bad))
+            events = list(c.watch(ok.run_id, timeout=30))
+            assert events[-1].state == RunPhase.COMPLETED and events[-1].counts.done == 2
+
+            # The idempotency key still names its run: a retry starts nothing.
+            echo = c.register(f"{TASKS}:echo")
+            retry = c.submit([sub_task(echo, scalars=[1])], idempotency_key="once")
+            assert retry.deduplicated and int(retry) == int(keyed)
 
             # A clean stop stored the exact next ids: they go on from there.
-            echo = c.register(f"{TASKS}:echo")
             later = c.run([sub_task(echo, scalars=[9])])
             assert later.run_id == int(bad) + 1
             assert int(c.alloc_array(np.zeros(4, dtype=np.float32))) == buffer + 1
