@@ -87,11 +87,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="move a run history that cannot be opened (corrupt) aside and start an empty one",
     )
-    serve.add_argument(
-        "--reset-state",
-        action="store_true",
-        help="move a run history that cannot be opened (corrupt) aside and start an empty one",
-    )
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("file", metavar="FILE")
     return ap
