@@ -13,8 +13,10 @@ Per connection (each one isolated; see :mod:`simpler_daemon.remote.manifest`)::
     -> one runner exec'ed in its own process group -> ready line within the deadline
     -> reply {"ok": true, "command", "health", "pid"} | {"ok": false, "error"}
 
-The runner (``python -m simpler_daemon.remote_worker.session --spec FILE --ready-fd N``)
-is exec'ed, never forked from this process: the event loop may have threads. A
+The runner (``python -I -m simpler_daemon.remote_worker.session --spec FILE --ready-fd N``)
+is exec'ed, never forked from this process: the event loop may have threads. It runs
+isolated (``-I``): the working directory and PYTHON* variables do not reach its
+``sys.path``; ``callables.python_path`` is put in front of it explicitly. A
 runner that fails to start, or whose session ends, is reclaimed with its whole
 process group (SIGTERM, ``sessions.kill_grace``, SIGKILL). SIGTERM stops every
 runner the same way (``worker.shutdown_grace``) and exits 0.
@@ -23,7 +25,7 @@ Exit status: 0 clean stop, 2 configuration error, 3 start-up failure (the port
 cannot be bound).
 
 Test hook: the environment variable ``SIMPLER_REMOTE_RUNNER_ARGV`` (a JSON list of
-strings) replaces ``[python, "-m", "simpler_daemon.remote_worker.session"]``; ``--spec FILE
+strings) replaces ``[python, "-I", "-m", "simpler_daemon.remote_worker.session"]``; ``--spec FILE
 --ready-fd N`` are still appended. It exists so tests can stand in a runner that
 misbehaves (never ready, crashes); a warning is logged when it is set.
 """
@@ -183,7 +185,10 @@ class RemoteWorkerService:
         self.auth_limiter = FailedAuthLimiter()
         self._limits = cfg.manifest_limits(config)
         self.notifier = notifier or SystemdNotifier(None)
-        self._runner_argv = list(runner_argv or (sys.executable, "-m", _RUNNER_MODULE))
+        # -I: the runner's sys.path holds neither the working directory nor PYTHON*
+        # variables (a module planted there must not run inside a session); the runner
+        # adds callables.python_path itself.
+        self._runner_argv = list(runner_argv or (sys.executable, "-I", "-m", _RUNNER_MODULE))
         self._announce = announce or _print
         self.sessions: dict[int, SessionInfo] = {}
         self._tasks: set[asyncio.Task[None]] = set()

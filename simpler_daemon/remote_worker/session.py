@@ -662,9 +662,9 @@ def run(spec_path: str, ready_fd: int) -> int:
     # Take the deadline first: everything after counts against it.
     deadline = time.monotonic() + (spec.deadline_unix - time.time())
     _mb.set_pdeathsig(signal.SIGTERM)
-    for entry in spec.python_path:
-        if entry not in sys.path:
-            sys.path.append(entry)
+    # Started with -I: only the interpreter's own paths are on sys.path; the configured
+    # job directories go in front of them, in order (what PYTHONPATH would have done).
+    sys.path[0:0] = [entry for entry in dict.fromkeys(spec.python_path) if entry not in sys.path]
     runner = SessionRunner(spec, deadline)
     try:
         try:

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from simpler_daemon.callables import spec_for_import
 from simpler_daemon.errors import ProtocolError
 from simpler_daemon.remote.manifest import (
     MAX_REPLY_BYTES,
@@ -440,6 +441,59 @@ def test_real_runner_session_opens_and_is_stopped(
     assert w.stop() == 0
     assert not alive(pid)
     assert "session" in w.log_text() and "opened" in w.log_text()
+
+
+_PLANTED = """
+import importlib, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "planted-ran"), "a") as f:
+    f.write("%s %d\\n" % (__name__, os.getpid()))
+if __name__ == "argparse":  # then behave: load the real one in its place
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    del sys.modules[__name__]
+    sys.modules[__name__] = importlib.import_module(__name__)
+def orch(o, args, config):
+    pass
+"""
+
+
+def test_the_runner_imports_nothing_from_the_workers_working_directory(
+    start_worker: Callable[..., RunningWorker], tmp_path: Path
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    # A module shadowing the stdlib (the runner imports argparse) and one named like an
+    # allowed job module, planted where the worker runs.
+    (cwd / "argparse.py").write_text(_PLANTED)
+    (cwd / "plantedjob.py").write_text(_PLANTED)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "realjob.py").write_text("def orch(o, args, config):\n    pass\n")
+    w = start_worker(
+        "--set",
+        'callables.allowed_modules=["simpler_daemon.examples", "plantedjob", "realjob"]',
+        "--set",
+        f'callables.python_path=["{jobs}"]',
+        fake=False,
+        cwd=cwd,
+    )
+
+    def job(target: str) -> dict[str, Any]:
+        item = {
+            "hashid": spec_for_import(target, "orchestration").handle.hashid,
+            "kind": "orchestration",
+            "target": target,
+        }
+        return manifest(worker_id=0, startup_budget_s=60.0, callables=[item])
+
+    assert w.handshake(manifest(worker_id=0, startup_budget_s=60.0))["ok"] is True
+    # callables.python_path is on the isolated runner's import path, explicitly.
+    assert w.handshake(job("realjob:orch"))["ok"] is True
+    refused = w.handshake(job("plantedjob:orch"))
+    assert refused["ok"] is False
+    assert "plantedjob" in refused["error"] and "No module named" in refused["error"]
+    assert not (cwd / "planted-ran").exists(), (cwd / "planted-ran").read_text()
+    assert w.stop() == 0
 
 
 # --------------------------------------------------------------------------- CLI

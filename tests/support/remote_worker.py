@@ -277,6 +277,7 @@ def start_worker(tmp_path: Path, token_file: Path) -> Iterator[Callable[..., Run
         fake: bool = True,
         token: bool = True,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> RunningWorker:
         n = len(started)
         record = tmp_path / f"record{n}"
@@ -304,7 +305,12 @@ def start_worker(tmp_path: Path, token_file: Path) -> Iterator[Callable[..., Run
             cmd += ["--token-file", str(token_file)]
         with open(log, "wb") as log_fh:
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=log_fh, stdin=subprocess.DEVNULL, env=full_env
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=log_fh,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                cwd=cwd,
             )
         assert proc.stdout is not None
         line = b""
