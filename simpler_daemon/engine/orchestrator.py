@@ -29,9 +29,9 @@ from simpler_daemon.scheduler.runmodel import (
     TaskKind,
     TaskRef,
     TaskSlot,
-    TensorMap,
 )
 from simpler_daemon.scheduler.sink import RemoteTensors, SubmitSink
+from simpler_daemon.scheduler.tensormap import TensorMap, overlaps, region
 
 if TYPE_CHECKING:
     from simpler_daemon.args import TensorDesc
@@ -230,17 +230,20 @@ class Orchestrator:
         # Dependencies: producers first (INPUT/INOUT), then become the writer.
         producers: dict[int, TaskSlot] = {}
         tmap = run.tensor_map
+        written = []
         for descs in member_descs:
             for d in descs:
-                if d.tag in (Tag.INPUT, Tag.INOUT):
-                    lo, hi = d.byte_range()
-                    for p in tmap.producers(d.key, lo, hi):
+                tag = d.tag
+                if tag is Tag.NO_DEP:
+                    continue
+                r = region(d)
+                if tag in (Tag.INPUT, Tag.INOUT):
+                    for p in tmap.producers(d.key, r):
                         producers[id(p)] = p
-        for descs in member_descs:
-            for d in descs:
-                if d.tag in (Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT):
-                    lo, hi = d.byte_range()
-                    tmap.write(d.key, lo, hi, slot)
+                if tag is not Tag.INPUT:
+                    written.append((d.key, r))
+        for key, r in written:
+            tmap.write(key, r, slot)
         run.slots.append(slot)
         run.remaining += 1
         failed_producer = None
@@ -364,28 +367,31 @@ def _check_written_overlap(
     handle: CallableHandle,
     index: int,
 ) -> None:
-    """Refuse a task (or group) two of whose written tensors share memory: the children
-    would race on it. Byte ranges find candidates; two local arrays whose ranges meet
-    but whose elements never do (interleaved strided views) are accepted."""
-    written: dict[Any, list[tuple[int, int, str, Any]]] = {}
+    """Refuse a task two of whose written tensors share memory: the child would race with
+    itself on it. Members of a group may write overlapping memory (one group is one
+    writer, as in the origin: each member usually writes its own part of a shared output).
+    The memory test is the dependency map's (``tensormap.overlaps``: per axis for 2-D
+    blocks); two local arrays that pass it but whose elements never meet (interleaved
+    strided views) are accepted."""
     for m, descs in enumerate(member_descs):
+        written: dict[Any, list[tuple[Any, str, Any]]] = {}
         for j, d in enumerate(descs):
             if d.tag not in (Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT):
                 continue
-            lo, hi = d.byte_range()
-            if lo >= hi:
+            r = region(d)
+            if r.lo >= r.hi:
                 continue
             where = f"args[{m}].tensors[{j}] ({d.tag.name})"
             tensor = args_list[m].tensors[j]
-            for olo, ohi, other, otensor in written.setdefault(d.key, []):
-                if olo < hi and lo < ohi and _shares(tensor, otensor):
+            for other_r, other, otensor in written.setdefault(d.key, []):
+                if overlaps(r, other_r) and _shares(tensor, otensor):
                     raise ValueError(
                         f"cannot {api}: task {index} ({handle.name}) writes overlapping "
                         f"memory through {other} and {where} (buffer {d.buffer_id}, bytes "
-                        f"[{olo}, {ohi}) and [{lo}, {hi})); two written arguments of one task "
-                        "would race"
+                        f"[{other_r.lo}, {other_r.hi}) and [{r.lo}, {r.hi})); two written "
+                        "arguments of one task would race"
                     )
-            written[d.key].append((lo, hi, where, tensor))
+            written[d.key].append((r, where, tensor))
 
 
 def _shares(a: Any, b: Any) -> bool:

@@ -4,8 +4,8 @@ Pure bookkeeping: no loop, no mailbox. The Scheduler owns one :class:`Admission`
 (``fifo``; :mod:`simpler_daemon.scheduler.fair` is the other policy) and calls into it; the
 :class:`~simpler_daemon.engine.orchestrator.Orchestrator` facade fills a :class:`Run`'s slots.
 
-Dependencies come from tensor tags, keyed by backing buffer and byte range
-(:class:`TensorMap`)::
+Dependencies come from tensor tags, keyed by backing buffer and the memory a view
+touches (``tensormap.TensorMap``: byte ranges, per axis for 2-D blocks)::
 
     INPUT            depends on the last writer of every overlapping range
     OUTPUT(_EXISTING) becomes the writer of its range, depends on nothing
@@ -34,6 +34,7 @@ from simpler_daemon.args import CallConfig
 from simpler_daemon.callables import CallableHandle
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
+from simpler_daemon.scheduler.tensormap import TensorMap
 
 if TYPE_CHECKING:
     from simpler_daemon.scheduler.fair import Share
@@ -190,39 +191,6 @@ class TaskSlot:
         return (
             f"TaskSlot(run={self.run_id}, index={self.index}, {self.kind.name}, {self.state.name})"
         )
-
-
-class TensorMap:
-    """Last writer per (buffer, byte range) inside one run."""
-
-    __slots__ = ("_writers",)
-
-    def __init__(self) -> None:
-        # Keyed by a local buffer id, or (owner, buffer id, generation) for a remote buffer.
-        self._writers: dict[Any, list[tuple[int, int, TaskSlot]]] = {}
-
-    def producers(self, buffer_id: Any, lo: int, hi: int) -> list[TaskSlot]:
-        out = []
-        for wlo, whi, slot in self._writers.get(buffer_id, ()):
-            if wlo < hi and lo < whi:
-                out.append(slot)
-        return out
-
-    def write(self, buffer_id: Any, lo: int, hi: int, slot: TaskSlot) -> None:
-        if lo >= hi:
-            return
-        segs = self._writers.setdefault(buffer_id, [])
-        kept: list[tuple[int, int, TaskSlot]] = []
-        for wlo, whi, s in segs:
-            if whi <= lo or hi <= wlo:
-                kept.append((wlo, whi, s))
-                continue
-            if wlo < lo:
-                kept.append((wlo, lo, s))
-            if hi < whi:
-                kept.append((hi, whi, s))
-        kept.append((lo, hi, slot))
-        segs[:] = kept
 
 
 class Run:

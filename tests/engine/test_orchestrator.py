@@ -23,6 +23,7 @@ from simpler_daemon.engine.orchestrator import (
 )
 from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
 from simpler_daemon.heap import Heap
+from simpler_daemon.scheduler.tensormap import Region
 from tests.support.submit_sink import CHIP, SUB, Sink
 
 
@@ -72,6 +73,11 @@ class _S:
         return self.name
 
 
+def R(lo: int, hi: int) -> Region:
+    """The region of a dense 1-D view of bytes [lo, hi)."""
+    return Region(lo, hi, dense=True)
+
+
 def names(slots: list[Any]) -> set[str]:
     return {s.name for s in slots}
 
@@ -79,35 +85,35 @@ def names(slots: list[Any]) -> set[str]:
 def test_tensor_map_overlapping_ranges_conflict_disjoint_ones_do_not() -> None:
     tm = TensorMap()
     a = _S("a")
-    tm.write(1, 0, 64, a)  # type: ignore[arg-type]
-    assert names(tm.producers(1, 0, 64)) == {"a"}
-    assert names(tm.producers(1, 63, 64)) == {"a"}  # one shared byte is an overlap
-    assert names(tm.producers(1, 32, 96)) == {"a"}
-    assert tm.producers(1, 64, 128) == []  # touching at the boundary is disjoint
-    assert tm.producers(2, 0, 64) == []  # another buffer never conflicts
+    tm.write(1, R(0, 64), a)  # type: ignore[arg-type]
+    assert names(tm.producers(1, R(0, 64))) == {"a"}
+    assert names(tm.producers(1, R(63, 64))) == {"a"}  # one shared byte is an overlap
+    assert names(tm.producers(1, R(32, 96))) == {"a"}
+    assert tm.producers(1, R(64, 128)) == []  # touching at the boundary is disjoint
+    assert tm.producers(2, R(0, 64)) == []  # another buffer never conflicts
 
 
 def test_tensor_map_partial_overwrite_splits_the_older_writer() -> None:
     tm = TensorMap()
     a, b = _S("a"), _S("b")
-    tm.write(1, 0, 100, a)  # type: ignore[arg-type]
-    tm.write(1, 40, 60, b)  # type: ignore[arg-type]
-    assert names(tm.producers(1, 0, 40)) == {"a"}
-    assert names(tm.producers(1, 40, 60)) == {"b"}
-    assert names(tm.producers(1, 60, 100)) == {"a"}
-    assert names(tm.producers(1, 30, 70)) == {"a", "b"}
+    tm.write(1, R(0, 100), a)  # type: ignore[arg-type]
+    tm.write(1, R(40, 60), b)  # type: ignore[arg-type]
+    assert names(tm.producers(1, R(0, 40))) == {"a"}
+    assert names(tm.producers(1, R(40, 60))) == {"b"}
+    assert names(tm.producers(1, R(60, 100))) == {"a"}
+    assert names(tm.producers(1, R(30, 70))) == {"a", "b"}
 
 
 def test_tensor_map_full_overwrite_replaces_the_writer_and_empty_ranges_are_ignored() -> None:
     tm = TensorMap()
     a, b, c = _S("a"), _S("b"), _S("c")
-    tm.write(1, 0, 100, a)  # type: ignore[arg-type]
-    tm.write(1, 0, 100, b)  # type: ignore[arg-type]
-    assert names(tm.producers(1, 0, 100)) == {"b"}
-    tm.write(1, 50, 50, c)  # type: ignore[arg-type]
-    assert names(tm.producers(1, 0, 100)) == {"b"}
-    tm.write(1, 0, 200, c)  # type: ignore[arg-type]  (covers and extends)
-    assert names(tm.producers(1, 10, 20)) == {"c"}
+    tm.write(1, R(0, 100), a)  # type: ignore[arg-type]
+    tm.write(1, R(0, 100), b)  # type: ignore[arg-type]
+    assert names(tm.producers(1, R(0, 100))) == {"b"}
+    tm.write(1, R(50, 50), c)  # type: ignore[arg-type]
+    assert names(tm.producers(1, R(0, 100))) == {"b"}
+    tm.write(1, R(0, 200), c)  # type: ignore[arg-type]  (covers and extends)
+    assert names(tm.producers(1, R(10, 20))) == {"c"}
 
 
 # -- dependencies on slots ------------------------------------------------------------------------
@@ -157,6 +163,34 @@ def test_disjoint_rows_of_a_2d_buffer_do_not_conflict(sink: Sink, heap: Heap) ->
     o.submit_sub(SUB, args((y[1:3], Tag.INPUT)))
     assert deps_of(o, 2) == {1}
     assert deps_of(o, 3) == {0, 1}
+
+
+def test_disjoint_column_blocks_do_not_conflict_and_cross_row_blocks(
+    sink: Sink, heap: Heap
+) -> None:
+    """Per axis for boxes of one row-major layout (the origin's view-aware map)."""
+    y = heap.alloc((4, 8), "float32")
+    o = orch(sink)
+    o.submit_sub(SUB, args((y[:, :4], Tag.OUTPUT)))  # 0
+    o.submit_sub(SUB, args((y[:, 4:], Tag.OUTPUT)))  # 1
+    o.submit_sub(SUB, args((y[:, 4:], Tag.INPUT)))  # 2: the right block only
+    o.submit_sub(SUB, args((y[1:2, :], Tag.INPUT)))  # 3: a row crosses both blocks
+    o.submit_sub(SUB, args((y[:, ::2], Tag.INPUT)))  # 4: stepped: by byte range
+    assert deps_of(o, 2) == {1}
+    assert deps_of(o, 3) == {0, 1}
+    assert deps_of(o, 4) == {0, 1}
+
+
+def test_overlapping_members_of_a_group_write_as_one_slot(sink: Sink, heap: Heap) -> None:
+    """One group is one writer: its members may overlap (the origin accepts it); within
+    one task's own arguments the refusal stays."""
+    x = heap.alloc((16,), "float64")
+    o = orch(sink)
+    g = o.submit_sub_group(SUB, [args((x[:10], Tag.OUTPUT)), args((x[6:], Tag.OUTPUT))])
+    o.submit_sub(SUB, args((x[8:], Tag.INPUT)))
+    assert deps_of(o, 1) == {g}
+    with pytest.raises(ValueError, match="writes overlapping memory"):
+        o.submit_sub(SUB, args((x[:10], Tag.OUTPUT), (x[6:], Tag.OUTPUT)))
 
 
 def test_different_buffers_never_conflict(sink: Sink, heap: Heap) -> None:
