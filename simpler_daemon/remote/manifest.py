@@ -115,12 +115,20 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     callables: list[ManifestCallable] = []
     session_timeout_s: float = 30.0
     """A peer silent for this long is gone (health and TCP user timeout)."""
-    startup_budget_s: float = 30.0
-    """What remains of the parent's start-up budget; the runner must be attached by then."""
+    startup_budget_s: float | None = None
+    """What remains of the parent's start-up budget; the runner must be attached by then.
+    None (not named): ``session_timeout_s`` bounds the start-up (:meth:`startup_bound_s`)."""
+
     session_generation: int = 0
     """The parent's number for this session of the worker (1, then +1 per reconnect).
     Every remote tensor and buffer control names the generation it belongs to; the
     runner refuses any other one (its buffers are numbered afresh per session)."""
+
+    def startup_bound_s(self) -> float:
+        """Seconds the session's start-up may take, before the worker's own cap."""
+        if self.startup_budget_s is None:
+            return self.session_timeout_s
+        return self.startup_budget_s
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -251,7 +259,9 @@ def validate_manifest(m: Manifest, limits: ManifestLimits) -> None:
             f"must be at most {limits.max_session_timeout_s} (sessions.max_session_timeout_s), "
             f"got {m.session_timeout_s}",
         )
-    if not (math.isfinite(m.startup_budget_s) and m.startup_budget_s > 0):
+    if m.startup_budget_s is not None and not (
+        math.isfinite(m.startup_budget_s) and m.startup_budget_s > 0
+    ):
         raise bad("startup_budget_s", f"must be > 0, got {m.startup_budget_s}")
     if len(m.callables) > limits.max_callables:
         raise bad(

@@ -563,7 +563,8 @@ class RemoteWorkerService:
         caller reclaims the process group either way.
         """
         s = self.config.sessions
-        budget = min(m.startup_budget_s, s.max_startup)
+        # A manifest that names no start-up budget gets its session timeout.
+        budget = min(m.startup_bound_s(), s.max_startup)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         try:

@@ -443,7 +443,10 @@ def test_good_manifest_and_defaults() -> None:
     m = decode_manifest(msgspec.json.encode(good_manifest()))
     validate_manifest(m, LIMITS)
     assert (m.num_chips, m.chip_pipeline_depth, m.heap_bytes) == (0, 2, 64 << 20)
-    assert (m.session_timeout_s, m.startup_budget_s) == (30.0, 30.0)
+    assert (m.session_timeout_s, m.startup_budget_s) == (30.0, None)
+    assert m.startup_bound_s() == 30.0  # no budget named: the session timeout bounds it
+    assert msgspec.structs.replace(m, session_timeout_s=7.0).startup_bound_s() == 7.0
+    assert msgspec.structs.replace(m, startup_budget_s=2.5).startup_bound_s() == 2.5
     validate_manifest(msgspec.structs.replace(m, num_sub_workers=0, num_chips=1), LIMITS)
     with pytest.raises(ManifestError, match=r"callables\.allowed_modules \(nothing\)"):
         validate_manifest(m, ManifestLimits())

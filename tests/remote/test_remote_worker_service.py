@@ -321,6 +321,26 @@ def test_stubborn_runner_and_its_grandchild_are_killed(
     assert w.stop() == 0
 
 
+def test_a_manifest_without_a_startup_budget_is_bounded_by_its_session_timeout(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker("--set", "sessions.kill_grace=0.5")
+    # A runner that never gets ready is given up after the session timeout (2 s)...
+    m = manifest(worker_id=1, session_timeout_s=2.0)
+    del m["startup_budget_s"]
+    reply = w.handshake(m)
+    assert reply["ok"] is False
+    assert "the session runner was not ready within 2s" in reply["error"], reply
+    # ... and a longer session timeout gives a longer bound (the runner's deadline).
+    m = manifest(worker_id=0, session_timeout_s=45.0)
+    del m["startup_budget_s"]
+    before = time.time()
+    assert w.handshake(m)["ok"] is True
+    rec = json.loads((w.record / f"{m['session_id']}.json").read_text())
+    assert before + 44 < rec["spec"]["deadline_unix"] < time.time() + 46
+    assert w.stop() == 0
+
+
 def test_unstartable_runner_command(start_worker: Callable[..., RunningWorker]) -> None:
     w = start_worker(env={"SIMPLER_REMOTE_RUNNER_ARGV": json.dumps(["/nonexistent/runner"])})
     reply = w.handshake(manifest())
