@@ -35,7 +35,12 @@ if TYPE_CHECKING:
         WorkerClosedError,
         WorkerStateError,
     )
-    from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef, RemoteWorkerSpec
+    from simpler_daemon.remote.spec import (
+        ReconnectPolicy,
+        RemoteCallable,
+        RemoteTensorRef,
+        RemoteWorkerSpec,
+    )
 
 #: Where each public name lives: ``name -> module``.
 _PUBLIC: dict[str, str] = {
@@ -56,6 +61,7 @@ _PUBLIC: dict[str, str] = {
     "Orchestrator": "simpler_daemon.engine.orchestrator",
     "RunState": "simpler_daemon.engine.orchestrator",
     "TaskRef": "simpler_daemon.engine.orchestrator",
+    "ReconnectPolicy": "simpler_daemon.remote.spec",
     "RemoteCallable": "simpler_daemon.remote.spec",
     "RemoteTensorRef": "simpler_daemon.remote.spec",
     "RemoteWorkerSpec": "simpler_daemon.remote.spec",
@@ -71,6 +77,7 @@ __all__ = [
     "EndpointError",
     "Orchestrator",
     "ProtocolError",
+    "ReconnectPolicy",
     "RegistrationError",
     "RemoteCallable",
     "RemoteTensorRef",

@@ -18,10 +18,8 @@ sockets.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,9 +31,10 @@ import numpy as np
 from simpler_daemon.args import TensorDesc, dtype_code
 from simpler_daemon.callables import CallableSpec
 from simpler_daemon.engine.registration import cleanup_uncertain, fan_out, register_failed
+from simpler_daemon.engine.remote_reconnect import Outage, Reconnector
 from simpler_daemon.errors import ControlError, EndpointError, RegistrationError, StartupError
 from simpler_daemon.remote import wire
-from simpler_daemon.remote.spec import RemoteTensorRef, RemoteWorkerSpec
+from simpler_daemon.remote.spec import ReconnectPolicy, RemoteTensorRef, RemoteWorkerSpec
 
 if TYPE_CHECKING:
     from simpler_daemon.scheduler.dispatch import Scheduler
@@ -75,10 +74,20 @@ class _Install:
 class RemoteFleet:
     """Every remote L3 worker of one L4 Worker (see the module docstring)."""
 
-    def __init__(self, *, startup_timeout: float = 30.0, reconnect: bool = True) -> None:
+    def __init__(
+        self, *, startup_timeout: float = 30.0, reconnect: bool | ReconnectPolicy = True
+    ) -> None:
         self.startup_timeout = startup_timeout
-        #: Open a new session when one fails (its buffers are lost; registrations replayed).
-        self.reconnect = reconnect
+        #: Open a new session when one fails (its buffers are lost; registrations
+        #: replayed), with this backoff between failed attempts; None: never.
+        self.policy: ReconnectPolicy | None = (
+            reconnect
+            if isinstance(reconnect, ReconnectPolicy)
+            else ReconnectPolicy()
+            if reconnect
+            else None
+        )
+        self.reconnector = Reconnector(self, self.policy or ReconnectPolicy())
         self.specs: dict[int, RemoteWorkerSpec] = {}
         self.endpoints: dict[int, Any] = {}  # worker id -> RemoteL3Endpoint
         self.installs: dict[str, _Install] = {}
@@ -101,10 +110,8 @@ class RemoteFleet:
         self.serving = False
         self._scheduler: Scheduler | None = None
         self._driver: Driver | None = None
+        #: ids of the failed endpoints whose session is being reopened.
         self._replacing: set[int] = set()
-        self._reconnecting: set[threading.Thread] = set()
-        #: The sockets of each session being reopened (shut down to abort it at close).
-        self._opening: dict[threading.Thread, list[socket.socket]] = {}
 
     # -- membership ---------------------------------------------------------------------
 
@@ -121,6 +128,9 @@ class RemoteFleet:
 
     def endpoint(self, worker_id: int, what: str) -> Any:
         ep = self.endpoints.get(worker_id)
+        outage = self.reconnector.outages.get(worker_id)
+        if outage is not None and ep is not None and ep.poisoned:
+            raise EndpointError(f"cannot {what}: {outage.describe(self.reconnector.clock())}")
         if ep is None:
             if worker_id in self.specs:
                 raise EndpointError(f"cannot {what}: remote worker {worker_id} has no session")
@@ -150,9 +160,10 @@ class RemoteFleet:
     def manifest_callables(self, worker_id: int) -> list[Any]:
         from simpler_daemon.remote.manifest import ManifestCallable
 
+        # list() first: a reconnect thread reads this while the driving side registers.
         return [
             ManifestCallable(hashid=i.spec.handle.hashid, kind=i.kind, target=_target(i.spec))  # type: ignore[arg-type]
-            for i in self.installs.values()
+            for i in list(self.installs.values())
             if worker_id in i.workers
         ]
 
@@ -343,30 +354,21 @@ class RemoteFleet:
     def lane_dead(self, lane: WorkerThread) -> None:
         """The Scheduler's verdict on a drained failed lane: reconnect, or give it up."""
         ep = lane.endpoint
-        if id(ep) in self._replacing or lane.gone is not None or self._scheduler is None:
+        if id(ep) in self._replacing or self._scheduler is None:
             return
+        if lane.gone is not None and lane.worker_id not in self.reconnector.outages:
+            return  # given up for good
         wid = lane.worker_id
         reason = f"{getattr(ep, 'label', wid)} failed: {getattr(ep, 'failure', '?')}"
         self._unwatch(ep)
         ep.close()  # type: ignore[attr-defined]  # a remote lane's endpoint
         self.forget_session(wid)
-        if not self.reconnect or not self.serving or self._driver is None:
+        if self.policy is None or not self.serving or self._driver is None:
             self._give_up(lane, reason)
             return
-        # Opening a session blocks for up to the startup timeout (a frozen host): do it on
-        # a thread of its own, so the other workers' runs go on meanwhile; the new
-        # endpoint joins the lane on the driving side.
+        # The new endpoint joins the lane on the driving side (``reopened``).
         self._replacing.add(id(ep))
-        # The manifest is taken here, on the driving side, where registrations change.
-        callables = self.manifest_callables(wid)
-        thread = threading.Thread(
-            target=self._reopen,
-            args=(lane, ep, reason, callables),
-            name=f"reconnect-{wid}",
-            daemon=True,
-        )
-        self._reconnecting.add(thread)
-        thread.start()
+        self.reconnector.start(lane, ep, reason)
 
     def _give_up(self, lane: WorkerThread, reason: str) -> None:
         lane.gone = reason
@@ -375,57 +377,44 @@ class RemoteFleet:
         assert self._scheduler is not None
         self._scheduler.wake()
 
-    def _reopen(self, lane: WorkerThread, old: Any, reason: str, callables: list[Any]) -> None:
-        """On the reconnect thread: open a new session, hand it to the driving side."""
-        me = threading.current_thread()
-        opened: list[socket.socket] = []
-        self._opening[me] = opened
-        try:
-            self._reopen_now(lane, old, reason, callables, opened)
-        finally:
-            self._opening.pop(me, None)
-            self._reconnecting.discard(me)
+    # The reconnect thread's reports, run on the driving side (``Reconnector``).
 
-    def _reopen_now(
-        self,
-        lane: WorkerThread,
-        old: Any,
-        reason: str,
-        callables: list[Any],
-        opened: list[socket.socket],
-    ) -> None:
-        wid = lane.worker_id
-        try:
-            deadline = time.monotonic() + self.startup_timeout
-            ep: Any = self.open_one(wid, deadline, callables, opened)
-            error: BaseException | None = None
-        except Exception as exc:  # StartupError, or anything opening raised
-            ep, error = None, exc
-        assert self._driver is not None
-        handed = self.serving and self._driver.call_threadsafe(
-            lambda: self._reopened(lane, old, reason, ep, error)
-        )
-        if not handed and ep is not None:
-            ep.shutdown(0.5)  # closed meanwhile: the new runner must not outlive the Worker
+    def backing_off(self, lane: WorkerThread, old: Any, outage: Outage) -> None:
+        """An attempt failed: until the next one succeeds, work for the worker fails at
+        once, naming its state (no run waits on a host that is down)."""
+        if lane.endpoint is old and self.reconnector.outages.get(lane.worker_id) is outage:
+            lane.gone = outage.describe(self.reconnector.clock())
+            assert self._scheduler is not None
+            self._scheduler.wake()
 
-    def _reopened(
-        self, lane: WorkerThread, old: Any, reason: str, ep: Any, error: BaseException | None
-    ) -> None:
+    def give_up_outage(self, lane: WorkerThread, old: Any, reason: str) -> None:
         self._replacing.discard(id(old))
-        if ep is None:
-            self._give_up(lane, f"{reason}; reconnect failed: {error}")
-            return
+        self.reconnector.outages.pop(lane.worker_id, None)
+        self._give_up(lane, reason)
+
+    def reopened(self, lane: WorkerThread, old: Any, ep: Any) -> None:
+        """A new session replaces the failed one under the same worker id."""
+        self._replacing.discard(id(old))
+        wid = lane.worker_id
+        outage = self.reconnector.outages.pop(wid, None)
         if not self.serving:
             ep.shutdown(0.5)
             return
-        wid = lane.worker_id
         self._adopt(wid, ep)
         lane.endpoint = ep
         lane.active = lane.staged = None
         lane.inflight = 0
+        lane.gone = None
         self.reconnects[wid] = self.reconnects.get(wid, 0) + 1
         self._watch(ep)
-        log.warning("remote worker %d reconnected after: %s", wid, reason)
+        attempts = outage.attempts if outage is not None else 1
+        log.warning(
+            "remote worker %d reconnected (session %d, attempt %d) after: %s",
+            wid,
+            ep.generation,
+            attempts,
+            outage.reason if outage is not None else "?",
+        )
         assert self._scheduler is not None
         self._scheduler.wake()
 
@@ -459,19 +448,8 @@ class RemoteFleet:
                 ep.shutdown(min(2.0, max(0.05, deadline - time.monotonic())))
             except Exception:  # closing must go on for the others
                 log.exception("remote worker %s: shutdown failed", ep.worker_id)
-        # A session being reopened must not outlive us. Let its thread finish within
-        # our budget: one that gets through shuts its new session down itself, seeing we
-        # stopped serving (aborting it halfway would leave the runner the worker already
-        # started waiting for its attach). One still stuck then (a host that does not
-        # answer) is aborted: its sockets fail at once.
-        for thread in list(self._reconnecting):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        for opened in list(self._opening.values()):
-            for sock in list(opened):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-        for thread in list(self._reconnecting):
-            thread.join(1.0)
+        # A session being reopened must not outlive us.
+        self.reconnector.close(deadline)
         self.endpoints.clear()
         self.buffers.clear()
 
@@ -569,7 +547,6 @@ class RemoteFleet:
         return buf
 
     async def copy_to(self, ref: RemoteTensorRef, array: Any) -> None:
-        self.catch_up()
         self._live(ref, "copy_to_remote")
         src = np.asarray(array)
         if src.size != int(np.prod(ref.shape, dtype=np.int64)):
@@ -589,7 +566,6 @@ class RemoteFleet:
             await self.control(ref.owner, "copy_to", wire.encode_payload(body))
 
     async def copy_from(self, ref: RemoteTensorRef) -> np.ndarray[Any, Any]:
-        self.catch_up()
         self._live(ref, "copy_from_remote")
         out = np.empty(ref.shape, dtype=np.dtype(ref.dtype))
         flat = out.reshape(-1).view(np.uint8)
@@ -614,7 +590,6 @@ class RemoteFleet:
     async def free(self, ref: RemoteTensorRef) -> None:
         """Free a remote buffer and drop the snapshots imported from it; both wait while
         a task still references it."""
-        self.catch_up()
         buf = self._live(ref, "free")
         buf.freed = True
         ops = [("release", w, ref) for w in sorted(buf.imported_by)] + [("free", ref.owner, ref)]
@@ -629,7 +604,6 @@ class RemoteFleet:
 
     async def import_(self, ref: RemoteTensorRef, worker_id: int) -> None:
         """Give ``worker_id`` a snapshot of ``ref`` (read from its owner now)."""
-        self.catch_up()
         buf = self._live(ref, "import_remote")
         if worker_id == ref.owner:
             raise ValueError(f"cannot import_remote: worker {worker_id} already owns {ref!r}")
@@ -652,7 +626,6 @@ class RemoteFleet:
         buf.imported_by.add(worker_id)
 
     async def release(self, ref: RemoteTensorRef, worker_id: int) -> None:
-        self.catch_up()
         buf = self._live(ref, "release_remote")
         if worker_id not in buf.imported_by:
             raise ValueError(f"cannot release_remote: worker {worker_id} has not imported {ref!r}")
@@ -719,10 +692,18 @@ class RemoteFleet:
             finally:
                 driver.lock.release()
         rows: list[dict[str, Any]] = []
+        now = self.reconnector.clock()
         for wid, spec in sorted(self.specs.items()):
             ep = self.endpoints.get(wid)
             stats: dict[str, Any] = ep.stats() if ep is not None else {}
             session = getattr(ep, "session", None)
+            outage = self.reconnector.outages.get(wid)
+            state = _state(ep, wid in self.gone, self.serving)
+            reason = self.gone.get(wid) or getattr(ep, "failure", None)
+            if outage is not None and state == "failed":
+                reason = outage.describe(now)
+                if outage.backing_off:
+                    state = "reconnecting"
             rows.append(
                 {
                     "kind": "remote",
@@ -730,14 +711,19 @@ class RemoteFleet:
                     "endpoint": spec.endpoint,
                     "session_id": getattr(session, "session_id", 0),
                     "pid": getattr(session, "pid", 0),
-                    "state": _state(ep, wid in self.gone, self.serving),
+                    "state": state,
+                    "session_generation": getattr(ep, "generation", 0),
                     "health_age_s": ep.health_age() if ep is not None else None,
                     "round_trip_us": stats.get("round_trip_us"),
                     "failures": stats.get("failures", 0),
                     "tasks_completed": stats.get("tasks", 0),
+                    "queued": stats.get("queued", 0),
                     "reconnects": self.reconnects.get(wid, 0),
                     "restarts": self.reconnects.get(wid, 0),
-                    "reason": self.gone.get(wid) or getattr(ep, "failure", None),
+                    # The outage under way: attempts started, seconds to the next one.
+                    "attempts": outage.attempts if outage is not None else 0,
+                    "next_try_s": outage.next_try_s(now) if outage is not None else None,
+                    "reason": reason,
                 }
             )
         return rows
@@ -766,7 +752,9 @@ def _check_same_kind(entry: _Install, kind: str) -> None:
 
 
 def _state(ep: Any, gone: bool, serving: bool) -> str:
-    """ready / failed (the session failed: reconnecting, or given up) / closed."""
+    """ready / failed (the session failed: a first attempt to reopen it may be under
+    way, or it was given up) / closed; ``rows`` says "reconnecting" once an attempt
+    failed and the next one waits."""
     if ep is not None:
         return "failed" if ep.poisoned else "ready"
     return "failed" if gone or serving else "closed"

@@ -72,7 +72,7 @@ from simpler_daemon.errors import RunCancelled, WorkerClosedError, WorkerStateEr
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.mailbox.layout import ControlOp, Mailbox
-from simpler_daemon.remote.spec import RemoteCallable, RemoteTensorRef
+from simpler_daemon.remote.spec import ReconnectPolicy, RemoteCallable, RemoteTensorRef
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.driver import Driver, retire_background_threads
 from simpler_daemon.scheduler.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS
@@ -88,7 +88,9 @@ class Worker(Lifecycle, RemoteMethods):
     ``num_sub_workers`` defaults to the CPU count. ``heap_bytes`` sizes the
     shared heap, mapped now so arrays allocated before ``init`` are shared too;
     ``heap_name`` makes it a ``/dev/shm`` file other local processes may map
-    (unlinked at close).
+    (unlinked at close). ``reconnect`` (level 4) says how a failed remote session
+    is reopened: a ``ReconnectPolicy`` (backoff, ``max_elapsed_s``), ``True`` for the
+    default one (forever), ``False`` for never; ``None`` follows ``restart_children``.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class Worker(Lifecycle, RemoteMethods):
         restart_children: bool = True,
         admission: str = "fifo",
         max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
+        reconnect: bool | ReconnectPolicy | None = None,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -181,7 +184,14 @@ class Worker(Lifecycle, RemoteMethods):
             chip_trace_dir=chip_trace_dir,
             restart_children=restart_children,
         )
-        self._fleet = RemoteFleet(startup_timeout=startup_timeout, reconnect=restart_children)
+        if reconnect is None:
+            reconnect = restart_children
+        elif not isinstance(reconnect, (bool, ReconnectPolicy)):
+            raise TypeError(
+                "cannot create Worker: reconnect= must be a ReconnectPolicy, True or False, "
+                f"got {type(reconnect).__name__}"
+            )
+        self._fleet = RemoteFleet(startup_timeout=startup_timeout, reconnect=reconnect)
         # A RemoteCallable's orchestration never goes to the local L3 children.
         self._pool.l3.remote_only = self._fleet.installs.__contains__
         #: Set while this Worker is a local L3 child of a level-4 Worker (frozen here).

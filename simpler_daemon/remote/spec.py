@@ -118,6 +118,64 @@ class RemoteWorkerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ReconnectPolicy:
+    """How a level-4 Worker reopens the session of a remote worker that failed.
+
+    The first attempt starts at once; after the ``n``-th failed attempt in a row the
+    next one waits ``min(max_s, initial_s * multiplier**(n-1))``, less a random part
+    of up to ``jitter`` of it (so many parents do not retry in step), never more
+    than ``max_s``. It goes on forever unless ``max_elapsed_s`` > 0: then the worker
+    is given up once the next attempt would start later than that after the failure.
+    ``Worker(level=4, reconnect=ReconnectPolicy(...))``; the daemon's
+    ``[workers.reconnect]`` table.
+    """
+
+    initial_s: float = 0.5
+    max_s: float = 10.0
+    max_elapsed_s: float = 0.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("initial_s", "max_s", "max_elapsed_s", "multiplier", "jitter"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"cannot build ReconnectPolicy: {name}={v!r} must be a number")
+        if self.initial_s <= 0 or self.max_s < self.initial_s:
+            raise ValueError(
+                f"cannot build ReconnectPolicy: need 0 < initial_s ({self.initial_s!r}) <= "
+                f"max_s ({self.max_s!r})"
+            )
+        if self.max_elapsed_s < 0:
+            raise ValueError(
+                f"cannot build ReconnectPolicy: max_elapsed_s={self.max_elapsed_s!r} must be "
+                ">= 0 (0 = reconnect forever)"
+            )
+        if self.multiplier < 1:
+            raise ValueError(
+                f"cannot build ReconnectPolicy: multiplier={self.multiplier!r} must be >= 1"
+            )
+        if not 0 <= self.jitter < 1:
+            raise ValueError(
+                f"cannot build ReconnectPolicy: jitter={self.jitter!r} must be in [0, 1)"
+            )
+
+    def delay(self, failures: int, rand: float) -> float:
+        """Seconds before the next attempt after ``failures`` (>= 1) failed ones in a row;
+        ``rand`` in [0, 1) picks the jitter (``random.random()``)."""
+        n = max(1, failures) - 1
+        if (
+            n
+            and self.multiplier > 1
+            and n * math.log(self.multiplier) >= math.log(self.max_s / self.initial_s)
+        ):
+            base = self.max_s  # (also keeps multiplier**n from overflowing)
+        else:
+            base = min(self.max_s, self.initial_s * self.multiplier**n)
+        return base * (1.0 - self.jitter * min(max(rand, 0.0), 1.0))
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteCallable:
     """An L3 orchestration function, by import path, that runs inside remote workers.
 
