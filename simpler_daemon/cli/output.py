@@ -280,6 +280,8 @@ def remote_header() -> list[str]:
         "RTT_US",
         "FAILURES",
         "RECONNECTS",
+        "ATTEMPTS",
+        "NEXT_TRY_S",
     ]
 
 
@@ -298,6 +300,8 @@ def remote_row(w: pb.WorkerInfo) -> list[Any]:
         f"{r.round_trip_us:.0f}",
         r.failures,
         r.reconnects,
+        r.reconnect_attempts,  # of the outage under way (0 while ready)
+        f"{r.next_try_seconds:.1f}" if r.HasField("next_try_seconds") else "-",
     ]
 
 

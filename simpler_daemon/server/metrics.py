@@ -89,8 +89,14 @@ _REASONS: Final = {
 }
 
 
+#: The session states of a remote worker's row (``simpler_remote_state``).
+_REMOTE_STATES: Final = ("ready", "failed", "reconnecting", "closed")
+
+
 class RemoteWorkerCollector(Collector):
-    """Per remote L3 worker: health age, command round trip, failures, reconnects.
+    """Per remote L3 worker: health age, command round trip, failures, reconnects, and
+    its session's state (one ``state`` label set to 1), the reconnect attempts of the
+    outage under way and the seconds to the next one (only while one waits).
 
     Read from ``rows()`` (``Worker.list_workers``) at scrape time, so the values
     are the endpoint's own counters and nothing has to be pushed; scrapes run on
@@ -104,7 +110,7 @@ class RemoteWorkerCollector(Collector):
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        health, rtt, failures, reconnects = self._families()
+        health, rtt, failures, reconnects, state, attempts, next_try = self._families()
         try:
             rows = [r for r in self._rows() if r.get("kind") == "remote"]
         except Exception:  # a scrape never fails the daemon; the gauges are just absent
@@ -116,11 +122,23 @@ class RemoteWorkerCollector(Collector):
             rtt.add_metric([worker], float(row.get("round_trip_us") or 0.0) / 1e6)
             failures.add_metric([worker], float(row.get("failures") or 0))
             reconnects.add_metric([worker], float(row.get("reconnects") or 0))
-        yield from (health, rtt, failures, reconnects)
+            now = str(row.get("state") or "")
+            for name in _REMOTE_STATES:
+                state.add_metric([worker, name], 1.0 if name == now else 0.0)
+            attempts.add_metric([worker], float(row.get("attempts") or 0))
+            if row.get("next_try_s") is not None:
+                next_try.add_metric([worker], float(row["next_try_s"]))
+        yield from (health, rtt, failures, reconnects, state, attempts, next_try)
 
     @staticmethod
     def _families() -> tuple[
-        GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
     ]:
         return (
             GaugeMetricFamily(
@@ -141,6 +159,22 @@ class RemoteWorkerCollector(Collector):
             CounterMetricFamily(
                 "simpler_remote_reconnects",
                 "Sessions re-opened to the remote worker after a failure.",
+                labels=["worker"],
+            ),
+            GaugeMetricFamily(
+                "simpler_remote_state",
+                "1 for the remote worker's session state (ready, failed, reconnecting, "
+                "closed), 0 for the others.",
+                labels=["worker", "state"],
+            ),
+            GaugeMetricFamily(
+                "simpler_remote_reconnect_attempts",
+                "Reconnect attempts started in the remote worker's outage under way.",
+                labels=["worker"],
+            ),
+            GaugeMetricFamily(
+                "simpler_remote_next_try_seconds",
+                "Seconds until the next reconnect attempt (only while one waits).",
                 labels=["worker"],
             ),
         )

@@ -31,6 +31,7 @@ _REMOTE_STATES: Final[dict[str, pb.RemoteSessionState]] = {
     "ready": pb.REMOTE_SESSION_STATE_READY,
     "failed": pb.REMOTE_SESSION_STATE_FAILED,
     "closed": pb.REMOTE_SESSION_STATE_CLOSED,
+    "reconnecting": pb.REMOTE_SESSION_STATE_RECONNECTING,
 }
 
 
@@ -53,6 +54,9 @@ def remote_info(info: dict[str, Any]) -> Any:
         round_trip_us=float(info.get("round_trip_us") or 0.0),
         failures=int(info.get("failures") or 0),
         reconnects=int(info.get("reconnects") or 0),
+        reconnect_attempts=int(info.get("attempts") or 0),
+        next_try_seconds=None if info.get("next_try_s") is None else float(info["next_try_s"]),
+        session_generation=int(info.get("session_generation") or 0),
     )
 
 
@@ -88,7 +92,7 @@ def worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
 def _remote_worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
     remote = remote_info(info)
     session = remote.state
-    if session == pb.REMOTE_SESSION_STATE_FAILED:
+    if session in (pb.REMOTE_SESSION_STATE_FAILED, pb.REMOTE_SESSION_STATE_RECONNECTING):
         state = pb.WORKER_STATE_FAILED
     elif stopping or session == pb.REMOTE_SESSION_STATE_CLOSED:
         state = pb.WORKER_STATE_STOPPING

@@ -264,7 +264,36 @@ def test_simplerctl_remote_row() -> None:
         "RTT_US": "180",
         "FAILURES": 1,
         "RECONNECTS": 3,
+        "ATTEMPTS": 0,
+        "NEXT_TRY_S": "-",
     }
+
+
+def test_a_reconnecting_row_shows_its_attempts_and_next_try() -> None:
+    down = {
+        **REMOTE_ROW,
+        "state": "reconnecting",
+        "attempts": 4,
+        "next_try_s": 1.25,
+        "session_generation": 2,
+        "reason": "remote worker 2 (127.0.0.1:19073) failed: command connection closed; "
+        "reconnecting: attempt 4 failed (connection refused); next attempt in 1.2 s",
+    }
+    info = worker_info(down, stopping=False)
+    assert info.state == pb.WORKER_STATE_FAILED and "next attempt in" in info.message
+    r = info.remote
+    assert r.state == pb.REMOTE_SESSION_STATE_RECONNECTING
+    assert (r.reconnect_attempts, r.next_try_seconds, r.session_generation) == (4, 1.25, 2)
+    row = dict(zip(remote_header(), remote_row(info), strict=True))
+    assert (row["STATE"], row["ATTEMPTS"], row["NEXT_TRY_S"]) == ("reconnecting", 4, "1.2")
+    assert not worker_info(REMOTE_ROW, stopping=False).remote.HasField("next_try_seconds")
+    metrics = Metrics(runtime_metrics=False)
+    metrics.watch_remote_workers(lambda: [down])
+    text = metrics.render().decode()
+    assert 'simpler_remote_state{state="reconnecting",worker="2"} 1.0' in text
+    assert 'simpler_remote_state{state="ready",worker="2"} 0.0' in text
+    assert 'simpler_remote_reconnect_attempts{worker="2"} 4.0' in text
+    assert 'simpler_remote_next_try_seconds{worker="2"} 1.25' in text
 
 
 def test_remote_metrics_follow_the_rows() -> None:

@@ -81,6 +81,7 @@ class RemoteSessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REMOTE_SESSION_STATE_READY: _ClassVar[RemoteSessionState]
     REMOTE_SESSION_STATE_FAILED: _ClassVar[RemoteSessionState]
     REMOTE_SESSION_STATE_CLOSED: _ClassVar[RemoteSessionState]
+    REMOTE_SESSION_STATE_RECONNECTING: _ClassVar[RemoteSessionState]
 
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -134,6 +135,7 @@ REMOTE_SESSION_STATE_UNSPECIFIED: RemoteSessionState
 REMOTE_SESSION_STATE_READY: RemoteSessionState
 REMOTE_SESSION_STATE_FAILED: RemoteSessionState
 REMOTE_SESSION_STATE_CLOSED: RemoteSessionState
+REMOTE_SESSION_STATE_RECONNECTING: RemoteSessionState
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
@@ -249,7 +251,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., kind: _Optional[_Union[WorkerKind, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., tasks_completed: _Optional[int] = ..., restarts: _Optional[int] = ..., message: _Optional[str] = ..., remote: _Optional[_Union[RemoteWorkerInfo, _Mapping]] = ..., children: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class RemoteWorkerInfo(_message.Message):
-    __slots__ = ("host", "port", "session_id", "runner_pid", "state", "health_age_seconds", "round_trip_us", "failures", "reconnects")
+    __slots__ = ("host", "port", "session_id", "runner_pid", "state", "health_age_seconds", "round_trip_us", "failures", "reconnects", "reconnect_attempts", "next_try_seconds", "session_generation")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +261,9 @@ class RemoteWorkerInfo(_message.Message):
     ROUND_TRIP_US_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     RECONNECTS_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_GENERATION_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     session_id: str
@@ -268,7 +273,10 @@ class RemoteWorkerInfo(_message.Message):
     round_trip_us: float
     failures: int
     reconnects: int
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., session_id: _Optional[str] = ..., runner_pid: _Optional[int] = ..., state: _Optional[_Union[RemoteSessionState, str]] = ..., health_age_seconds: _Optional[float] = ..., round_trip_us: _Optional[float] = ..., failures: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
+    reconnect_attempts: int
+    next_try_seconds: float
+    session_generation: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., session_id: _Optional[str] = ..., runner_pid: _Optional[int] = ..., state: _Optional[_Union[RemoteSessionState, str]] = ..., health_age_seconds: _Optional[float] = ..., round_trip_us: _Optional[float] = ..., failures: _Optional[int] = ..., reconnects: _Optional[int] = ..., reconnect_attempts: _Optional[int] = ..., next_try_seconds: _Optional[float] = ..., session_generation: _Optional[int] = ...) -> None: ...
 
 class RegisterCallableRequest(_message.Message):
     __slots__ = ("import_path", "kind", "workers", "reload", "session", "persist")
