@@ -318,6 +318,7 @@ class RemoteWorkerService:
         if sum(len(v) for v in self._pending.values()) >= s.max_connections:
             victim = max(self._pending, key=lambda h: _unauthenticated(self._pending[h]))
             self._evict(victim, "sessions.max_connections")
+        mine = self._pending.setdefault(host, {})  # an eviction may have emptied and dropped it
         refused = ""
         if len(mine) >= s.max_connections_per_source:
             refused = (

@@ -181,3 +181,27 @@ def test_connections_that_never_start_tls_count_against_the_source_limit(
             with contextlib.suppress(OSError):
                 s.close()
     assert w.stop() == 0
+
+
+def test_with_a_source_limit_of_one_each_new_connection_replaces_the_last(
+    start_worker: Callable[..., RunningWorker],
+) -> None:
+    w = start_worker(
+        "--set", "sessions.max_connections_per_source=1", "--set", "sessions.handshake_timeout=60.0"
+    )
+    conns = [socket.create_connection(("127.0.0.1", w.port), timeout=30) for _ in range(4)]
+    try:
+        for s in conns:
+            w.wait_accepted(s)
+        poll_for(
+            lambda: all(closed_by_peer(s) for s in conns[:3]),
+            timeout=20,
+            interval=0.05,
+            message="a connection that was replaced stayed open",
+        )
+        assert not closed_by_peer(conns[3])
+        assert w.handshake(manifest(worker_id=0))["ok"] is True
+    finally:
+        for s in conns:
+            s.close()
+    assert w.stop() == 0
