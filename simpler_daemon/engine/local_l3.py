@@ -50,6 +50,9 @@ class NestedTarget:
     def __init__(self, endpoint: LocalMailboxEndpoint, scope: bytes = SCOPE_TABLE) -> None:
         self.endpoint = endpoint
         self.scope = scope
+        #: The child's Scheduler lane and wake-up, as for a ``LocalTarget``.
+        self.lane: Any = None
+        self.wake: Callable[[], None] | None = None
 
     @property
     def worker_id(self) -> int:

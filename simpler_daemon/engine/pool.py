@@ -481,6 +481,7 @@ class ChildPool:
         lane.endpoint = ep
         lane.active = lane.staged = None
         lane.inflight = 0
+        lane.missing.clear()  # the replay installed everything registered
         by_kind = {"chip": self.chip_endpoints, "sub": self.sub_endpoints, "l3": self.l3_endpoints}
         eps = by_kind[kind]
         eps[eps.index(old)] = ep
@@ -546,10 +547,21 @@ class ChildPool:
         (``nested=False``: not a RemoteCallable's)."""
         l3 = self.l3.targets(role) if nested else []
         if role == "sub":
-            return [LocalTarget(ep) for ep in self.sub_endpoints if not ep.poisoned] + l3
-        if role == "chip":
-            return [LocalTarget(ep) for ep in self.chip_endpoints if not ep.poisoned]
-        return l3
+            out: list[Any] = [LocalTarget(ep) for ep in self.sub_endpoints if not ep.poisoned]
+            out += l3
+        elif role == "chip":
+            out = [LocalTarget(ep) for ep in self.chip_endpoints if not ep.poisoned]
+        else:
+            out = l3
+        # Each control goes through the child's lane: queued behind a busy child's task
+        # (``delivery.py``), the lane taking no task until it was delivered.
+        sched = self._scheduler
+        if sched is not None:
+            lanes = {id(lane.endpoint): lane for lane in sched.manager.lanes}
+            for target in out:
+                target.lane = lanes.get(id(target.endpoint))
+                target.wake = sched.wake
+        return out
 
     def list_workers(self, manager: WorkerManager | None) -> list[dict[str, Any]]:
         """One row per child: kind, id, pid, liveness, pipeline depth and lane state."""

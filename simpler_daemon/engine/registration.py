@@ -4,9 +4,11 @@
 
     register_on_all(registry, spec, targets)
       the same callable being registered already -> join it: one more reference, its outcome
-      being unregistered (tombstone)             -> wait for that, then register
-      registry.begin_register --> target.install(spec) on every target at once
-        all installed -> registry.commit_register
+      being unregistered (tombstone)             -> REGISTER_TOMBSTONE_ACTIVE (retry)
+      registry.begin_register --> target.install(spec) on every idle target at once,
+                                  queued behind the task of every busy one
+        all answered installed -> registry.commit_register (the queued ones follow;
+                                  a lane runs no task of it until it has it)
         any failed    -> target.uninstall(spec) where it was installed, abort_register,
                          RegistrationError(REGISTER_PARTIAL_FAILURE), REGISTER_FAILED
                          ("failed on every worker") when it succeeded nowhere
@@ -15,13 +17,16 @@
     reload_on_all(registry, spec, targets, hold)
       only an active registration of an import path; hashid and refcount stay
       hold(digest): the Scheduler dispatches no task of the callable  --> RELOAD_IMPORT
-        on every target at once (each child first ends the task it runs: old code)
+        on every idle target at once, queued behind the task of every busy one (the
+        lane gets no dispatch until it reloaded)
         --> release: every later dispatch runs the new code
         failed everywhere -> REGISTER_FAILED, the old code keeps running
         failed somewhere  -> REGISTER_PARTIAL_FAILURE naming where the old code still runs
 
     unregister_on_all(registry, handle, targets_for)
-      registry.begin_unregister --> target.uninstall(spec) on every target at once
+      registry.begin_unregister --> target.uninstall(spec) on every idle target at once,
+                                    queued behind the task of every busy one; waits for
+                                    the busy ones running a task of this callable only
         all removed -> registry.finish_unregister
         a child that died (its endpoint is poisoned) or answered "not registered" holds
         nothing: its replacement starts from the registry, where the callable is gone
@@ -31,7 +36,11 @@
 Every control has a deadline (``CONTROL_TIMEOUT_S``, a global of this module read at
 call time, so a test may shorten it here); a child that misses it is poisoned and
 replaced by the endpoint. The deadline counts only while the child has no task in
-flight (it answers between tasks): a register or reload waits for busy workers.
+flight (it answers between tasks). A busy child's control is queued on its lane
+(``delivery.py``): nothing waits for it but the lane, which takes no task until it was
+delivered, and when no target is idle the first busy one to answer stands for them.
+A queued control that fails later on a live child leaves the callable missing there
+(``WorkerThread.missing``: that lane gets no task of it) and logs a WARNING.
 
 ``spec_for(fn, kind)`` turns what ``Worker.register`` was given into the spec
 (hashid, descriptor) that is broadcast.
@@ -55,6 +64,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from simpler_daemon.callables import (
@@ -72,6 +82,7 @@ from simpler_daemon.callables import (
     spec_for_object,
 )
 from simpler_daemon.endpoints.local import CONTROL_TIMEOUT_S, LocalMailboxEndpoint
+from simpler_daemon.engine.delivery import deliver, lane_of, on_lane, running, then
 from simpler_daemon.errors import ControlError, EndpointError, RegistrationError
 from simpler_daemon.mailbox.layout import ControlOp
 
@@ -134,8 +145,18 @@ class RegistrationTarget(Protocol):
 class LocalTarget:
     """A local child, reached through control ops on its mailbox's base frame."""
 
-    def __init__(self, endpoint: LocalMailboxEndpoint) -> None:
+    def __init__(
+        self,
+        endpoint: LocalMailboxEndpoint,
+        lane: Any = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        #: The child's Scheduler lane (``WorkerThread``) and the Scheduler's wake-up: a
+        #: control for a busy child is queued on the lane (``delivery.py``); None: the
+        #: control is sent at once and awaited (a replacement's replay).
+        self.lane = lane
+        self.wake = wake
 
     @property
     def worker_id(self) -> int:
@@ -277,27 +298,133 @@ async def _uninstall(target: RegistrationTarget, spec: CallableSpec) -> None:
         raise
 
 
+def _mark(target: RegistrationTarget, digest: bytes, *, missing: bool) -> None:
+    """Record on ``target``'s lane whether the callable ``digest`` is missing there (the
+    Scheduler sends a lane no task of a callable it misses)."""
+    lane = lane_of(target)
+    if lane is None or lane.endpoint is not getattr(target, "endpoint", None):
+        return  # no lane, or the child was replaced (its replacement replays the registry)
+    if missing:
+        lane.missing.add(digest)
+    else:
+        lane.missing.discard(digest)
+
+
+async def _install(target: RegistrationTarget, spec: CallableSpec) -> None:
+    """``target.install(spec)``; a live child that failed it misses the callable."""
+    try:
+        await target.install(spec)
+    except CONTROL_ERRORS:
+        if not target.gone:
+            _mark(target, spec.handle.digest, missing=True)
+        raise
+    _mark(target, spec.handle.digest, missing=False)
+
+
+async def _uninstall_marked(target: RegistrationTarget, spec: CallableSpec) -> None:
+    await _uninstall(target, spec)
+    _mark(target, spec.handle.digest, missing=False)
+
+
+def _later_failed(
+    target: RegistrationTarget, handle: CallableHandle, what: str, exc: BaseException | None
+) -> None:
+    """A control queued behind a busy child's task failed after its caller returned."""
+    if exc is None or target.gone:
+        return  # done, or the child is gone (its replacement replays the registry)
+    after = {
+        "register": "that worker runs no task of it (unregister and register it again to retry)",
+        "reload": "that worker still runs the old code (reload again to retry)",
+        "unregister": "that worker may still hold it",
+    }[what]
+    log.warning(
+        "cannot %s %s on worker %d (it was busy, so the %s was queued): %s; %s",
+        what,
+        handle.name,
+        target.worker_id,
+        what,
+        exc,
+        after,
+    )
+
+
+async def _install_on_lanes(
+    registry: CallableRegistry,
+    spec: CallableSpec,
+    targets: Sequence[RegistrationTarget],
+    what: str,
+) -> None:
+    """Install ``spec`` on every idle target now and on every busy one when its task
+    ends (``delivery.deliver``); when none is idle, the first busy one to answer counts.
+    A failure among those answered rolls back everywhere: ``register_failed(what, ...)``.
+    """
+    got = await deliver(targets, lambda t: _install(t, spec), CONTROL_ERRORS)
+    if got.failures:
+        # Undo where it landed, and behind the installs still queued on busy children.
+        undo = await deliver(
+            got.done, lambda t: _uninstall_marked(t, spec), CONTROL_ERRORS, awaited=_always
+        )
+        for target, _ in got.later:
+            task = on_lane(target, lambda t: _uninstall_marked(t, spec))
+            then(task, partial(_later_failed, target, spec.handle, "unregister"))
+        raise register_failed(what, got.failures, undo.failures, everywhere=not got.done)
+    for target, task in got.later:
+        then(task, partial(_later_failed, target, spec.handle, "register"))
+
+
+def _always(_: object) -> bool:
+    return True
+
+
+async def _uninstall_on_lanes(
+    spec: CallableSpec, targets: Sequence[RegistrationTarget], what: str
+) -> None:
+    """Uninstall ``spec`` from every idle target now, from every busy one when its task
+    ends; waits for the busy ones only where a task of ``spec`` is in flight (the last
+    reference waits for its own tasks, nobody else's). ``cleanup_uncertain`` names the
+    children awaited that may still hold it."""
+    digest = spec.handle.digest
+    got = await deliver(
+        targets,
+        lambda t: _uninstall_marked(t, spec),
+        CONTROL_ERRORS,
+        awaited=lambda t: running(t, digest),
+        first=False,
+    )
+    for target, task in got.later:
+        then(task, partial(_later_failed, target, spec.handle, "unregister"))
+    if got.failures:
+        raise cleanup_uncertain(
+            what,
+            got.failures,
+            "; the hashid stays tombstoned until unregister() is retried or it is registered again",
+        )
+
+
 async def register_on_all(
     registry: CallableRegistry, spec: CallableSpec, targets: Sequence[RegistrationTarget]
 ) -> CallableHandle:
     """Install ``spec`` on every target and commit it, or roll back and raise.
 
     A registration of the same callable already in progress is joined (one more
-    reference, its outcome); one waiting on an unregister of it starts once that ended.
+    reference, its outcome). One whose final unregister is still in flight is refused
+    with ``REGISTER_TOMBSTONE_ACTIVE`` (the unregister wins; retry once it ended), so
+    a register never waits for the tasks that unregister waits for.
     """
     hashid = spec.handle.hashid
     loop = asyncio.get_running_loop()
-    while True:
-        entry = registry.lookup(hashid)
-        settled = entry.settled if entry is not None else None
-        if entry is None or settled is None or settled.done() or settled.get_loop() is not loop:
-            break
-        if entry.state == "pending":
-            registry.join_register(spec)
-            await asyncio.shield(settled)  # raises that registration's own failure
-            return spec.handle
-        # An unregister is being confirmed: register once it has ended, however it ended.
-        await asyncio.wait([settled])
+    entry = registry.lookup(hashid)
+    settled = entry.settled if entry is not None else None
+    if (
+        entry is not None
+        and entry.state == "pending"
+        and settled is not None
+        and not settled.done()
+        and settled.get_loop() is loop
+    ):
+        registry.join_register(spec)
+        await asyncio.shield(settled)  # raises that registration's own failure
+        return spec.handle
     if not registry.begin_register(spec, frozenset(range(len(targets)))):
         return spec.handle  # already registered: one more reference
     entry = registry.lookup(hashid)
@@ -306,7 +433,7 @@ async def register_on_all(
 
     async def broadcast() -> None:
         try:
-            await install_all(spec, targets, f"cannot register {spec.handle.name}")
+            await _install_on_lanes(registry, spec, targets, f"cannot register {spec.handle.name}")
         except BaseException as exc:
             registry.abort_register(hashid)
             _settle(done, exc, f"cannot register {spec.handle.name}")
@@ -371,7 +498,10 @@ async def reload_on_all(
 
     async def broadcast() -> None:
         with hold(handle.digest):
-            done, failures = await fan_out(local, lambda t: _reload(t, current), _target_id)
+            got = await deliver(local, lambda t: _reload(t, current), CONTROL_ERRORS)
+        done, failures = got.done, got.failures
+        for target, task in got.later:
+            then(task, partial(_later_failed, target, handle, "reload"))
         if failures and not done:
             raise RegistrationError(
                 "REGISTER_FAILED",
@@ -408,7 +538,8 @@ async def reload_on_all(
 
 async def _reload(target: LocalTarget, spec: CallableSpec) -> None:
     """``target.reload(spec)``, where a child gone for good counts as done: its
-    replacement installs the callable from the registry, importing the current source."""
+    replacement installs the callable from the registry, importing the current source.
+    A live child that failed it keeps running the old code."""
     try:
         await target.reload(spec)
     except CONTROL_ERRORS:
@@ -475,11 +606,8 @@ async def unregister_on_all(
     loop = asyncio.get_running_loop()
     entry.settled = done = loop.create_future()
     try:
-        await uninstall_all(
-            entry.spec,
-            targets_for(entry.spec),
-            f"cannot unregister {handle.name}",
-            "; the hashid stays tombstoned until unregister() is retried or it is registered again",
+        await _uninstall_on_lanes(
+            entry.spec, targets_for(entry.spec), f"cannot unregister {handle.name}"
         )
     except BaseException as exc:
         registry.mark_uncertain(handle.hashid)

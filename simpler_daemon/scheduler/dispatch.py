@@ -355,7 +355,8 @@ class Scheduler(ProgressLoop):
                 if n == 1:
                     lane2 = None
                     for cand in subs:
-                        if cand.active is None and cand.idle():
+                        # Only a child that has the callable installed (``missing``).
+                        if cand.active is None and cand.idle() and not cand.lacks(slot.digest):
                             lane2 = cand
                             break
                     if lane2 is None:
@@ -375,7 +376,7 @@ class Scheduler(ProgressLoop):
                     self._send(lane2, WorkerDispatch(slot, 0))
                     did = True
                     continue
-                idle = [cand for cand in subs if cand.idle()]
+                idle = [cand for cand in subs if cand.idle() and not cand.lacks(slot.digest)]
                 capacity = self._sub_capacity()
                 if capacity < n:
                     sq.popleft()
@@ -583,7 +584,7 @@ class Scheduler(ProgressLoop):
                         q.popleft()
                         self._fail_slot(slot, self._group_too_big(n, capacity))
                         self.finish_if_done(slot.run)
-                    elif len(idle) < n:
+                    elif len(members := [ln for ln in idle if not ln.lacks(slot.digest)]) < n:
                         # The least-pass run waits for n idle workers: hold the idle ones
                         # for it (no one else dispatches this pass), else it would starve.
                         break
@@ -593,15 +594,19 @@ class Scheduler(ProgressLoop):
                         fair.charge(slot.run, n)
                         for k in range(n):
                             slot.members_started += 1
-                            self._send(idle[k], WorkerDispatch(slot, k))
-                        del idle[:n]
+                            self._send(members[k], WorkerDispatch(slot, k))
+                            idle.remove(members[k])
                         did = True
                 else:
+                    # The first idle child that has the callable installed (``missing``).
+                    k = next((j for j, ln in enumerate(idle) if not ln.lacks(slot.digest)), -1)
+                    if k < 0:
+                        continue  # none has it yet: this run waits this pass
                     q.popleft()
                     self._claim(slot)
                     slot.members_started = 1
                     fair.charge(slot.run, 1)
-                    self._send(idle.pop(0), WorkerDispatch(slot, 0))
+                    self._send(idle.pop(k), WorkerDispatch(slot, 0))
                     did = True
             if q:
                 heapq.heappush(heap, (_pass(q[0].run), i, q))

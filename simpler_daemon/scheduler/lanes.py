@@ -56,9 +56,11 @@ class WorkerThread:
         "_events",
         "_next_dispatch_id",
         "active",
+        "deliveries",
         "endpoint",
         "gone",
         "inflight",
+        "missing",
         "on_accept",
         "on_complete",
         "on_staged",
@@ -79,6 +81,13 @@ class WorkerThread:
         #: Why this lane will never run again (set by its owner when it gives up on a dead
         #: endpoint); the Scheduler then fails what is queued for it instead of waiting.
         self.gone: str | None = None
+        #: Registration controls queued or in flight for this child (``engine/delivery.py``):
+        #: while any is, the lane takes no task, so a control queued behind the running
+        #: task reaches the child before the next one.
+        self.deliveries = 0
+        #: Digests of callables registered but not installed in this child (a queued
+        #: install that failed): the Scheduler sends this lane no task of them.
+        self.missing: set[bytes] = set()
         self._next_dispatch_id = 1
         self._events: list[EndpointEvent] = []
         self.on_complete: OnComplete = _unstarted
@@ -95,8 +104,18 @@ class WorkerThread:
     # -- capacity ---------------------------------------------------------------------
 
     def idle(self) -> bool:
-        """Active capacity free (a staged successor does not count)."""
-        return self.active is None and not self.stopping and not self.endpoint.poisoned
+        """Active capacity free (a staged successor does not count) and no registration
+        control waiting to reach the child."""
+        return (
+            self.active is None
+            and not self.deliveries
+            and not self.stopping
+            and not self.endpoint.poisoned
+        )
+
+    def lacks(self, digest: bytes) -> bool:
+        """Whether the callable ``digest`` is registered but not installed here."""
+        return bool(self.missing) and digest in self.missing
 
     def can_stage(self) -> bool:
         return (

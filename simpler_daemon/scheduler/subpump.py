@@ -157,6 +157,10 @@ class SubPump:
             and not ep.stopping
             and not lane.stopping
             and lane.staged is None
+            # A lane waiting for a registration control, or missing a callable, takes
+            # its tasks from the Python dispatch (which checks what it has installed).
+            and not lane.deliveries
+            and not lane.missing
         )
 
     def select(self, lanes: list[WorkerThread]) -> None:

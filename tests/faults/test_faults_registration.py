@@ -408,9 +408,10 @@ async def test_an_idle_child_missing_a_control_deadline_is_replaced_a_busy_one_i
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Child 0 runs a task longer than the control deadline; child 1 is idle and stopped
-    (SIGSTOP). A register kills and replaces the stopped child at the deadline, waits for
-    the busy child's task (which succeeds, on the same child) and fails naming only the
-    stopped child's worker."""
+    (SIGSTOP). A register kills and replaces the stopped child at the deadline and fails
+    naming only the stopped child's worker, without waiting for the busy child: its
+    install and the undo are queued behind its task (which succeeds, on the same child,
+    which is never killed for the control)."""
     monkeypatch.setattr(registration_mod, "CONTROL_TIMEOUT_S", SHORT_CONTROL_S)
     # Fair admission: every admitted run dispatches (fifo dispatches the head run only).
     w = Worker(num_sub_workers=2, heap_bytes=4 << 20, admission="fair")
@@ -437,14 +438,15 @@ async def test_an_idle_child_missing_a_control_deadline_is_replaced_a_busy_one_i
                 with contextlib.suppress(ProcessLookupError):  # killed and reaped: gone
                     os.kill(idle, signal.SIGCONT)
             await _until(lambda: not alive(idle), 30.0, "the stopped child lives")
-            await _past_the_control_deadline(register, w)
-            assert not register.done(), register  # still waiting for the busy child
+            with pytest.raises(RegistrationError, match="timed out") as ei:
+                await asyncio.wait_for(register, 60)  # the busy child is not waited for
+            assert set(ei.value.failures) == {idle_id}, ei.value
+            assert not run.done()
+            await _past_the_control_deadline(run, w)
             assert w.restarts["sub"] == 1, "the busy child was killed for a control"
+            assert not run.done()
         finally:
             flag[0] = 1
-        with pytest.raises(RegistrationError, match="timed out") as ei:
-            await asyncio.wait_for(register, 60)
-        assert set(ei.value.failures) == {idle_id}, ei.value
         await asyncio.wait_for(run.wait_async(), 60)
         assert w.restarts["sub"] == 1
         now = {r["pid"] for r in w.list_workers()}
