@@ -151,6 +151,9 @@ class HealthWatch:
         self._watchdog = watchdog
         self._metrics = metrics
         self._pools = ("sub", "l3" if worker.level >= 4 else "chip")
+        if metrics is not None:  # the gauges exist from the start, at 0
+            for pool in self._pools:
+                metrics.set_pool_down(pool, False)
 
     async def run(self) -> None:
         while True:

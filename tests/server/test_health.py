@@ -201,7 +201,9 @@ def test_no_sub_worker_left_turns_not_serving_and_stops_the_pings(
     d.start()
     wait_until(lambda: d.notify.seen("WATCHDOG", "1"), message="no WATCHDOG=1 ping")
     assert _health(d) == Health.SERVING
-    assert "simpler_daemon_serving 1.0" in _metrics(port)
+    body = _metrics(port)
+    assert "simpler_daemon_serving 1.0" in body
+    assert 'simpler_daemon_worker_pool_down{pool="sub"} 0.0' in body
 
     with d.client() as c:
         _kill_every_fork_server(d, c)
