@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from simpler_daemon.callables import CallableRegistry, CallableSpec
 from simpler_daemon.children.chip import ChipContext, run_chip_child
@@ -55,6 +55,10 @@ log = logging.getLogger("simpler_daemon.worker")
 #: (kind "sub" / "chip" / "l3", index, mailbox, process) of a child forked by ``start``.
 _Starting = tuple[str, int, Mailbox, ChildProcess]
 _Ctx = TypeVar("_Ctx", bound=ChildContext)
+
+#: Past the startup deadline, how long the barrier still waits for an L3 child's own
+#: report (it gives up at the same deadline and names the grandchild that was late).
+NESTED_REPORT_S: Final = 2.0
 
 
 @contextlib.contextmanager
@@ -127,9 +131,12 @@ class ChildPool:
 
     # -- startup ---------------------------------------------------------------------------------
 
-    def start(self, check: Callable[[], None] | None = None) -> None:
+    def start(
+        self, check: Callable[[], None] | None = None, deadline: float | None = None
+    ) -> None:
         """Fork SUB children first, then chips, then nested L3 children; one startup
-        deadline for all of them (an L3 child inits its subtree within it).
+        deadline for all of them (an L3 child inits its subtree within it): ``deadline``
+        (``time.monotonic()``), ``startup_timeout`` after the call of ``init()``.
 
         On any failure every child is stopped and reaped, and ``StartupError`` raised;
         an interruption (``KeyboardInterrupt``) propagates as itself once that is done.
@@ -144,7 +151,8 @@ class ChildPool:
         l3_specs = self.l3.fork_specs(self.registry)
         if self.l3.workers:
             self.restarts.setdefault("l3", 0)
-        deadline = time.monotonic() + self.startup_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self.startup_timeout
         starting: list[_Starting] = []
         self._ready_pids = set()
         try:
@@ -268,6 +276,9 @@ class ChildPool:
     ) -> None:
         pending = list(starting)
         delay = 0.0002
+        # An L3 child inits its subtree under the same deadline and reports which
+        # grandchild was late: past the deadline its report is waited for a moment.
+        report_by = deadline + (NESTED_REPORT_S if any(e[0] == "l3" for e in starting) else 0.0)
         while pending:
             if check is not None:
                 check()
@@ -291,10 +302,13 @@ class ChildPool:
                     raise StartupError(f"cannot start worker: {child.describe()} during init")
             if not pending:
                 break
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline and (now > report_by or all(e[0] != "l3" for e in pending)):
                 names = ", ".join(f"{c.label} (pid {c.pid})" for _, _, _, c in pending)
                 raise StartupError(
-                    f"cannot start worker: {names} not ready within {self.startup_timeout:.1f}s"
+                    f"cannot start worker: {names} not ready: waited "
+                    f"{now - (deadline - self.startup_timeout):.2f} s since init() was called "
+                    f"(startup_timeout={self.startup_timeout:g} s)"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
