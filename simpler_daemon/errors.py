@@ -108,6 +108,11 @@ class WorkerClosedError(WorkerStateError):
     """The Worker (or daemon) is closed or closing and takes no more work."""
 
 
+class RunClosedError(RunCancelled, WorkerClosedError):
+    """A run the Worker's ``close()`` ended before it finished: the run's error, both a
+    ``WorkerClosedError`` (what ended it) and a ``RunCancelled`` (its outcome)."""
+
+
 class UntrustedPathError(SimplerError, PermissionError):
     """A path someone other than the daemon's user or root could have prepared
     (``system/localtrust.py`` decides)."""

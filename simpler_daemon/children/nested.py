@@ -67,10 +67,6 @@ from simpler_daemon.mailbox.layout import (
 if TYPE_CHECKING:
     from simpler_daemon.engine.worker import Worker
 
-#: Share of the remaining root startup budget kept back from the inner init, so the
-#: inner Worker reports its own failure (and reaps its subtree) before the L4 gives up.
-_MARGIN_SHARE: Final = 0.25
-_MARGIN_MAX_S: Final = 3.0
 #: How often a running L3 task looks at its shutdown word and deadline.
 _WAIT_SLICE_S: Final = 0.05
 #: Minimum spacing of status page refreshes after tasks (controls always refresh).
@@ -195,11 +191,12 @@ class NestedLoop(MailboxLoop):
     def init(self) -> bool:
         ctx = self.ctx
         inner = self.inner
-        now = time.monotonic()
-        remaining = (ctx.deadline - now) if ctx.deadline else ctx.startup_timeout
-        budget = max(0.05, remaining - min(_MARGIN_MAX_S, remaining * _MARGIN_SHARE))
+        # The root's deadline, not a share of what is left of it: startup_timeout counts
+        # from the root's init() at every level (the root waits a moment past it for
+        # this report, naming the grandchild that was late: pool.NESTED_REPORT_S).
+        deadline = ctx.deadline or time.monotonic() + ctx.startup_timeout
         try:
-            inner._adopt_in_child(budget)
+            inner._adopt_in_child(ctx.startup_timeout, deadline)
             for spec in ctx.specs:
                 fn = spec.obj if spec.obj is not None else load_spec(spec.import_path, spec.payload)
                 self.table.add(spec.handle.digest, fn)

@@ -95,6 +95,14 @@ def check_budget(value: object, what: str, name: str, *, positive: bool) -> floa
     return seconds
 
 
+def _closed_why(budget: float, started: float) -> str:
+    """Why ``close`` ended a run: how long it let the run go on."""
+    return (
+        f"close(timeout={budget:g}) let it run {time.monotonic() - started:.2f} s "
+        "(half of the timeout; the rest stops the children), then cancelled it"
+    )
+
+
 class InitGate:
     """What other threads (and signal handlers) see of an ``init`` in progress."""
 
@@ -177,6 +185,9 @@ class Lifecycle:
     _attached: str | None
     _pid: int
     _state: WorkerState
+    _init_called_at: float
+    _startup_deadline: float | None
+    _after_attach: Callable[[], None] | None
     _local_lane_dead: Callable[[WorkerThread], None] | None
 
     # Provided by Worker.
@@ -270,10 +281,13 @@ class Lifecycle:
         """``init``'s steps: on any failure (or a close requested meanwhile) what was
         started is stopped and the worker is FAILED."""
         gate = self._init_gate
-        deadline = time.monotonic() + self.startup_timeout  # one for the whole tree
+        # One deadline for the whole tree, startup_timeout after the call of init() (the
+        # root's, in a forked L3 child).
+        called = self._init_called_at or time.monotonic()
+        deadline = self._startup_deadline or called + self.startup_timeout
         pool = self._pool
         try:
-            pool.start(gate.check)
+            pool.start(gate.check, deadline)
         except BaseException:
             self.state = WorkerState.FAILED
             pool.release_memory()
@@ -283,6 +297,8 @@ class Lifecycle:
             gate.check()
             # Remote sessions only after the last local fork, within the same deadline.
             self._fleet.open_all(deadline)
+            if self._after_attach is not None:
+                self._after_attach()
             gate.check()
             manager = WorkerManager()
             for ep in sorted(
@@ -318,6 +334,15 @@ class Lifecycle:
             self._local_lane_dead = self.scheduler.on_lane_dead
             self.scheduler.replaces_dead_subs = self._local_lane_dead is not None
             self.scheduler.on_lane_dead = self._on_lane_dead
+            # Once more before READY (as the origin): a tree that came up in time but
+            # whose init thread was held up afterwards is late all the same.
+            now = time.monotonic()
+            if now > deadline:
+                raise StartupError(
+                    "cannot start worker: every child started, but init() reached READY "
+                    f"{now - (deadline - self.startup_timeout):.2f} s after it was called, "
+                    f"past startup_timeout={self.startup_timeout:g} s; everything was stopped"
+                )
         except BaseException:
             self.state = WorkerState.FAILED
             with contextlib.suppress(Exception):
@@ -359,20 +384,26 @@ class Lifecycle:
 
     def _close_started(self, budget: float) -> None:
         driver = self._driver
-        loop = driver.bound_elsewhere()
+        sched = self.scheduler
+        assert sched is not None
+        started = time.monotonic()
+        loop = driver.bound_elsewhere()  # raises on the bound loop itself: nothing changed
+        # Admission stops at once, before the lock is waited for: a submit on another
+        # thread fails now (WorkerClosedError) rather than after the drain.
+        sched.admission.closed = True
         if loop is not None:
             asyncio.run_coroutine_threadsafe(self.close_async(budget), loop).result()
             return
+        # A thread driving its own run hands the lock over between two rounds; from now
+        # on this thread drives every run in flight, and theirs wait for them to end.
         with driver.lock:
-            deadline = time.monotonic() + budget
-            sched = self.scheduler
-            assert sched is not None
+            deadline = started + budget
             self.state = WorkerState.CLOSED
-            sched.admission.closed = True
             runs = [r for r in sched.admission.runs() if not r.terminal]
             driver.drive_until(lambda: all(r.terminal for r in runs), budget / 2)
-            self._runs.cancel_all()
-            self._stop_sync(deadline)
+            why = _closed_why(budget, started)
+            self._runs.cancel_all(why)
+            self._stop_sync(deadline, why)
             driver.close_aux()
 
     async def close_async(self, timeout: float | None = None) -> None:
@@ -391,7 +422,8 @@ class Lifecycle:
             self._pool.release_memory()
             self._drop_callables()
             return
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        deadline = started + budget
         sched = self.scheduler
         assert sched is not None
         self.state = WorkerState.CLOSED
@@ -403,9 +435,10 @@ class Lifecycle:
             for t in not_done:
                 t.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
-        self._runs.cancel_all()
+        why = _closed_why(budget, started)
+        self._runs.cancel_all(why)
         await self._driver.unbind()
-        self._stop_sync(deadline)
+        self._stop_sync(deadline, why)
 
     def _close_budget(self, timeout: float | None) -> float:
         if timeout is None:
@@ -426,7 +459,7 @@ class Lifecycle:
         self.registry.clear()
         self._pool.forget_callables()
 
-    def _stop_sync(self, deadline: float) -> None:
+    def _stop_sync(self, deadline: float, why: str = "") -> None:
         """Stop lanes, progress until every frame is terminal, reap, release memory."""
         sched = self.scheduler
         manager = self.manager
@@ -437,7 +470,7 @@ class Lifecycle:
         self._fleet.shutdown(max(0.1, deadline - time.monotonic()))
         self._pool.stop(deadline)
         sched.round()  # poisoned endpoints release their withheld completions now
-        self._runs.abandon_unfinished()
+        self._runs.abandon_unfinished(why)
         manager.stop()
         self._driver.stop()
         self._pool.release()

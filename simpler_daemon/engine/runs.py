@@ -5,7 +5,7 @@
                     (an awaitable orchestration continues as a task on the bound loop)
        returned  -> Scheduler.finish_building      raised -> Scheduler.fail_building
     cancel(run)  -> Scheduler.cancel; a run never built is finished here
-    close        -> cancel_all, then abandon whatever is still not terminal
+    close        -> cancel_all, then abandon whatever is still not terminal (RunClosedError)
 
 Who calls the orchestration function is the driver's business (the bound loop,
 or the blocking caller's thread before its next round); this module only knows
@@ -24,8 +24,8 @@ import numpy as np
 
 from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, TaskArgs, check_priority
 from simpler_daemon.endpoints.base import Outcome
-from simpler_daemon.engine.orchestrator import FailureInfo, Orchestrator, Run
-from simpler_daemon.errors import RunCancelled
+from simpler_daemon.engine.orchestrator import Orchestrator, Run
+from simpler_daemon.errors import RunCancelled, RunClosedError
 from simpler_daemon.remote.spec import RemoteTensorRef
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class RunBuilder:
         self.scheduler = scheduler
         self._driver = driver
         scheduler.on_admit = self.on_admit
+        driver.on_fall_back = self._build_again
         # Where an orchestration function is running now: threads (a count each, for a
         # run submitted and built from inside another) and the tasks of async ones.
         self._orch_threads: dict[int, int] = {}
@@ -149,6 +150,13 @@ class RunBuilder:
         # blocking caller's thread before its next round.
         self._driver.call_soon(lambda: self.build(run))
 
+    def _build_again(self) -> None:
+        """The bound loop ended before it built every admitted run: build them on
+        whoever drives now (``build`` of a run already built does nothing)."""
+        for run in self.scheduler.admission.runs():
+            if run.admitted and not run.build_started and not run.terminal:
+                self._driver.call_soon(lambda r=run: self.build(r))  # type: ignore[misc]
+
     def build(self, run: Run) -> None:
         if run.build_started or run.terminal or run.orch is None:
             return  # built already (submit builds an admitted run at once) or cancelled
@@ -222,20 +230,24 @@ class RunBuilder:
             else:
                 sched.finish_building(run)
 
-    def cancel_all(self) -> None:
-        """Cancel every unfinished run (the Worker is closing)."""
+    def cancel_all(self, why: str = "") -> None:
+        """Cancel every unfinished run (the Worker is closing): its error, unless it had
+        one, is a ``RunClosedError`` naming it and ``why`` (``closed_error``)."""
         for r in self.scheduler.admission.runs():
             if not r.terminal:
                 r.cancelled = True  # so its error is a RunCancelled, as for handle.cancel()
-                r.record_error(None, closing_failure())
+                if r.error is None:
+                    r.error = closed_error(r.run_id, why)
                 self.cancel_now(r)
 
-    def abandon_unfinished(self) -> None:
+    def abandon_unfinished(self, why: str = "") -> None:
         """After the lanes stopped: finish every run that is still not terminal."""
         sched = self.scheduler
         for r in sched.admission.runs():
             if not r.terminal:
-                r.record_error(None, closing_failure())
+                if r.error is None:
+                    r.cancelled = True
+                    r.error = closed_error(r.run_id, why)
                 r.building = False
                 r.remaining = 0
                 sched.finish_if_done(r)
@@ -276,5 +288,13 @@ def cancelled_error(run_id: int, reason: str) -> RunCancelled:
     )
 
 
-def closing_failure() -> FailureInfo:
-    return FailureInfo(Outcome.SKIPPED, "run cancelled: worker closing")
+def closed_error(run_id: int, why: str) -> RunClosedError:
+    """The error of a run ``close()`` ended: ``run N did not finish before the worker
+    closed: <why>``, outcome CANCELLED (a ``WorkerClosedError`` and a ``RunCancelled``)."""
+    text = f"run {run_id} did not finish before the worker closed" + (f": {why}" if why else "")
+    return RunClosedError(
+        text,
+        run_id=run_id,
+        outcome=Outcome.CANCELLED.name,
+        remote_text="run cancelled: worker closing",
+    )

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -199,6 +200,11 @@ class Worker(Lifecycle, RemoteMethods):
         #: NEXT_LEVEL ids: chips 0..num_chips-1 at level 3, L3 children in the order added.
         self._next_worker_id = num_chips
         self._init_gate = InitGate()
+        self._init_called_at = 0.0
+        #: The root's startup deadline, in a forked L3 child (``_adopt_in_child``).
+        self._startup_deadline: float | None = None
+        #: Test hook: runs on the init thread once remote sessions are attached.
+        self._after_attach: Callable[[], None] | None = None
         self.state = WorkerState.NEW
         self.manager: WorkerManager | None = None
         self.scheduler: Scheduler | None = None
@@ -211,6 +217,7 @@ class Worker(Lifecycle, RemoteMethods):
         other Workers end first, and while one still drives unfinished runs this raises
         ``StartupError`` (a Worker cannot be initialised while another Worker's runs are
         in flight in the same process; wait for them or close it)."""
+        self._init_called_at = time.monotonic()  # startup_timeout counts from here
         if self.state is WorkerState.NEW and not self._attached:
             retire_background_threads("init")
         super().init()
@@ -437,12 +444,14 @@ class Worker(Lifecycle, RemoteMethods):
         self._pool.l3.add(wid, worker, self.heap)
         return wid
 
-    def _adopt_in_child(self, startup_timeout: float) -> None:
+    def _adopt_in_child(self, startup_timeout: float, deadline: float) -> None:
         """Inside the forked L3 child: this process now owns the worker (its parent only
-        held it), within what is left of the root startup budget."""
+        held it), under the root's startup deadline (``startup_timeout`` after the
+        root's ``init()``)."""
         self._attached = None
         self._pid = self._pool._pid = os.getpid()
         self.startup_timeout = self._pool.startup_timeout = startup_timeout
+        self._startup_deadline = deadline
 
     def _is_new(self) -> bool:
         return self.state is WorkerState.NEW
@@ -515,6 +524,7 @@ class Worker(Lifecycle, RemoteMethods):
         driver thread runs the Scheduler (a bound Worker's loop does). Under
         ``admission="fair"``, ``priority`` (1 to 1000) weighs the run's share of the
         workers and runs with the same ``client`` share one client's part."""
+        self._check_admitting()
         driver = self._driver
         loop = driver.bound_elsewhere()
         if loop is not None:
@@ -523,6 +533,14 @@ class Worker(Lifecycle, RemoteMethods):
             ).result()
         with driver.lock:
             return RunHandle(self, self._new_run(orch, args, config, priority, client))
+
+    def _check_admitting(self) -> None:
+        """Before waiting for the driver's lock: a close in progress on another thread
+        (which holds it while it drains) refuses a new run at once."""
+        sched = self.scheduler
+        if sched is not None and sched.admission.closed:
+            self._check_ready("submit a run")  # CLOSED already
+            raise WorkerClosedError("cannot submit a run: the worker is closing")
 
     def _new_run(
         self, orch: Orch, args: Any, config: CallConfig | None, priority: int, client: object
@@ -549,6 +567,7 @@ class Worker(Lifecycle, RemoteMethods):
         client: object = None,
     ) -> None:
         """Run an orchestration to completion; raises ``TaskError`` when the run failed."""
+        self._check_admitting()
         driver = self._driver
         if driver.loop is not None:
             self.submit(orch, args, config, priority=priority, client=client).wait()

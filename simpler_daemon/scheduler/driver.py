@@ -54,7 +54,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from simpler_daemon.errors import StartupError
+from simpler_daemon.errors import StartupError, WorkerClosedError
 from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.scheduler.dispatch import Scheduler
 
@@ -245,6 +245,9 @@ class Driver:
         self._foreign: list[Callable[[], None]] = []
         self._foreign_lock = threading.Lock()
         self._stopped = False
+        #: Called (holding ``lock``) once ``fall_back`` let a dead loop go: the calls it
+        #: had deferred to that loop are deferred again (``RunBuilder``).
+        self.on_fall_back: Callable[[], None] | None = None
 
     def start(self, scheduler: Scheduler, doorbell: Doorbell) -> None:
         """Drive ``scheduler``; ``doorbell`` is what parked rounds wait on."""
@@ -377,10 +380,11 @@ class Driver:
     # -- binding to an event loop ------------------------------------------------------------------
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Run the Scheduler coroutine on ``loop`` from now on (one loop per Driver)."""
+        """Run the Scheduler coroutine on ``loop`` from now on (one loop at a time: a
+        loop that ended for good is let go first, see ``fall_back``)."""
         if self.loop is loop:
             return
-        if self.loop is not None:
+        if self.loop is not None and not self.fall_back():
             raise RuntimeError(
                 "cannot use this Worker from another event loop: its Scheduler already runs on "
                 "a different one"
@@ -430,8 +434,38 @@ class Driver:
                 "cannot call a blocking Worker method from its own event loop; use the *_async form"
             )
         if not loop.is_running():
-            raise RuntimeError("cannot block on this Worker: its event loop is not running")
+            if self.fall_back():
+                return None  # that loop ended: the blocking driver drives from now on
+            raise RuntimeError(
+                "cannot block on this Worker: its event loop is stopped but not finished "
+                "(its Scheduler coroutine is still pending on it); run the loop again or "
+                "close it"
+            )
         return loop
+
+    def fall_back(self) -> bool:
+        """From outside the bound loop: when it ended for good (closed, or stopped with
+        the Scheduler's coroutine finished, as ``asyncio.run`` leaves it), let it go and
+        drive with the blocking driver again; True then (or when nothing is bound).
+
+        Nothing runs on a loop that is not running, so this thread may take its place.
+        Calls deferred to it and never run are lost with it (an admitted run whose
+        orchestration had not started yet is built again here)."""
+        sched = self._scheduler
+        if self.loop is None:
+            return True
+        if sched is None or not sched.loop_gone():
+            return False
+        with self.lock:
+            if self.loop is None:
+                return True
+            sched.forget_loop()
+            with self._foreign_lock:
+                self.loop = None
+            if self.on_fall_back is not None:
+                self.on_fall_back()
+        log.info("the event loop this Worker was bound to ended; blocking driver from now on")
+        return True
 
     # -- the background thread ---------------------------------------------------------------------
 
@@ -589,6 +623,10 @@ class Driver:
         if loop is not None:
             return asyncio.run_coroutine_threadsafe(_as_coro(aw), loop).result()
         with self.lock:
+            if self._stopped:  # closed while this thread waited for the lock
+                if inspect.iscoroutine(aw):
+                    aw.close()
+                raise WorkerClosedError("cannot finish the call: the worker was closed meanwhile")
             if self._aux_loop is None:
                 self._aux_loop = asyncio.new_event_loop()
             return self._aux_loop.run_until_complete(aw)
@@ -667,6 +705,13 @@ class Driver:
         sched = self._scheduler
         doorbell = self._doorbell
         assert sched is not None and doorbell is not None
+        if self._stopped:
+            # Another thread's close() stopped everything while this one waited for the
+            # lock: no round may run (the mailboxes and the heap are gone). Its runs
+            # ended in that close (drained, or failed with RunClosedError).
+            if done():
+                return True
+            raise WorkerClosedError("cannot wait: the worker was closed meanwhile")
         self.check_may_wait()
         if not handover:
             return self._rounds(sched, doorbell, done, deadline, None)

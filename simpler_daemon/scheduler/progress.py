@@ -14,6 +14,7 @@ its frames are all terminal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -83,6 +84,31 @@ class ProgressLoop(RunCompletion):
             if child is not None and child.pidfd is not None:
                 loop.remove_reader(child.pidfd)
         self._loop = None
+
+    def loop_gone(self) -> bool:
+        """The bound loop ended for good: it is closed, or stopped with this coroutine
+        finished (``asyncio.run`` cancels every task before it closes its loop)."""
+        loop = self._loop
+        if loop is None:
+            return False
+        if loop.is_closed():
+            return True
+        if loop.is_running():
+            return False
+        return self._task is None or self._task.done()
+
+    def forget_loop(self) -> None:
+        """After ``loop_gone``: drop every reference to that loop (its readers, the
+        parked coroutine's future), so blocking rounds or another loop take over."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                self.detach()
+        self._loop = None
+        self._task = None
+        if self._wake is not None:  # a coroutine destroyed while parked
+            self._wake = None
+            self.doorbell.unpark()
 
     def _on_doorbell(self) -> None:
         self.doorbell.drain()
