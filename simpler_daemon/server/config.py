@@ -39,6 +39,7 @@ from simpler_daemon.server.config_types import (
     LocalCallableConfig,
     LocalWorkerConfig,
     MetricsConfig,
+    ReconnectConfig,
     RemoteCallableConfig,
     RemoteWorkerConfig,
     SchedulerConfig,
@@ -80,6 +81,7 @@ __all__ = [
     "LocalCallableConfig",
     "LocalWorkerConfig",
     "MetricsConfig",
+    "ReconnectConfig",
     "RemoteCallableConfig",
     "RemoteWorkerConfig",
     "SchedulerConfig",
@@ -193,6 +195,11 @@ child_spin_us = 50          # a SUB worker's spin for its next task before parki
 
 [health]
 unhealthy_exit_s = 60.0     # a pool without workers this long: stop the watchdog pings; 0 = never
+
+[reconnect]                 # level 4: reopening a remote worker's failed session
+initial_s = 0.5             # wait after the first failed attempt, doubling ...
+max_s = 10.0                # ... up to this
+max_elapsed_s = 0.0         # give the worker up after this long; 0 = never
 """
 
 _SCHEMA: Final = ConfigSchema(
@@ -304,6 +311,7 @@ def _check(config: DaemonConfig) -> None:
     if workers.heap_bytes <= 0:
         raise Invalid("workers.heap_bytes", f": must be > 0, got {workers.heap_bytes}")
     check_path("workers.remote_credentials_dir", workers.remote_credentials_dir)
+    _check_reconnect(config.reconnect)
     if workers.local and service.level != 4:
         raise Invalid(
             "workers.local",
@@ -466,6 +474,19 @@ def _check_local(key: str, local: LocalWorkerConfig, callables: CallablesConfig)
                 f"{key}.callables[{j}].kind",
                 f': "chip" needs chips, but {key}.num_chips is 0',
             )
+
+
+def _check_reconnect(r: ReconnectConfig) -> None:
+    for name in ("initial_s", "max_s", "max_elapsed_s"):
+        value = getattr(r, name)
+        if not math.isfinite(value) or value < 0 or (name == "initial_s" and value == 0):
+            bound = "> 0" if name == "initial_s" else ">= 0"
+            raise Invalid(f"reconnect.{name}", f": must be {bound}, got {value}")
+    if r.max_s < r.initial_s:
+        raise Invalid(
+            "reconnect.max_s",
+            f": must be >= initial_s ({r.initial_s:g}), got {r.max_s:g}",
+        )
 
 
 def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:

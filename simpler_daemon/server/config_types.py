@@ -27,6 +27,7 @@ __all__ = [
     "LocalCallableConfig",
     "LocalWorkerConfig",
     "MetricsConfig",
+    "ReconnectConfig",
     "RemoteCallableConfig",
     "RemoteWorkerConfig",
     "SchedulerConfig",
@@ -97,6 +98,21 @@ class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     tls_server_name: str = ""
     """Name checked against the worker's certificate; "" = the endpoint's host."""
     callables: list[RemoteCallableConfig] = []
+
+
+class ReconnectConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[reconnect]`` section (level 4): how the session of a remote worker
+    that failed is reopened (``ReconnectPolicy``). The first attempt starts at once;
+    after the n-th failed one the next waits ``initial_s * 2**(n-1)``, at most
+    ``max_s``, shortened by up to a fifth at random."""
+
+    initial_s: float = 0.5
+    """Seconds after the first failed attempt."""
+    max_s: float = 10.0
+    """The longest wait between two attempts."""
+    max_elapsed_s: float = 0.0
+    """Give the worker up once the next attempt would start later than this after
+    the failure (its work then fails at once, for good); 0 = reconnect forever."""
 
 
 class LocalCallableConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -329,3 +345,4 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    reconnect: ReconnectConfig = msgspec.field(default_factory=ReconnectConfig)

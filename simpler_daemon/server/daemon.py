@@ -48,7 +48,7 @@ from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name, sweep_stale_heaps
 from simpler_daemon.mailbox.layout import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
-from simpler_daemon.remote.spec import RemoteWorkerSpec
+from simpler_daemon.remote.spec import ReconnectPolicy, RemoteWorkerSpec
 from simpler_daemon.server.config import (
     DaemonConfig,
     LocalWorkerConfig,
@@ -263,6 +263,11 @@ class Daemon:
                 max_active_runs=cfg.limits.max_concurrent_runs,
                 scheduler_spin_s=cfg.scheduler.spin_us / 1e6,
                 child_spin_ns=cfg.scheduler.child_spin_us * 1000,
+                reconnect=ReconnectPolicy(
+                    initial_s=cfg.reconnect.initial_s,
+                    max_s=cfg.reconnect.max_s,
+                    max_elapsed_s=cfg.reconnect.max_elapsed_s,
+                ),
             )
         except ValueError as exc:
             raise StartupError(f"cannot start the daemon: {exc}") from exc

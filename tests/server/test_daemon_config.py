@@ -157,6 +157,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "scheduler": {"admission": "fifo", "spin_us": 150, "child_spin_us": 75},
     "health": {"unhealthy_exit_s": 5.0},
+    "reconnect": {"initial_s": 0.25, "max_s": 30.0, "max_elapsed_s": 600.0},
 }
 
 
@@ -586,6 +587,26 @@ REMOTE = "[[workers.remote]]\nendpoint = '127.0.0.1:19073'\n"
             "{target = 'nocolon', kind = 'sub'}]\n",
             "workers.remote[0].callables[1].target",
             "module:qualname",
+        ),
+        (
+            L4 + "[reconnect]\ninitial_s = 0\n",
+            "reconnect.initial_s",
+            "must be > 0, got 0",
+        ),
+        (
+            L4 + "[reconnect]\ninitial_s = 2.0\nmax_s = 1.0\n",
+            "reconnect.max_s",
+            "must be >= initial_s (2), got 1",
+        ),
+        (
+            L4 + "[reconnect]\nmax_elapsed_s = -1.0\n",
+            "reconnect.max_elapsed_s",
+            "must be >= 0, got -1.0",
+        ),
+        (
+            L4 + "[reconnect]\nmax_elapsd_s = 5.0\n",
+            "reconnect.max_elapsd_s",
+            "unknown key reconnect.max_elapsd_s",
         ),
         (
             L4 + "remote_credentials_dir = 'creds'\n",
