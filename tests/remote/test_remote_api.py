@@ -188,13 +188,19 @@ def test_an_owner_that_reconnects_frees_the_snapshots_its_importers_held(
         )
     )
     assert w4.copy_from_remote(out).tolist() == [10.0, 11.0, 12.0, 13.0]
-    # A snapshot is read-only: writing it on the importer is refused, not silently lost.
-    with pytest.raises(ValueError, match="read-only snapshot"):
-        w4.run(
-            lambda o, _a, _c: o.submit_next_level(
-                fill, TaskArgs().add_tensor(y, Tag.OUTPUT).add_scalar(1), worker=b
+    # A snapshot is read-only: writing it on the importer is refused, not silently lost;
+    # NO_DEP too, which needs read-write access (as the origin requires).
+    for tag in (Tag.OUTPUT, Tag.INOUT, Tag.OUTPUT_EXISTING, Tag.NO_DEP):
+        with pytest.raises(ValueError, match="read-only snapshot") as info:
+            w4.run(
+                lambda o, _a, _c, tag=tag: o.submit_next_level(
+                    fill, TaskArgs().add_tensor(y, tag).add_scalar(1), worker=b
+                )
             )
-        )
+        text = str(info.value)
+        assert f"tensors[0] is tagged {tag.name}" in text, text  # the tensor
+        assert repr(y) in text and "access read-only" in text, text  # the buffer, its access
+        assert f"remote worker {b}" in text, text
 
 
 def test_the_async_forms_work_on_the_workers_loop(worker: RemoteWorkerProcess) -> None:
