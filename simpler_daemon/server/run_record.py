@@ -269,7 +269,7 @@ class RunRecord:
         final = self._final
         state = self.state if final else self.proto_state()
         err = self.error_proto() if final else None
-        counts = self.counts()
+        self._sync_total()  # the counts as counts() has them, without building a message
         return (
             self.run_id,
             self.client,
@@ -278,10 +278,10 @@ class RunRecord:
             self.key_print,
             self.priority,
             int(state),
-            counts.total,
-            counts.done,
-            counts.failed,
-            counts.running,
+            max(self.total, 0),
+            max(self.done, 0),
+            max(self.failed, 0),
+            max(self.running, 0),
             self.submit_ns,
             self.finish_ns,
             self.seq,
