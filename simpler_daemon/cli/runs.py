@@ -157,6 +157,11 @@ def cmd_submit(c: Client, a: argparse.Namespace, out: Out) -> int:
         else:
             dedup = " (deduplicated: an earlier run with this key)" if deduplicated else ""
             out.line(f"run {run_id} submitted{dedup}")
+            if c.wait_run(run_id, 0).state is RunPhase.QUEUED:
+                out.note(
+                    f"run {run_id} is QUEUED: this client has limits.per_client_runs active "
+                    "runs; it starts as they end (`simplerctl runs --state queued`)"
+                )
             for name, bid in buffers.items():
                 out.line(f"  buffer {name}: {bid}")
             if buffers:

@@ -409,6 +409,9 @@ def _main(argv: Sequence[str] | None) -> int:
             server_name=args.server_name,
             timeout=timeout or None,
             transport=args.transport,
+            # A command answers at once: an unreachable daemon or a full run queue is
+            # the exit code's to tell (a script retries), not a 30 s wait.
+            retry=None,
         )
     except (OSError, ValueError) as exc:
         out.error("", f"cannot connect: {exc}")
@@ -464,9 +467,40 @@ def _rpc_failed(
     if where:
         details = f"{where}: {details}"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        details += " (`simplerctl buffers` lists what holds the heap, `simplerctl free` frees)"
+        details += exhausted_hint(details)
     out.error(code.name, details or code.name)
     return _STATUS_EXIT.get(code, EXIT_FAILED)
+
+
+#: What to do about a RESOURCE_EXHAUSTED, by the limit its text names (first match).
+_EXHAUSTED_HINTS: Final = (
+    (
+        ("per_client_queued_runs", "per_client_runs", "max_concurrent_runs"),
+        "runs wait for a slot: `simplerctl runs --state queued` lists the queued ones; "
+        "retry once some have finished",
+    ),
+    (
+        ("per_client_heap_bytes", "heap", "max_buffer_bytes"),
+        "`simplerctl buffers` lists what holds the heap, `simplerctl free` frees",
+    ),
+    (
+        ("per_client_registrations", "slot"),
+        "`simplerctl callables` lists the registrations, `simplerctl unregister` drops one",
+    ),
+    (("max_streams_per_client",), "end other watch or read streams of this client first"),
+    (
+        ("max_message_bytes", "include_results", "max_run_result_bytes"),
+        "the request or its answer is larger than the limit named",
+    ),
+)
+
+
+def exhausted_hint(details: str) -> str:
+    """The advice for a RESOURCE_EXHAUSTED refusal, picked by the limit it names."""
+    for needles, hint in _EXHAUSTED_HINTS:
+        if any(needle in details for needle in needles):
+            return f" ({hint})"
+    return " (a daemon limit was reached: its text names it; see docs/operations.md)"
 
 
 if __name__ == "__main__":

@@ -86,9 +86,11 @@ from simpler_daemon.client.results import (
     run_result,
     run_summary,
 )
+from simpler_daemon.client.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = [
     "CLIENT_ID_METADATA",
+    "DEFAULT_RETRY",
     "DEFAULT_TIMEOUT",
     "ENV_TARGET",
     "ENV_TOKEN",
@@ -111,6 +113,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "RetryPolicy",
     "RunFuture",
     "RunPhase",
     "RunResult",

@@ -22,6 +22,7 @@ from simpler_daemon.client.errors import daemon_error
 from simpler_daemon.client.fastpath import pick_fast_socket
 from simpler_daemon.client.heapview import map_buffer_view
 from simpler_daemon.client.requests import call_deadline, check_wait
+from simpler_daemon.client.retry import DEFAULT_RETRY, RetryPolicy
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2_grpc as pb_grpc
 from simpler_daemon.protocol.metadata import CLIENT_ID_METADATA
 from simpler_daemon.system.localtrust import check_socket_path
@@ -92,7 +93,14 @@ class _Base:
         timeout: float | None = DEFAULT_TIMEOUT,
         client_id: str | None = None,
         transport: str = "auto",
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(
+                f"cannot create a client: retry must be a RetryPolicy or None: {retry!r}"
+            )
+        #: How calls safe to repeat are retried (client/retry.py); None: never.
+        self.retry = retry
         self.target = target or default_target()
         self.address, self.tcp = _address(self.target)
         #: The uid trusted to own the daemon's heap besides ours and root's (the owner of
@@ -109,6 +117,10 @@ class _Base:
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
             ("grpc.enable_http_proxy", 0),
+            # A daemon restarting is reconnected to within 2 s, not gRPC's 120 s: the
+            # retries of client/retry.py would otherwise fail fast against the backoff.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         self.credentials: Any = None
         if self.tcp:

@@ -39,9 +39,18 @@ request is built by :mod:`simpler_daemon.client.requests`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from types import EllipsisType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -85,10 +94,13 @@ from simpler_daemon.client.results import (
     run_result,
     run_summary,
 )
+from simpler_daemon.client.retry import new_key, safe_to_repeat
 from simpler_daemon.client.session import AsyncSessionLease, SessionLease, session_lost
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = ["AsyncClient", "Client"]
+
+T = TypeVar("T")
 
 
 class Client(_Base):
@@ -144,8 +156,17 @@ class Client(_Base):
 
     def _call(self, method: str, request: Any, timeout: float | EllipsisType | None = ...) -> Any:
         """One unary (or client-streaming) call of RPC ``method``; ``timeout`` ``...`` =
-        the client's default, None = no deadline."""
+        the client's default, None = no deadline. Retried per :attr:`retry` when safe."""
         deadline = self.timeout if timeout is ... else timeout
+        return self._retried(method, request, lambda: self._call_once(method, request, deadline))
+
+    def _retried(self, method: str, request: Any, attempt: Callable[[], T]) -> T:
+        """``attempt()``, retried per :attr:`retry` when ``method`` is safe to repeat."""
+        if self.retry is None or not safe_to_repeat(method, request):
+            return attempt()
+        return self.retry.call(attempt)
+
+    def _call_once(self, method: str, request: Any, deadline: float | None) -> Any:
         if self._fast is not None:
             return self._fast.unary(method, request, deadline)
         with mapped_errors():
@@ -254,7 +275,13 @@ class Client(_Base):
     ) -> bytes:
         """The bytes ``[offset, offset + length)`` (length 0 = to the end)."""
         request = read_request(buffer_id, offset, length, generation, chunk_bytes)
-        return b"".join(chunk.data for chunk in self._stream("ReadBuffer", request, self.timeout))
+
+        def read() -> bytes:  # repeated whole when it fails retryably
+            return b"".join(
+                chunk.data for chunk in self._stream("ReadBuffer", request, self.timeout)
+            )
+
+        return self._retried("ReadBuffer", request, read)
 
     def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         """Free a buffer; True when its memory is released later (still referenced)."""
@@ -299,9 +326,12 @@ class Client(_Base):
         priority: int = 1,
         include_results: bool = False,
     ) -> pb.SubmitRunResponse:
-        """The raw SubmitRun: the response message (``status`` set with ``wait_seconds``)."""
+        """The raw SubmitRun: the response message (``status`` set with ``wait_seconds``).
+        Without an ``idempotency_key`` one is made up (when :attr:`retry` is set), so that
+        a retry after a lost reply is answered with the run, not a second one."""
         wait = check_wait(wait_seconds, "wait_seconds")
-        request = submit_request(tasks, idempotency_key, label, wait, priority, include_results)
+        key = idempotency_key or (new_key() if self.retry is not None else "")
+        request = submit_request(tasks, key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
         return self._call("SubmitRun", request, timeout)  # type: ignore[no-any-return]
 
@@ -346,8 +376,10 @@ class Client(_Base):
         label: str = "",
         priority: int = 1,
     ) -> RunFuture:
-        """Run a registered orchestration function in the daemon; its :class:`RunFuture`."""
-        request = orchestration_request(hashid, args, config, idempotency_key, label, priority)
+        """Run a registered orchestration function in the daemon; its :class:`RunFuture`
+        (an ``idempotency_key`` is made up when none is given, as for :meth:`submit_run`)."""
+        key = idempotency_key or (new_key() if self.retry is not None else "")
+        request = orchestration_request(hashid, args, config, key, label, priority)
         response = self._call("RunOrchestration", request)
         return RunFuture(response.run_id, self, deduplicated=response.deduplicated)
 
@@ -454,6 +486,17 @@ class AsyncClient(_Base):
         self, method: str, request: Any, timeout: float | EllipsisType | None = ...
     ) -> Any:
         deadline = self.timeout if timeout is ... else timeout
+        return await self._retried(
+            method, request, lambda: self._call_once(method, request, deadline)
+        )
+
+    async def _retried(self, method: str, request: Any, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``await attempt()``, retried per :attr:`retry` when ``method`` is safe to repeat."""
+        if self.retry is None or not safe_to_repeat(method, request):
+            return await attempt()
+        return await self.retry.call_async(attempt)
+
+    async def _call_once(self, method: str, request: Any, deadline: float | None) -> Any:
         if self._fast is not None:
             return await self._fast.unary(method, request, deadline)
         with mapped_errors():
@@ -554,8 +597,12 @@ class AsyncClient(_Base):
         chunk_bytes: int = 0,
     ) -> bytes:
         request = read_request(buffer_id, offset, length, generation, chunk_bytes)
-        stream = self._stream("ReadBuffer", request, self.timeout)
-        return b"".join([chunk.data async for chunk in stream])
+
+        async def read() -> bytes:  # repeated whole when it fails retryably
+            stream = self._stream("ReadBuffer", request, self.timeout)
+            return b"".join([chunk.data async for chunk in stream])
+
+        return await self._retried("ReadBuffer", request, read)
 
     async def free_buffer(self, buffer_id: int, generation: int = 0) -> bool:
         request = pb.FreeBufferRequest(buffer_id=buffer_id, generation=generation)
@@ -594,7 +641,8 @@ class AsyncClient(_Base):
         include_results: bool = False,
     ) -> pb.SubmitRunResponse:
         wait = check_wait(wait_seconds, "wait_seconds")
-        request = submit_request(tasks, idempotency_key, label, wait, priority, include_results)
+        key = idempotency_key or (new_key() if self.retry is not None else "")
+        request = submit_request(tasks, key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
         return await self._call("SubmitRun", request, timeout)  # type: ignore[no-any-return]
 
@@ -635,7 +683,8 @@ class AsyncClient(_Base):
         label: str = "",
         priority: int = 1,
     ) -> AsyncRunFuture:
-        request = orchestration_request(hashid, args, config, idempotency_key, label, priority)
+        key = idempotency_key or (new_key() if self.retry is not None else "")
+        request = orchestration_request(hashid, args, config, key, label, priority)
         response = await self._call("RunOrchestration", request)
         return AsyncRunFuture(response.run_id, self, deduplicated=response.deduplicated)
 

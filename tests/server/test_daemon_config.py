@@ -133,6 +133,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_finished_result_bytes": 701,
         "max_group_members": 12,
         "per_client_runs": 13,
+        "per_client_queued_runs": 17,
         "per_client_heap_bytes": 14,
         "per_client_registrations": 15,
         "max_import_path_chars": 16,

@@ -554,10 +554,12 @@ def test_cancel_and_concurrent_run_limit(daemon: DaemonProcess, ctx: Ctx) -> Non
         c.submit([sub_task(ctx.wait, [tensor(flag, "inout", (2,), "uint8")], [20_000])])
         for i in range(2)
     ]
-    with pytest.raises(grpc.RpcError) as info:  # limits.max_concurrent_runs = 3
-        c.submit([sub_task(ctx.fill, [tensor(ctx.buf, "output", (8,), "float32")], [9])])
+    bare = Client(daemon.socket, retry=None)  # the default client retries this refusal
+    with bare, pytest.raises(grpc.RpcError) as info:  # limits.max_concurrent_runs = 3
+        bare.submit([sub_task(ctx.fill, [tensor(ctx.buf, "output", (8,), "float32")], [9])])
     assert info.value.code() == Code.RESOURCE_EXHAUSTED
     assert "limits.max_concurrent_runs = 3" in info.value.details()
+    assert info.value.retry_after is not None  # worth retrying later: a hint says when
 
     cancelled = c.cancel(queued[1], reason="not needed")
     assert not cancelled.already_finished

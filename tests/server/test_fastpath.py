@@ -507,7 +507,7 @@ def test_auto_falls_back_to_grpc_past_a_stale_fast_socket_and_fast_names_it(
     _stale_socket(tmp_path / "daemon.fast.sock")
     with Client(str(lone)) as auto:
         assert auto.transport == "grpc"
-    fast = Client(str(lone), transport="fast", timeout=5)
+    fast = Client(str(lone), transport="fast", timeout=5, retry=None)  # no retry: at once
     try:
         with pytest.raises(Unavailable, match=str(tmp_path / "daemon.fast.sock")):
             fast.get_info()

@@ -15,14 +15,17 @@ import re
 import threading
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from simpler_daemon.cli.output import EXIT_EXHAUSTED
 from simpler_daemon.client import Client, RunPhase, sub_task, tensor
 from simpler_daemon.client.errors import ResourceExhausted
 from simpler_daemon.protocol.metadata import RETRY_AFTER_METADATA
+from tests.support.ctl import Ctl
 from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
@@ -40,6 +43,17 @@ CONFIG: dict[str, dict[str, Any]] = {
     "limits": {"per_client_runs": 2, "per_client_queued_runs": 3},
     "metrics": {"listen": "127.0.0.1:0"},
 }
+
+FILL_TOML = f"""\
+[buffers.out]
+shape = [4]
+dtype = "float32"
+
+[[tasks]]
+callable = "{EXAMPLES}:fill"
+tensors = [{{ buffer = "out", tag = "output" }}]
+scalars = [2]
+"""
 
 _MODULE_DAEMONS: set[int] = set()
 
@@ -63,7 +77,7 @@ def no_leaked_children() -> Iterator[None]:
 @pytest.fixture
 def c(daemon: DaemonProcess) -> Iterator[Client]:
     # gRPC: the refusal's retry-after also travels as trailing metadata there.
-    with daemon.client(timeout=60, transport="grpc") as client:
+    with daemon.client(timeout=60, transport="grpc", retry=None) as client:
         yield client
         # Every test leaves the client's slots and queue empty for the next one.
         wait_until(
@@ -180,7 +194,11 @@ def test_runs_past_the_quota_queue_start_in_order_and_finish_right(
 
 
 def test_past_the_queue_bound_resource_exhausted_names_the_limit_and_a_retry_after(
-    daemon: DaemonProcess, c: Client, tcp: TcpAccess
+    daemon: DaemonProcess,
+    c: Client,
+    tcp: TcpAccess,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     h = Holds(c)
     try:
@@ -198,8 +216,19 @@ def test_past_the_queue_bound_resource_exhausted_names_the_limit_and_a_retry_aft
         assert int(trailer[RETRY_AFTER_METADATA]) > 0
         assert err.retry_after is not None and err.retry_after > 0
         assert _queued(c) == queued  # the refused run was not queued
+        # simplerctl: the queued runs show QUEUED; its refusal names the limit and says
+        # what to do about it (not "free buffers": no buffer is the matter here).
+        ctl = Ctl(daemon.socket, capsys)
+        listed = ctl.json("runs", "--state", "queued")
+        assert [(r["run_id"], r["state"]) for r in listed] == [(r, "QUEUED") for r in queued[::-1]]
+        spec = tmp_path / "fill.toml"
+        spec.write_text(FILL_TOML)
+        code, _, err = ctl("submit", str(spec))
+        assert code == EXIT_EXHAUSTED, err
+        assert "limits.per_client_queued_runs" in err and "retry after" in err
+        assert "runs --state queued" in err and "simplerctl free" not in err
         # The fast path carries the same hint in the text.
-        with daemon.client(timeout=60, transport="fast") as fast:
+        with daemon.client(timeout=60, transport="fast", retry=None) as fast:
             with pytest.raises(ResourceExhausted) as info:
                 fast.submit([h.task(flag)])
             assert "limits.per_client_queued_runs" in info.value.details()
