@@ -9,7 +9,9 @@
 
 Per connection (each one isolated; see :mod:`simpler_daemon.remote.manifest`)::
 
-    TLS (if configured) -> token, compared in constant time -> manifest, validated
+    accept: counted per source and in all (:mod:`.admission`), before TLS
+    -> TLS (if configured) -> token, compared in constant time -> manifest, validated
+       (all three within sessions.handshake_timeout)
     -> one runner exec'ed in its own process group -> ready line within the deadline
     -> reply {"ok": true, "command", "health", "pid"} | {"ok": false, "error"}
 
@@ -25,8 +27,8 @@ Exit status: 0 clean stop, 2 configuration error, 3 start-up failure (the port
 cannot be bound).
 
 Test hook: the environment variable ``SIMPLER_REMOTE_RUNNER_ARGV`` (a JSON list of
-strings) replaces ``[python, "-I", "-m", "simpler_daemon.remote_worker.session"]``; ``--spec FILE
---ready-fd N`` are still appended. It exists so tests can stand in a runner that
+strings) replaces ``[python, "-I", "-m", "simpler_daemon.remote_worker.session"]``;
+``--spec FILE --ready-fd N`` are still appended. It exists so tests can stand in a runner that
 misbehaves (never ready, crashes); a warning is logged when it is set.
 """
 
@@ -39,7 +41,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -66,8 +67,16 @@ from simpler_daemon.remote.manifest import (
     validate_manifest,
 )
 from simpler_daemon.remote_worker import config as cfg
+from simpler_daemon.remote_worker.admission import (
+    ERROR_TEXT_LIMIT,
+    Admission,
+    FailurePacing,
+    Pending,
+    abort,
+    listen_socket,
+    refuse,
+)
 from simpler_daemon.remote_worker.launch import runner_env, write_runner_spec
-from simpler_daemon.system.authguard import FailedAuthLimiter
 from simpler_daemon.system.configfile import add_set_option, overrides_from_set
 
 # The exit statuses of simpler-daemon: units of both rely on 3 = cannot start.
@@ -79,7 +88,6 @@ __all__ = [
     "EXIT_CONFIG",
     "EXIT_OK",
     "EXIT_STARTUP",
-    "FAILED_AUTH_DELAY_S",
     "RUNNER_ARGV_ENV",
     "RemoteWorkerService",
     "SessionInfo",
@@ -94,19 +102,7 @@ _RUNNER_MODULE: Final = "simpler_daemon.remote_worker.session"
 _READY_LINE_LIMIT: Final = 64 << 10
 # Lines of runner output kept for the error a failed start reports.
 _OUTPUT_TAIL_LINES: Final = 20
-_ERROR_TEXT_LIMIT: Final = 4096
-# After refusing a connection: how long unread input is drained so that closing
-# does not reset the connection before the peer has read the reply.
-_LINGER: Final = 1.0
-# Unread input drained at most after a refusal: a whole manifest.
-_MAX_DRAIN: Final = 16 << 20
 _WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})
-#: A wrong token from a source with too many failures is answered after this long.
-FAILED_AUTH_DELAY_S: Final = 1.0
-#: Closing connections to make room is logged at warning once per source per this long.
-_EVICT_LOG_EVERY_S: Final = 60.0
-_MAX_LOGGED_HOSTS: Final = 4096
-_LISTEN_BACKLOG: Final = 128
 
 log = logging.getLogger("simpler_daemon.remote.worker")
 
@@ -128,31 +124,12 @@ class SessionInfo:
     pump: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
-@dataclass(slots=True, eq=False)
-class _Pending:
-    """One connection in its handshake (TLS, token, manifest), from accept on."""
-
-    host: str
-    peer: str
-    since: float = field(default_factory=time.monotonic)
-    #: Its token was right: it is a parent's, and is never closed to make room.
-    authenticated: bool = False
-    #: Closed to make room for a newer connection (see ``RemoteWorkerService._admit``).
-    evicted: bool = False
-    task: asyncio.Task[None] | None = None
-
-
-def _unauthenticated(handshakes: dict[int, _Pending]) -> int:
-    return sum(1 for hs in handshakes.values() if not hs.authenticated and not hs.evicted)
-
-
 class _Refused(Exception):
     """Ends a connection with ``{"ok": false, "error": str(exc)}``."""
 
 
 class _AuthFailed(_Refused):
-    """A wrong token: counted against the peer's host (``FailedAuthLimiter``), and
-    answered late once that host has failed too often."""
+    """A wrong token: counted against the peer's host (``FailurePacing``)."""
 
 
 class _StartFailed(Exception):
@@ -182,7 +159,7 @@ class RemoteWorkerService:
         self._ssl = credentials.ssl_context
         #: Counts wrong tokens per source; a source over the limit gets its wrong tokens
         #: answered late (never its correct ones refused).
-        self.auth_limiter = FailedAuthLimiter()
+        self.auth_pacing = FailurePacing()
         self._limits = cfg.manifest_limits(config)
         self.notifier = notifier or SystemdNotifier(None)
         # -I: the runner's sys.path holds neither the working directory nor PYTHON*
@@ -192,9 +169,10 @@ class RemoteWorkerService:
         self._announce = announce or _print
         self.sessions: dict[int, SessionInfo] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        #: Connections in their handshake, by source address, oldest first.
-        self._pending: dict[str, dict[int, _Pending]] = {}
-        self._evict_logged: dict[str, float] = {}
+        #: Connections in their handshake, by source address, and their limits.
+        self.admission = Admission(
+            config.sessions.max_connections, config.sessions.max_connections_per_source
+        )
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self.address: tuple[str, int] | None = None
@@ -213,7 +191,7 @@ class RemoteWorkerService:
             loop.add_signal_handler(sig, self._stop_event.set)
         host, port = self.config.listen_address
         try:
-            listener = _listen(host, port)
+            listener = listen_socket(host, port)
         except OSError as exc:
             raise StartupError(
                 f"cannot listen on {self.config.worker.listen}: {exc.strerror or exc}"
@@ -301,73 +279,16 @@ class RemoteWorkerService:
             self._admit(conn, addr)
 
     def _admit(self, conn: socket.socket, addr: Any) -> None:
-        """Count the connection against its source's and the listener's limits, making
-        room by closing the oldest unauthenticated handshake when one is full.
-
-        A parent sends its token right after connecting, so the handshakes that are
-        oldest and still unauthenticated are the idle or slow ones: a flood of them,
-        even from the parent's own address, never keeps a prompt parent out. Only
-        when every handshake in the way has authenticated is the new one refused.
-        """
+        """Count the connection (``Admission``) and start its handshake."""
         host = addr[0] if isinstance(addr, tuple) and addr else "?"
         peer = format_host_port(addr[0], addr[1]) if isinstance(addr, tuple) else "?"
-        s = self.config.sessions
-        mine = self._pending.setdefault(host, {})
-        if len(mine) >= s.max_connections_per_source:
-            self._evict(host, "sessions.max_connections_per_source")
-        if sum(len(v) for v in self._pending.values()) >= s.max_connections:
-            victim = max(self._pending, key=lambda h: _unauthenticated(self._pending[h]))
-            self._evict(victim, "sessions.max_connections")
-        mine = self._pending.setdefault(host, {})  # an eviction may have emptied and dropped it
-        refused = ""
-        if len(mine) >= s.max_connections_per_source:
-            refused = (
-                f"cannot open session: {len(mine)} connections from {host} are already "
-                "in their handshake (limit sessions.max_connections_per_source)"
-            )
-        elif sum(len(v) for v in self._pending.values()) >= s.max_connections:
-            refused = (
-                f"cannot open session: {sum(len(v) for v in self._pending.values())} "
-                "connections are already in their handshake (limit sessions.max_connections)"
-            )
-        hs = _Pending(host, peer)
-        if not refused:
-            mine[id(hs)] = hs
-        elif not mine:
-            self._pending.pop(host, None)
+        hs, refused = self.admission.admit(host, peer)
         task = asyncio.create_task(self._connection(conn, hs, refused), name="handshake")
         hs.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _evict(self, host: str, limit: str) -> None:
-        """Close the oldest unauthenticated handshake of ``host`` (if it has one)."""
-        for hs in self._pending.get(host, {}).values():
-            if not hs.authenticated and not hs.evicted:
-                hs.evicted = True
-                self._forget(hs)
-                if hs.task is not None:
-                    hs.task.cancel()
-                now = time.monotonic()
-                if now - self._evict_logged.get(host, -math.inf) >= _EVICT_LOG_EVERY_S:
-                    self._evict_logged[host] = now
-                    log.warning(
-                        "closed an unauthenticated connection from %s (open %.1f s) to make "
-                        "room (%s); more are logged at debug for %.0f s",
-                        hs.peer, now - hs.since, limit, _EVICT_LOG_EVERY_S,
-                    )  # fmt: skip
-                else:
-                    log.debug("closed an unauthenticated connection from %s (%s)", hs.peer, limit)
-                return
-
-    def _forget(self, hs: _Pending) -> None:
-        mine = self._pending.get(hs.host)
-        if mine is not None and mine.pop(id(hs), None) is not None and not mine:
-            del self._pending[hs.host]
-            if len(self._evict_logged) > _MAX_LOGGED_HOSTS:
-                self._evict_logged.clear()
-
-    async def _connection(self, conn: socket.socket, hs: _Pending, refused: str) -> None:
+    async def _connection(self, conn: socket.socket, hs: Pending, refused: str) -> None:
         loop = asyncio.get_running_loop()
         peer = hs.peer
         log.debug("connection from %s", peer)
@@ -395,14 +316,14 @@ class RemoteWorkerService:
                     raise _Refused(refused)
                 manifest = await self._handshake(reader, hs)
                 deadline.reschedule(None)
-            self._forget(hs)
+            self.admission.forget(hs)
             await self._session(manifest, peer, writer)
         except TimeoutError:
             if writer is None:
                 log.debug("connection from %s: no TLS handshake within the deadline", peer)
                 return
             log.info("refused %s: handshake not completed in time", peer)
-            await _refuse(
+            await refuse(
                 reader,
                 writer,
                 f"cannot open session: handshake not completed within {s.handshake_timeout:g}s "
@@ -414,19 +335,19 @@ class RemoteWorkerService:
         except _Refused as exc:
             log.info("refused %s: %s", peer, exc)
             if writer is not None:
-                await _refuse(reader, writer, str(exc))
+                await refuse(reader, writer, str(exc))
         except asyncio.CancelledError:
             if writer is not None:
-                _abort(writer)
+                abort(writer)
             if not hs.evicted:
                 raise
         except Exception:
             # A bug must not take the listener or another connection down.
             log.exception("connection from %s failed", peer)
             if writer is not None:
-                _abort(writer)
+                abort(writer)
         finally:
-            self._forget(hs)
+            self.admission.forget(hs)
             if writer is not None:
                 writer.close()
             else:
@@ -434,33 +355,19 @@ class RemoteWorkerService:
 
     async def _auth_failed(
         self,
-        hs: _Pending,
+        hs: Pending,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         error: str,
     ) -> None:
-        """Count a wrong token against its source; once the source has failed too often,
-        answer each further wrong token only after ``FAILED_AUTH_DELAY_S``.
+        """Count a wrong token; answer it late when its source failed too often. The
+        source is never refused: its next token is compared as usual."""
+        delay = self.auth_pacing.failed(hs.host, hs.peer, error)
+        if delay:
+            await asyncio.sleep(delay)
+        await refuse(reader, writer, error)
 
-        The source is never refused: its next connection's token is compared as usual,
-        so a correct one (the real parent sharing an address with a guesser) is
-        accepted at once. Only the failures are slowed down.
-        """
-        limiter = self.auth_limiter
-        failures = limiter.failed(hs.host)
-        if failures >= limiter.max_failures:
-            log.warning(
-                "%d failed authentications from %s within %.0f s: for %.0f s its wrong "
-                "tokens are answered after %.0f s (a correct token is still accepted)",
-                failures, hs.host, limiter.window_s, limiter.block_s, FAILED_AUTH_DELAY_S,
-            )  # fmt: skip
-        else:
-            log.warning("refused %s: %s", hs.peer, error)
-        if limiter.blocked_for(hs.host):
-            await asyncio.sleep(FAILED_AUTH_DELAY_S)
-        await _refuse(reader, writer, error)
-
-    async def _handshake(self, reader: asyncio.StreamReader, hs: _Pending) -> Manifest:
+    async def _handshake(self, reader: asyncio.StreamReader, hs: Pending) -> Manifest:
         """Token, then manifest (the caller bounds both with the handshake deadline)."""
         s = self.config.sessions
         try:
@@ -511,7 +418,7 @@ class RemoteWorkerService:
                 reply = await self._start_runner(m, info)
             except _Refused as exc:
                 await self._reclaim(info)
-                reply = HandshakeReply(ok=False, error=str(exc)[:_ERROR_TEXT_LIMIT])
+                reply = HandshakeReply(ok=False, error=str(exc)[:ERROR_TEXT_LIMIT])
             except _StartFailed as exc:
                 await self._reclaim(info)
                 await self._finish_pump(info)
@@ -650,8 +557,8 @@ class RemoteWorkerService:
         if tail:
             text += f"; runner output:\n{tail}"
         # The end of the output says most about why it failed.
-        if len(text) > _ERROR_TEXT_LIMIT:
-            text = text[:200] + " ... " + text[-(_ERROR_TEXT_LIMIT - 205) :]
+        if len(text) > ERROR_TEXT_LIMIT:
+            text = text[:200] + " ... " + text[-(ERROR_TEXT_LIMIT - 205) :]
         return text
 
     async def _finish_pump(self, info: SessionInfo) -> None:
@@ -694,7 +601,7 @@ async def _pump_output(fd: int, info: SessionInfo) -> None:
             try:
                 line = await reader.readline()
             except ValueError:  # an overlong line: keep its start
-                line = (await reader.read(_READY_LINE_LIMIT))[:_ERROR_TEXT_LIMIT]
+                line = (await reader.read(_READY_LINE_LIMIT))[:ERROR_TEXT_LIMIT]
             if not line:
                 return
             text = line.decode("utf-8", "replace").rstrip()
@@ -702,41 +609,6 @@ async def _pump_output(fd: int, info: SessionInfo) -> None:
             log.info("session %d runner %s: %s", info.session_id, info.pid, text)
     finally:
         transport.close()
-
-
-async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: str) -> None:
-    """Send ``{"ok": false, "error"}``, then drain unread input briefly before the close,
-    so the peer reads the reply instead of a connection reset."""
-    try:
-        async with asyncio.timeout(_LINGER):
-            writer.write(encode_lp_json(HandshakeReply(ok=False, error=error[:_ERROR_TEXT_LIMIT])))
-            await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-            budget = _MAX_DRAIN
-            while budget > 0:
-                chunk = await reader.read(min(budget, 1 << 16))
-                if not chunk:
-                    break
-                budget -= len(chunk)
-    except (TimeoutError, ConnectionError, OSError):
-        pass
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The non-blocking listening socket (SO_REUSEADDR, as asyncio.start_server sets it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server(
-        (host, port), family=family, backlog=_LISTEN_BACKLOG, dualstack_ipv6=False
-    )
-    sock.setblocking(False)
-    return sock
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
-    transport = writer.transport
-    if not transport.is_closing():
-        transport.abort()
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -25,8 +25,9 @@ import pytest
 
 from simpler_daemon import CallConfig, TaskArgs
 from simpler_daemon.engine.worker import Worker
-from simpler_daemon.errors import EndpointError, TaskError
+from simpler_daemon.errors import ControlError, EndpointError, TaskError
 from simpler_daemon.remote.spec import ReconnectPolicy, RemoteCallable, RemoteWorkerSpec
+from simpler_daemon.remote.wire import CopyFrom, encode_payload
 from simpler_daemon.testing import child_pids, poll_for
 from simpler_daemon.testing.netns import TestHosts
 from tests.support.remote_harness import (
@@ -243,7 +244,7 @@ def test_a_task_queued_across_a_reconnect_is_refused_and_touches_no_new_buffer(
 def test_controls_refuse_an_old_ref_and_alloc_sees_the_new_session_without_a_run(
     site: Site,
 ) -> None:
-    with level4(site.endpoint, n=2) as (w4, (r, other), _orch):
+    with level4(site.endpoint, n=2) as (w4, (r, other), orch):
         old = w4.alloc_remote(r, (8,), "int32")
         w4.copy_to_remote(old, np.arange(8, dtype="int32"))
         kill_runner(w4, r)
@@ -275,6 +276,19 @@ def test_controls_refuse_an_old_ref_and_alloc_sees_the_new_session_without_a_run
         ):
             with pytest.raises(ValueError, match=lost(old)):
                 call()
+        # At submit too: the orchestration's submit refuses it (raised to the caller of a
+        # synchronous orchestration).
+        with pytest.raises((TaskError, ValueError), match=lost(old)):
+            w4.submit(
+                tasks((orch["fill_remote"], r, TaskArgs().add_tensor(old).add_scalar(5)))
+            ).wait(30.0)
+        # The runner refuses a reference of another session on its own, whatever the
+        # parent sends (here past the parent's checks, straight onto the command lane).
+        stale = CopyFrom(
+            buffer_id=old.buffer_id, generation=old.generation, offset=0, nbytes=32, session=1
+        )
+        with pytest.raises(ControlError, match=r"which ended: its data is lost .*is session 2"):
+            w4._fleet.endpoints[r].control("copy_from", encode_payload(stale))
         assert (w4.copy_from_remote(new) == 0).all()
         r_row = row(w4, r)
         assert (r_row["state"], r_row["reconnects"], r_row["attempts"]) == ("ready", 1, 0), r_row

@@ -28,7 +28,7 @@ from simpler_daemon.callables import SlotTable
 from simpler_daemon.client import Client, sub_task, tensor
 from simpler_daemon.errors import ConfigError, RegistrationError
 from simpler_daemon.remote_worker import config as remote_cfg
-from simpler_daemon.remote_worker.service import FAILED_AUTH_DELAY_S
+from simpler_daemon.remote_worker.admission import FAILED_AUTH_DELAY_S
 from simpler_daemon.server import config as cfg
 from simpler_daemon.server.daemon import Daemon
 from simpler_daemon.server.metrics import MAX_CONNECTIONS, Metrics
