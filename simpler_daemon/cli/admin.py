@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import grpc
@@ -196,7 +197,10 @@ def cmd_free(c: Client, a: argparse.Namespace, out: Out) -> int:
         try:
             deferred = c.free_buffer(buffer_id)
         except grpc.RpcError as exc:
-            out.error(exc.code().name, exc.details() or exc.code().name)
+            code, message = exc.code().name, exc.details() or exc.code().name
+            # One JSON document for the command: each buffer's error in its own entry.
+            out.error(code, message, document=False)
+            results.append({"buffer_id": buffer_id, "error": {"code": code, "message": message}})
             failed = EXIT_NOT_FOUND if exc.code() == grpc.StatusCode.NOT_FOUND else EXIT_FAILED
             continue
         results.append({"buffer_id": buffer_id, "deferred": deferred})
@@ -233,6 +237,23 @@ def cmd_add_remote(c: Client, a: argparse.Namespace, out: Out) -> int:
     options: dict[str, Any] = {}
     if a.session_timeout is not None:
         options["session_timeout_s"] = a.session_timeout
+    for option, field in (
+        ("heap_bytes", "heap_bytes"),
+        ("chip_pipeline_depth", "chip_pipeline_depth"),
+    ):
+        if getattr(a, option) is not None:
+            options[field] = getattr(a, option)
+    for option, field in (
+        ("worker_token_file", "token_file"),
+        ("worker_tls_ca", "tls_ca_file"),
+        ("worker_tls_cert", "tls_cert_file"),
+        ("worker_tls_key", "tls_key_file"),
+    ):
+        if getattr(a, option):
+            # The daemon opens the file: a path relative to this shell means nothing there.
+            options[field] = os.path.abspath(getattr(a, option))
+    if a.worker_server_name:
+        options["tls_server_name"] = a.worker_server_name
     worker_id = c.add_remote_worker(a.endpoint, a.num_sub_workers, a.num_chips, **options)
     if out.json:
         out.data({"worker_id": worker_id})

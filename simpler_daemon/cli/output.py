@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -73,7 +74,8 @@ class CliExit(Exception):
 
 
 def to_dict(msg: Any) -> dict[str, Any]:
-    """A message as plain JSON data: enum names, ints as numbers, RFC 3339 timestamps."""
+    """A message as plain JSON data: enum names without their type's prefix (``CANCELLED``,
+    as the text output spells them), ints as numbers, RFC 3339 timestamps."""
     out: dict[str, Any] = {}
     for field in msg.DESCRIPTOR.fields:
         name = field.name
@@ -94,21 +96,22 @@ def _value(field: Any, value: Any) -> Any:
         return to_dict(value)
     if field.type == field.TYPE_ENUM:
         ev = field.enum_type.values_by_number.get(value)
-        return ev.name if ev is not None else value
+        return short_name(ev.name) if ev is not None else value
     if field.type == field.TYPE_BYTES:
         return value.hex()
     return value
 
 
+#: The prefix of every value of a proto enum (``RUN_STATE_`` of ``RunState``), by its name.
+_ENUM_PREFIXES: Final = tuple(
+    re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper() + "_" for name in pb.DESCRIPTOR.enum_types_by_name
+)
+
+
 def short_name(enum_name: str) -> str:
-    for prefix in (
-        "RUN_STATE_",
-        "RUN_EVENT_TYPE_",
-        "WORKER_KIND_",
-        "WORKER_STATE_",
-        "SERVING_STATE_",
-        "CALLABLE_KIND_",
-    ):
+    """A proto enum value's name without its type's prefix: ``RUN_STATE_CANCELLED`` ->
+    ``CANCELLED``. The one spelling of states and kinds, in text and in ``--json``."""
+    for prefix in _ENUM_PREFIXES:
         if enum_name.startswith(prefix):
             return enum_name[len(prefix) :]
     return enum_name
@@ -120,8 +123,11 @@ class Out:
     def __init__(self, as_json: bool, stream: TextIO | None = None) -> None:
         self.json = as_json
         self.stream = stream or sys.stdout
+        #: With ``--json`` a command prints exactly one document: set once it did.
+        self.printed = False
 
     def data(self, obj: Any) -> None:
+        self.printed = True
         print(
             json.dumps(obj, indent=None if isinstance(obj, list) else 2, default=str),
             file=self.stream,
@@ -145,8 +151,12 @@ class Out:
         for r in cells:
             self.line("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
-    def error(self, code: str, message: str) -> None:
-        if self.json:
+    def error(self, code: str, message: str, *, document: bool = True) -> None:
+        """The error on stderr; with ``--json`` also as the command's one document on
+        stdout, unless ``document`` is False (the error of one item, which the
+        command's own document lists) or a document was printed already."""
+        if self.json and document and not self.printed:
+            self.printed = True
             print(json.dumps({"error": {"code": code, "message": message}}), file=self.stream)
         print(
             f"simplerctl: {code}: {message}" if code else f"simplerctl: {message}",
@@ -162,12 +172,12 @@ def state_name(state: int) -> str:
 
 def plain(obj: Any) -> Any:
     """The client's result types (dataclasses) as JSON data, spelt like :func:`to_dict`
-    spells the proto message they mirror: enum names (``RUN_STATE_COMPLETED``),
-    RFC 3339 times, None for an absent message."""
+    spells the proto message they mirror: enum names without their prefix
+    (``COMPLETED``), RFC 3339 times, None for an absent message."""
     if hasattr(obj, "DESCRIPTOR"):
         return to_dict(obj)
     if isinstance(obj, enum.IntEnum) and type(obj).__name__ == "RunPhase":
-        return pb.RunState.Name(int(obj)) if int(obj) in pb.RunState.values() else int(obj)
+        return state_name(int(obj)) if int(obj) in pb.RunState.values() else int(obj)
     if isinstance(obj, datetime):
         return obj.astimezone(UTC).isoformat().replace("+00:00", "Z")
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -23,6 +23,9 @@
       drain [--grace S] [--shutdown]
       resume                    undo a drain: admit runs again
       add-remote IP:PORT [--num-sub-workers N] [--num-chips N] [--session-timeout S]
+             [--heap-bytes N] [--chip-pipeline-depth N] [--worker-token-file PATH]
+             [--worker-tls-ca PATH] [--worker-tls-cert PATH] [--worker-tls-key PATH]
+             [--worker-server-name NAME]
                                 open a session on a simpler-remote-worker (level 4)
       completion bash|zsh       a shell completion script (needs the [completion] extra)
 
@@ -106,9 +109,11 @@ EXIT_HELP: Final = f"""\
 exit status:
   {EXIT_OK}    success (for a run: it completed)
   {EXIT_FAILED}    the run failed or was cancelled (or the daemon failed internally)
-  {EXIT_USAGE}    usage error: a bad option or run spec, or a request the daemon refused as
-       invalid or not permitted (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED)
-  {EXIT_UNREACHABLE}    the daemon cannot be reached (UNAVAILABLE)
+  {EXIT_USAGE}    usage error: a bad option, --socket or run spec, or a request the daemon
+       refused as invalid or not permitted (INVALID_ARGUMENT, PERMISSION_DENIED,
+       UNAUTHENTICATED)
+  {EXIT_UNREACHABLE}    the daemon cannot be reached (UNAVAILABLE: nothing listens there, no fast
+       socket for --transport fast, a socket path that cannot be trusted)
   {EXIT_NOT_FOUND}    no such run, buffer, callable or worker (NOT_FOUND)
   {EXIT_TIMEOUT}    --timeout passed while the run is still going (it keeps running), or the
        daemon did not answer a call in time (DEADLINE_EXCEEDED: --rpc-timeout,
@@ -344,6 +349,20 @@ def parser() -> argparse.ArgumentParser:
         "--num-chips", type=_bounded(0, 1024, "--num-chips"), default=0, help="simulated chips"
     )
     p.add_argument("--session-timeout", type=_seconds, help="health silence allowed (30 s)")
+    p.add_argument(
+        "--heap-bytes", type=_bounded(0, 1 << 62, "--heap-bytes"), help="its heap size (bytes)"
+    )
+    p.add_argument(
+        "--chip-pipeline-depth",
+        type=_bounded(0, 1024, "--chip-pipeline-depth"),
+        help="chip tasks in flight per chip there",
+    )
+    # The remote worker's credentials, read by the daemon (paths made absolute here).
+    p.add_argument("--worker-token-file", metavar="PATH", help="its auth.token_file")
+    p.add_argument("--worker-tls-ca", metavar="PATH", help="CA bundle to verify it (TLS)")
+    p.add_argument("--worker-tls-cert", metavar="PATH", help="client certificate (mutual TLS)")
+    p.add_argument("--worker-tls-key", metavar="PATH", help="key of --worker-tls-cert")
+    p.add_argument("--worker-server-name", metavar="NAME", help="name its certificate carries")
     p = add("completion", _completion, "print a shell completion script")
     p.add_argument("shell", choices=("bash", "zsh", "tcsh"))
     return ap
@@ -413,8 +432,13 @@ def _main(argv: Sequence[str] | None) -> int:
             # the exit code's to tell (a script retries), not a 30 s wait.
             retry=None,
         )
-    except (OSError, ValueError) as exc:
-        out.error("", f"cannot connect: {exc}")
+    except grpc.RpcError as exc:  # a DaemonError: Unavailable (no fast socket there), ...
+        return _rpc_failed(out, exc, args.socket or "the default socket", what=args.command)
+    except OSError as exc:  # no socket, or one whose path cannot be trusted
+        out.error("UNAVAILABLE", f"cannot connect: {exc}")
+        return EXIT_UNREACHABLE
+    except ValueError as exc:  # a target that is neither a socket path nor HOST:PORT
+        out.error("INVALID_ARGUMENT", f"cannot connect: {exc}")
         return EXIT_USAGE
     try:
         with client:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any, Final
@@ -57,12 +58,24 @@ def mapped_errors() -> Iterator[None]:
         raise daemon_error(exc) from exc
 
 
+#: ``host:port`` or ``[v6 address]:port``: a TCP target names its port.
+_HOST_PORT: Final = re.compile(r"(?:\[[0-9A-Fa-f:.%\w]+\]|[^:/\[\]\s]+):(\d{1,5})")
+
+
 def _address(target: str) -> tuple[str, bool]:
-    """``(grpc address, is_tcp)`` for a socket path, ``unix:`` URI or ``host:port``."""
+    """``(grpc address, is_tcp)`` for a socket path, ``unix:`` URI or ``host:port``;
+    ``ValueError`` for anything else (a host without a port would silently be :443)."""
     if target.startswith(("unix:", "unix-abstract:")):
         return target, False
     if "/" in target or target.endswith(".sock"):
         return "unix:" + os.path.abspath(target), False
+    match = _HOST_PORT.fullmatch(target)
+    if match is None or not 0 < int(match.group(1)) < 65536:
+        raise ValueError(
+            f"target {target!r} is neither a socket path nor HOST:PORT: give the port of a "
+            "TCP listener (localhost:50051, [::1]:50051), or a unix socket as a path "
+            "(./daemon.sock) or unix:PATH"
+        )
     return target, True
 
 

@@ -189,7 +189,7 @@ def test_json_watch_carries_what_text_shows(ctl: Ctl, tmp_path: Path) -> None:
     assert code == cli.EXIT_FAILED
     events, final = lines[:-1], lines[-1]
     assert all({"elapsed_seconds", "rate_per_second", "eta_seconds"} <= set(e) for e in events)
-    assert final["state"] == "RUN_STATE_FAILED"
+    assert final["state"] == "FAILED"
     assert "example failure (scalar 4)" in final["error"]["message"]
 
 
@@ -311,8 +311,8 @@ def test_drain_then_resume(ctl: Ctl, tmp_path: Path) -> None:
     assert code == cli.EXIT_REFUSED and "draining" in err
     code, out, _ = ctl("resume")
     assert code == 0 and "serving again" in out
-    assert ctl.json("info")["serving_state"] == "SERVING_STATE_SERVING"
-    assert ctl.json("submit", str(spec), "--wait")["state"] == "RUN_STATE_COMPLETED"
+    assert ctl.json("info")["serving_state"] == "SERVING"
+    assert ctl.json("submit", str(spec), "--wait")["state"] == "COMPLETED"
     assert ctl("resume")[1].startswith("was not draining")
 
 

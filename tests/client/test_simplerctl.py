@@ -87,12 +87,12 @@ def test_info_workers_register_buffers(ctl: Ctl, daemon: DaemonProcess) -> None:
     assert code == 0 and "level 3" in out and "2 SUB" in out
     info = ctl.json("info")
     assert info["level"] == 3 and info["pid"] == daemon.pid
-    assert info["serving_state"] == "SERVING_STATE_SERVING"
+    assert info["serving_state"] == "SERVING"
     assert info["limits"]["max_tasks_per_run"] == 1000  # numbers, not strings
 
     workers = ctl.json("workers")
     assert sorted(w["pid"] for w in workers) == sorted(daemon.worker_pids)
-    assert {w["kind"] for w in workers} == {"WORKER_KIND_SUB"}
+    assert {w["kind"] for w in workers} == {"SUB"}
     code, out, _ = ctl("workers")
     assert code == 0 and out.splitlines()[0].split()[:3] == ["ID", "KIND", "STATE"]
 
@@ -117,7 +117,7 @@ def test_submit_toml_and_wait(ctl: Ctl, tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     spec.write_text(RUN_SPEC)
     result = ctl.json("submit", str(spec), "--wait", "--timeout", "20")
-    assert result["state"] == "RUN_STATE_COMPLETED" and result["label"] == "ctl-demo"
+    assert result["state"] == "COMPLETED" and result["label"] == "ctl-demo"
     assert result["counts"] == {"total": 3, "done": 3, "failed": 0, "running": 0}
     assert result["contents"]["out"] == [(i + 10) * 2 for i in range(8)]
     assert set(result["buffers"]) == {"a", "b", "out"}
@@ -192,13 +192,13 @@ def test_watch_wait_cancel_and_failed_runs(ctl: Ctl, tmp_path: Path) -> None:
     code, out, _ = ctl("wait", str(run_id))
     assert code == 1 and "CANCELLED" in out and "from simplerctl" in out
     status = json.loads(ctl("--json", "wait", str(run_id))[1])
-    assert status["state"] == "RUN_STATE_CANCELLED" and status["error"]["outcome"] == "CANCELLED"
+    assert status["state"] == "CANCELLED" and status["error"]["outcome"] == "CANCELLED"
 
     # --json watch: one JSON object per line, ending with the terminal RUN_STATE.
     code, out, _ = ctl("--json", "watch", str(run_id))
     events = [json.loads(line) for line in out.splitlines()]
-    assert code == 1 and events[0]["type"] == "RUN_EVENT_TYPE_SNAPSHOT"
-    assert events[-1]["state"] == "RUN_STATE_CANCELLED"
+    assert code == 1 and events[0]["type"] == "SNAPSHOT"
+    assert events[-1]["state"] == "CANCELLED"
     code, out, _ = ctl("cancel", str(run_id))
     assert code == 0 and "already finished" in out
 
@@ -298,3 +298,59 @@ def test_console_script_in_a_subprocess(daemon: DaemonProcess) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["pid"] == daemon.pid
+
+
+def test_json_prints_one_document_per_command(ctl: Ctl) -> None:
+    """`--json free 45 777` printed two documents (an error object each) and a list."""
+    with Client(ctl.socket) as c:
+        buf = c.alloc_buffer((4,), "int8").buffer_id
+    code, out, err = ctl("--json", "free", "987001", str(buf), "987002")
+    assert code == cli.EXIT_NOT_FOUND
+    doc = json.loads(out)  # one document: json.loads refuses trailing data
+    assert [entry["buffer_id"] for entry in doc] == [987001, buf, 987002]
+    assert doc[0]["error"]["code"] == "NOT_FOUND" and doc[1] == {
+        "buffer_id": buf,
+        "deferred": False,
+    }
+    assert "987002 is not allocated" in err  # still said for the human, on stderr
+
+
+def test_state_names_are_spelt_one_way_in_text_and_json(ctl: Ctl, tmp_path: Path) -> None:
+    spec = tmp_path / "run.toml"
+    spec.write_text(RUN_SPEC)
+    status = ctl.json("submit", str(spec), "--wait")
+    assert status["state"] == "COMPLETED"
+    code, text, _ = ctl("wait", str(status["run_id"]))
+    assert code == 0 and "COMPLETED" in text and "RUN_STATE" not in text
+    runs = ctl.json("runs", "--limit", "1")
+    assert runs[0]["state"] == "COMPLETED"
+    workers = ctl.json("workers")
+    assert {w["kind"] for w in workers} <= {"SUB", "CHIP", "NESTED_L3", "REMOTE_L3"}
+    assert all("_STATE_" not in w["state"] for w in workers)
+    assert ctl.json("info")["serving_state"] == "SERVING"
+
+
+def test_a_tcp_target_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--socket localhost` used to dial localhost:443."""
+    code = cli.main(["--socket", "localhost", "info"])
+    _, err = capsys.readouterr()
+    assert code == cli.EXIT_USAGE and "neither a socket path nor HOST:PORT" in err
+
+
+def test_an_unavailable_socket_exits_unreachable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 3 (UNAVAILABLE) as the table says, for every way of not reaching a daemon:
+    no socket, and a socket without the fast one beside it (--transport fast)."""
+    import socket
+
+    code = cli.main(["--socket", str(tmp_path / "nothing.sock"), "info"])
+    assert code == cli.EXIT_UNREACHABLE
+    path = tmp_path / "daemon.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        capsys.readouterr()
+        code = cli.main(["--socket", str(path), "--transport", "fast", "info"])
+    _, err = capsys.readouterr()
+    assert code == cli.EXIT_UNREACHABLE and "UNAVAILABLE" in err and "fast" in err, err

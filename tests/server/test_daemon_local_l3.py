@@ -305,8 +305,8 @@ def test_level4_daemon_runs_next_level_tasks_on_a_local_l3(tmp_path: Path) -> No
         listed = simplerctl(d.socket, "--json", "workers")
         assert listed.returncode == 0, listed.stderr
         (row,) = json.loads(listed.stdout)
-        assert (row["worker_id"], row["kind"], row["pid"]) == (0, "WORKER_KIND_NESTED_L3", l3.pid)
-        assert [(x["kind"], x["pid"]) for x in row["children"]] == [("WORKER_KIND_SUB", sub.pid)]
+        assert (row["worker_id"], row["kind"], row["pid"]) == (0, "NESTED_L3", l3.pid)
+        assert [(x["kind"], x["pid"]) for x in row["children"]] == [("SUB", sub.pid)]
 
         text = simplerctl(d.socket, "workers")
         assert text.returncode == 0, text.stderr

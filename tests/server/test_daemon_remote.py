@@ -401,3 +401,26 @@ def test_level4_daemon_with_a_real_remote_worker(tmp_path: Path) -> None:
         timeout=15.0,
         message=f"session runners {runner_pids} outlived the test",
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "text"),
+    [
+        (["--worker-token-file", "/etc/passwd"], "PERMISSION_DENIED", "token_file: "),
+        # A relative path is made absolute where the shell is, then judged by the daemon.
+        (["--worker-tls-ca", "ca.pem"], "PERMISSION_DENIED", "tls_ca_file: "),
+        (["--worker-server-name", "w1"], "INVALID_ARGUMENT", "requires tls_ca_file"),
+        (["--chip-pipeline-depth", "3"], "INVALID_ARGUMENT", "must be 1 or 2"),
+    ],
+)
+def test_simplerctl_add_remote_sends_the_credentials_and_options(
+    daemon: DaemonProcess, capsys: pytest.CaptureFixture[str], argv: list[str], code: str, text: str
+) -> None:
+    """`simplerctl add-remote` had no way to give the token or TLS files a secured
+    remote worker needs; each option now reaches AddRemoteWorker (the daemon's answer
+    names the field it got)."""
+    from tests.support.ctl import Ctl
+
+    ctl = Ctl(daemon.socket, capsys)
+    status, _, err = ctl("add-remote", "127.0.0.1:1", *argv)
+    assert status != 0 and f"{code}: " in err and text in err, err
