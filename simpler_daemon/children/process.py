@@ -270,6 +270,29 @@ def kill_group(pgid: int) -> None:
 #: Signals a child takes with their default action whatever the forking process set.
 _DEFAULT_IN_CHILD = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
+#: What a forked child's process title starts with: ``"<prefix>: <label>"``, as ``ps``
+#: and ``top`` show it (``simpler-daemon: sub worker 0``). The programs name themselves
+#: (:func:`set_title_prefix`); an in-process Worker's children say ``simpler``.
+_title_prefix = "simpler"
+
+
+def set_title_prefix(prefix: str) -> None:
+    """Name this program in the titles of the children it forks from now on."""
+    global _title_prefix
+    _title_prefix = prefix
+
+
+def set_process_title(title: str) -> None:
+    """Set this process's title (``/proc/PID/cmdline``, ``ps``; ``comm`` gets its first
+    15 bytes). Only the argv area is rewritten (``SPT_NOENV``): ``/proc/PID/environ``
+    stays readable, and a title longer than the original command line is cut."""
+    os.environ.setdefault("SPT_NOENV", "1")
+    try:
+        import setproctitle
+    except ImportError:  # pragma: no cover - a dependency; the title is a convenience
+        return
+    setproctitle.setproctitle(title)
+
 
 def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) -> ChildProcess:
     """Fork a child that runs ``target()`` and exits with its return code.
@@ -304,6 +327,8 @@ def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) 
             # The daemon's own handlers (SIGHUP reloads, ...) are not the child's.
             for sig in _DEFAULT_IN_CHILD:
                 signal.signal(sig, signal.SIG_DFL)
+            with contextlib.suppress(Exception):
+                set_process_title(f"{_title_prefix}: {label}")
             if fault_fd is None:
                 faulthandler.enable()
             else:

@@ -49,6 +49,7 @@ import msgspec
 
 from simpler_daemon.args import CallConfig
 from simpler_daemon.callables import hashid_of_digest, restrict_imports
+from simpler_daemon.children.process import set_process_title, set_title_prefix
 from simpler_daemon.engine.handle import RunHandle
 from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ProtocolError, TaskError
@@ -117,6 +118,10 @@ class SessionRunner:
         self.manifest = spec.manifest
         self.session_id = spec.manifest.session_id
         self.worker_id = spec.manifest.worker_id
+        # "simpler-remote-l3-session: session 3" in ps; its children add their own name.
+        title = f"simpler-remote-l3-session: session {self.session_id}"
+        set_title_prefix(title)
+        set_process_title(title)
         self.attach_bytes = self.session_id.to_bytes(8, "little") + bytes.fromhex(
             spec.manifest.attach_key
         )

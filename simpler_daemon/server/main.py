@@ -106,7 +106,7 @@ def _err(text: str) -> None:
 def _check_config(path: str) -> int:
     from simpler_daemon.server.config import load
     from simpler_daemon.server.daemon import check_limits
-    from simpler_daemon.server.preflight import preflight
+    from simpler_daemon.server.preflight import config_warnings, preflight
 
     try:
         config = load(path)
@@ -114,6 +114,8 @@ def _check_config(path: str) -> int:
     except ConfigError as exc:
         _err(str(exc))
         return EXIT_CONFIG
+    for warning in config_warnings(config):
+        print(f"simpler-daemon: {path}: warning: {warning}", file=sys.stderr, flush=True)
     problems = preflight(config)
     for problem in problems:
         _err(f"{path}: {problem}")
@@ -146,6 +148,13 @@ def _serve(args: argparse.Namespace) -> int:
     announcer(config.daemon.log_format)(
         f"simpler-daemon {__version__}: socket {config.grpc.unix_socket}"
     )
+    from simpler_daemon.server.preflight import config_warnings
+
+    for warning in config_warnings(config):
+        log.warning("config: %s", warning)
+    from simpler_daemon.children.process import set_title_prefix
+
+    set_title_prefix("simpler-daemon")  # its children: "simpler-daemon: sub worker 0"
     # Children started later (there are none after the forks, but be safe) must not
     # speak for the daemon.
     notifier = SystemdNotifier.from_env(unset=True)

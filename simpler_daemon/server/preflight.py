@@ -13,6 +13,9 @@ this module checks what depends on the host, as ``serve`` meets it at start:
   ``security.admin_token_file``) can be read and pass the mode checks ``serve`` applies.
 
 Each finding is a ``ConfigError`` naming the key; :func:`preflight` returns them all.
+:func:`config_warnings` lists what is allowed but will not work as written (a per-client
+heap quota larger than the heap); ``serve`` logs them at start, ``check-config`` prints
+them, neither refuses to go on.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from simpler_daemon import heap as heap_module
 from simpler_daemon.errors import ConfigError
 from simpler_daemon.server.config import DaemonConfig
 
-__all__ = ["check_credentials", "check_heap", "check_imports", "mem_available", "preflight"]
+__all__ = [
+    "check_credentials",
+    "check_heap",
+    "check_imports",
+    "config_warnings",
+    "mem_available",
+    "preflight",
+]
 
 #: The import check's output line (a module may print while it is imported).
 _MARK: Final = "simpler-daemon-preflight:"
@@ -176,3 +186,16 @@ def check_credentials(config: DaemonConfig) -> list[ConfigError]:
 def preflight(config: DaemonConfig) -> list[ConfigError]:
     """Every host-dependent problem ``serve`` would stop at (empty: none found)."""
     return check_heap(config) + check_credentials(config) + check_imports(config)
+
+
+def config_warnings(config: DaemonConfig) -> list[str]:
+    """Settings that are valid but cannot work as written, each naming its keys."""
+    warnings: list[str] = []
+    quota, heap = config.limits.per_client_heap_bytes, config.workers.heap_bytes
+    if quota > heap:
+        warnings.append(
+            f"limits.per_client_heap_bytes ({quota} bytes) is larger than workers.heap_bytes "
+            f"({heap} bytes): the heap runs out before any client reaches its quota; lower "
+            "the quota or grow the heap"
+        )
+    return warnings

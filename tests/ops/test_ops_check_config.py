@@ -97,3 +97,26 @@ def test_unreadable_tls_and_token_files(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert code == EXIT_CONFIG, text
     assert f"grpc.tls_key: cannot read {missing}/key.pem" in text
+
+
+def test_a_heap_quota_the_heap_cannot_meet_is_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Valid, but no client can ever reach such a quota: check-config (and serve, in
+    its log) warn and go on."""
+    code, text = check(
+        tmp_path,
+        "[workers]\nheap_bytes = 1048576\n[limits]\nper_client_heap_bytes = 2097152\n",
+        capsys,
+    )
+    assert code == EXIT_OK, text
+    assert (
+        "warning: limits.per_client_heap_bytes (2097152 bytes) is larger than "
+        "workers.heap_bytes (1048576 bytes)"
+    ) in text
+    code, text = check(
+        tmp_path,
+        "[workers]\nheap_bytes = 4194304\n[limits]\nper_client_heap_bytes = 4194304\n",
+        capsys,
+    )
+    assert code == EXIT_OK and "warning" not in text, text

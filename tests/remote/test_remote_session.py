@@ -63,7 +63,7 @@ from simpler_daemon.remote.wire import (
     encode_payload,
 )
 from simpler_daemon.remote_worker.controls import BadTaskArgs, ControlFailure, SessionControls
-from simpler_daemon.testing import child_pids, poll_for, self_signed_cert
+from simpler_daemon.testing import child_pids, descendants, poll_for, self_signed_cert
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -428,6 +428,16 @@ def test_task_writes_remote_buffer(runner: Runner) -> None:
         CopyFrom(buffer_id=buf.buffer_id, generation=buf.generation, offset=0, nbytes=8),
     )
     assert reply.error_code == E_CONTROL_FAILED and "not allocated" in reply.error_text
+
+
+def test_the_runner_and_its_children_are_named_in_ps(runner: Runner) -> None:
+    def title(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+    expected = f"simpler-remote-l3-session: session {runner.session_id}"
+    assert title(runner.pid) == expected
+    children = [title(p) for p in descendants(runner.pid)]
+    assert f"{expected}: sub worker 0" in children, children
 
 
 def test_failing_sub_task_carries_traceback(runner: Runner) -> None:

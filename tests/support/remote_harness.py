@@ -46,9 +46,11 @@ MARK_ENV = "SIMPLER_E2E_MARK"
 #: Unique to this test process: tells our processes from any other test run's.
 MARK = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 #: Command lines that belong to the remote side.
-REMOTE_CMDLINES = ("simpler_daemon.remote_worker.session", "simpler-remote-worker")
+#: A runner sets its title (``simpler-remote-l3-session: session 3``, its children
+#: ``...: session 3: sub worker 0``); before that its cmdline names its module.
+RUNNER_CMDLINES = ("simpler_daemon.remote_worker.session", "simpler-remote-l3-session")
+REMOTE_CMDLINES = (*RUNNER_CMDLINES, "simpler-remote-worker")
 SERVICE_CMDLINE = "simpler-remote-worker"
-RUNNER_CMDLINE = "simpler_daemon.remote_worker.session"
 
 
 def worker_command() -> list[str]:
@@ -240,8 +242,8 @@ def our_shm_files() -> set[str]:
 
 
 def runner_processes() -> dict[int, str]:
-    """Session runners and their forked inner children (they share the runner's cmdline)."""
-    return session_processes((RUNNER_CMDLINE,))
+    """Session runners and their forked inner children (by the runner's module or title)."""
+    return session_processes(RUNNER_CMDLINES)
 
 
 def wait_no_runners(timeout: float, what: str = "") -> None:
