@@ -319,11 +319,24 @@ class LocalL3Set:
             inner.close()
 
 
+def installs_into_l3(w: Worker, fn: Any, kind: str, workers: list[int] | None) -> bool:
+    """Whether ``w.register(fn, kind, workers)`` installs into L3 workers (``plan_install``)
+    rather than into ``w``'s own children: ``workers=``, a ``RemoteCallable``, or a chip
+    kernel on a level-4 Worker (whose chips are its L3 workers')."""
+    return (
+        isinstance(fn, RemoteCallable) or workers is not None or (kind == "chip" and w.level >= 4)
+    )
+
+
 def plan_install(
     w4: Worker, fn: Any, kind: str, workers: list[int] | None
 ) -> tuple[CallableSpec, str, list[int], list[int]]:
-    """What ``w4.register(..., workers=)`` or a ``RemoteCallable`` installs: the spec, its
-    kind, and the remote and the local L3 workers it goes to."""
+    """What ``w4.register(..., workers=)``, a ``RemoteCallable`` or a level-4 chip kernel
+    installs: the spec, its kind, and the remote and the local L3 workers it goes to.
+
+    A chip kernel without ``workers=`` goes to every L3 worker with chips. A
+    ``RemoteCallable`` needs ``workers=[remote ids]``: ``RuntimeError`` when this Worker
+    has no remote worker, ``ValueError`` without the list."""
     fleet, l3 = w4._fleet, w4._pool.l3
     if w4.level < 4:
         raise ValueError(
@@ -336,8 +349,28 @@ def plan_install(
         spec = spec_for(fn, kind)  # type: ignore[arg-type]
     what = f"register {spec.handle.name}"
     local: list[int] = []
+    if isinstance(fn, RemoteCallable) and not workers:
+        # As the origin: a remote orchestration goes where the caller says, never to
+        # "every remote worker" by default.
+        if not fleet.specs:
+            raise RuntimeError(
+                f"cannot {what}: a RemoteCallable runs on remote workers and this Worker has "
+                "none: add at least one remote worker (add_remote_worker) first"
+            )
+        raise ValueError(
+            f"cannot {what}: a RemoteCallable needs an explicit non-empty list of remote "
+            f"worker ids (workers=[...]; remote workers: {sorted(fleet.specs)})"
+        )
     if workers is None:
-        remote = fleet.check_workers(None, what)
+        # A chip kernel without workers=: every L3 worker that has chips, local and remote.
+        local = sorted(w for w, inner in l3.workers.items() if inner.num_chips > 0)
+        remote = sorted(w for w, rs in fleet.specs.items() if rs.num_chips > 0)
+        if not local and not remote:
+            raise ValueError(
+                f"cannot {what}: a level-4 Worker installs a chip kernel into its L3 workers "
+                "that have chips, and none has (add_worker(Worker(level=3, num_chips=N)) or "
+                "a remote worker with num_chips > 0)"
+            )
     elif not isinstance(workers, (list, tuple)):
         raise TypeError(f"cannot {what}: workers= must be a list of worker ids")
     else:

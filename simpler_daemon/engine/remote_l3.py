@@ -91,6 +91,10 @@ class RemoteFleet:
         self.specs: dict[int, RemoteWorkerSpec] = {}
         self.endpoints: dict[int, Any] = {}  # worker id -> RemoteL3Endpoint
         self.installs: dict[str, _Install] = {}
+        #: hashid -> the workers whose unregister of it could not be confirmed (their
+        #: session was dead): a later unregister retries there, a later register
+        #: installs it afresh.
+        self.uncertain: dict[str, set[int]] = {}
         self.buffers: dict[tuple[int, ...], _Buffer] = {}
         #: Worker id -> generation of its live session (1 for the first, +1 per
         #: reconnect); absent while it has none. Every buffer ref names the generation it
@@ -220,12 +224,18 @@ class RemoteFleet:
         else:
             entry.workers |= set(workers)
             entry.refcount += 1
+        left = self.uncertain.get(hashid)
+        if left is not None:  # installed afresh there: no longer uncertain
+            left -= set(workers)
+            if not left:
+                del self.uncertain[hashid]
 
     def uninstall(self, hashid: str) -> list[int] | None:
         """Drop one reference; the workers to remove it from when it was the last one."""
         entry = self.installs.get(hashid)
         if entry is None:
-            return None
+            left = self.uncertain.pop(hashid, None)  # a retry of an unconfirmed unregister
+            return sorted(left) if left else None
         entry.refcount -= 1
         if entry.refcount > 0:
             return []
@@ -233,12 +243,35 @@ class RemoteFleet:
         return sorted(entry.workers)
 
     async def uninstall_live(self, hashid: str, name: str, workers: list[int]) -> None:
+        """Unregister ``hashid`` on ``workers``. A worker whose session is dead cannot
+        confirm it: a WARNING, the hashid stays uncertain there (``uncertain``) and the
+        unregister returns, as for a dead local child (a new session starts from the
+        manifest, which no longer names it). A live worker's refusal raises
+        ``REGISTER_CLEANUP_UNCERTAIN``; one that answers "not registered" holds nothing."""
         body = wire.encode_payload(wire.HashidBody(hashid=hashid))
         # A worker that has no session now (closing) is skipped.
         live = (w for w in workers if w in self.endpoints)
         _, failures = await self._control_each(live, "unregister", body)
-        if failures:
-            raise cleanup_uncertain(f"cannot unregister {name} from remote workers", failures)
+        dead = {w: why for w, why in failures.items() if self._dead(w)}
+        if dead:
+            self.uncertain.setdefault(hashid, set()).update(dead)
+            log.warning(
+                "cannot confirm the unregister of %s on remote worker(s) %s (%s): the hashid "
+                "stays uncertain there until it is registered or unregistered again",
+                name,
+                ", ".join(map(str, sorted(dead))),
+                "; ".join(dead.values()),
+            )
+        rest = {
+            w: why for w, why in failures.items() if w not in dead and "not registered" not in why
+        }
+        if rest:
+            raise cleanup_uncertain(f"cannot unregister {name} from remote workers", rest)
+
+    def _dead(self, worker_id: int) -> bool:
+        """Whether worker ``worker_id``'s session is dead (failed, or given up)."""
+        ep = self.endpoints.get(worker_id)
+        return ep is None or ep.poisoned or worker_id in self.gone
 
     async def _control_each(
         self,

@@ -55,7 +55,7 @@ from simpler_daemon.engine.lifecycle import (
     check_budget,
     check_timeout,
 )
-from simpler_daemon.engine.local_l3 import plan_install
+from simpler_daemon.engine.local_l3 import installs_into_l3, plan_install
 from simpler_daemon.engine.orchestrator import Orchestrator, Run
 from simpler_daemon.engine.pool import ChildPool
 from simpler_daemon.engine.registration import (
@@ -288,7 +288,8 @@ class Worker(Lifecycle, RemoteMethods):
         At level 4, ``workers=[ids]`` installs ``"pkg.mod:fn"`` of ``kind`` into
         those L3 workers' own registries, and ``RemoteCallable("pkg.mod:fn")``
         registers an L3 orchestration function that ``submit_next_level`` runs
-        there (on every remote worker when ``workers`` is None).
+        there (``workers=[remote ids]`` required). A chip kernel without ``workers=``
+        goes into every L3 worker that has chips (``local_l3.plan_install``).
 
         Called while ``init`` runs on another thread, it waits for init, then registers
         (or raises init's failure). A callable that could never run here (a SUB callable
@@ -307,7 +308,7 @@ class Worker(Lifecycle, RemoteMethods):
                 self.register_async(fn, kind, workers, reload=True)
             )
         if self.state is WorkerState.NEW:
-            if isinstance(fn, RemoteCallable) or workers is not None:
+            if isinstance(fn, RemoteCallable) or installs_into_l3(self, fn, kind, workers):
                 spec, kind2, remote, local = plan_install(self, fn, kind, workers)
                 if remote:
                     self._fleet.install(spec, kind2, remote)
@@ -343,7 +344,7 @@ class Worker(Lifecycle, RemoteMethods):
             assert self.scheduler is not None  # READY
             targets = self._targets_for(spec)
             return await reload_on_all(self.registry, spec, targets, self.scheduler.holding)
-        if isinstance(fn, RemoteCallable) or workers is not None:
+        if isinstance(fn, RemoteCallable) or installs_into_l3(self, fn, kind, workers):
             spec, kind2, remote, local = plan_install(self, fn, kind, workers)
             if local:
                 await self._pool.l3.install_live(spec, local)

@@ -620,7 +620,9 @@ def test_mixed_local_and_remote_l3_in_one_run() -> None:
         r = w4.add_remote_worker(RemoteWorkerSpec(endpoint=addr, num_sub_workers=1))
         assert (i, r) == (0, 1)  # one id space, in the order added
         w4.register("simpler_daemon.examples.tasks:fill", kind="sub", workers=[i, r])
-        remote_orch = w4.register(RemoteCallable("simpler_daemon.examples.remote:fill_all"))
+        remote_orch = w4.register(
+            RemoteCallable("simpler_daemon.examples.remote:fill_all"), workers=[r]
+        )
         local_orch = w4.register(local_fill_all)
         w4.init()
         with closing(w4) as seen:
