@@ -53,6 +53,7 @@ def _config(directory: Path, n2: int, extra: str = "") -> str:
     return f"""\
 [daemon]
 runtime_dir = "{directory / "run"}"
+state_dir = "{directory / "state"}"
 shutdown_grace = 5.0
 log_level = "warning"
 watchdog = false
