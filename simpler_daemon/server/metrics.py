@@ -186,7 +186,7 @@ class DaemonCollector(Collector):
     * the shared heap: size, used, free and largest free block (a heap with free bytes
       but no block as large as the next buffer refuses it all the same), live buffers;
     * runs by state (``run_counts()``, ``RunTable.state_counts``): queued, active, and the
-      finished ones the daemon keeps (completed, failed, cancelled);
+      finished ones the daemon keeps (completed, failed, cancelled, lost);
     * per local worker child (SUB, chip, local L3): CPU seconds and resident memory,
       from ``/proc/<pid>/stat`` and ``/proc/<pid>/statm``;
     * the objects the daemon's garbage collector tracks (``gc.get_objects()``, a few ms

@@ -85,7 +85,7 @@ LIST_RUNS_DEFAULT: Final = 100
 #: both limits named.
 _EVICTIONS_REMEMBERED: Final = 4096
 #: The keys of :meth:`RunTable.state_counts` (metrics read them).
-STATE_KEYS: Final = ("queued", "active", "completed", "failed", "cancelled")
+STATE_KEYS: Final = ("queued", "active", "completed", "failed", "cancelled", "lost")
 #: The retry-after hint (seconds) of a refusal before any run has finished, and its bounds:
 #: the hint is the recent mean run time, the time a slot typically takes to free up.
 RETRY_AFTER_DEFAULT: Final = 0.5
@@ -99,6 +99,7 @@ _STATE_KEY: Final[dict[int, str]] = {
     pb.RUN_STATE_COMPLETED: "completed",
     pb.RUN_STATE_FAILED: "failed",
     pb.RUN_STATE_CANCELLED: "cancelled",
+    pb.RUN_STATE_LOST: "lost",  # from the run history: active when its daemon stopped
 }
 
 
@@ -242,6 +243,39 @@ class RunTable:
             for row in stored:
                 rec = RunRecord.restored(row, self._metrics)
                 self._add(rec)
+                self._remember_finished(rec)
+        finally:
+            self._history = history
+        for row in stored:
+            if row.run_id not in self._runs:
+                history.forget(row.run_id)
+        # Every id below the history's next one may have been given out before.
+        self._highest_id = max(self._highest_id, history.run_ids.next_id - 1)
+        if stored:
+            log.info(
+                "run history %s: %d earlier runs known (%d of them LOST: active when "
+                "their daemon stopped)",
+                history.path,
+                len(self._runs),
+                history.lost,
+            )
+
+    def restore(self, history: History) -> None:
+        """Start recording into ``history`` and know the runs it kept from earlier daemon
+        processes (finished or LOST), within today's retention limits (the runs past
+        them are forgotten, in the history too). Call before any run is launched."""
+        stored, history.stored = history.stored, []
+        history.metrics = self._metrics
+        history.start()
+        self._history = None  # restoring rewrites nothing
+        try:
+            for row in stored:
+                rec = RunRecord.restored(row, self._metrics)
+                self._runs[rec.run_id] = rec
+                if rec.key:
+                    scoped = self._scoped(rec.client, rec.key)
+                    self._keys[scoped] = rec.run_id
+                    self._key_prints[scoped] = rec.key_print
                 self._remember_finished(rec)
         finally:
             self._history = history

@@ -91,7 +91,7 @@ def test_scraped_metrics_cover_heap_runs_and_children(tmp_path: Path) -> None:
         assert value("simpler_daemon_buffers") >= 1
 
         runs = {k[1][0][1]: v for k, v in got.items() if k[0] == "simpler_daemon_runs_in_state"}
-        assert set(runs) == {"queued", "active", "completed", "failed", "cancelled"}
+        assert set(runs) == {"queued", "active", "completed", "failed", "cancelled", "lost"}
         assert runs["completed"] >= 1 and runs["failed"] >= 1
 
         def per_sub_worker(name: str) -> dict[str, float]:

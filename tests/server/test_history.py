@@ -199,7 +199,9 @@ def test_a_run_active_when_the_daemon_is_killed_comes_back_lost_with_its_counts(
         first.kill()  # SIGKILL: nothing is written on the way out
     first.children_gone()
 
-    with stopped_at_the_end(daemon_on(tmp_path, "b", state).start()) as second:
+    port = _free_port()
+    second = daemon_on(tmp_path, "b", state, {"metrics": {"listen": f"127.0.0.1:{port}"}})
+    with stopped_at_the_end(second.start()):
         with second.client() as c:
             lost = c.wait_run(run, timeout=30)  # terminal: answers at once
             assert lost.state is RunPhase.LOST and lost.terminal
@@ -215,6 +217,7 @@ def test_a_run_active_when_the_daemon_is_killed_comes_back_lost_with_its_counts(
             assert never.state is RunPhase.LOST and never.label == "queued"
             assert (never.counts.total, never.counts.done) == (1, 0)
             assert c.wait_run(done.run_id).state is RunPhase.COMPLETED
+            assert _metric(port, 'simpler_daemon_runs_in_state{state="lost"}') == 2
 
             # Ids were reserved ahead: after a kill they jump, never repeat.
             nothing = c.register(f"{TASKS}:nothing")
