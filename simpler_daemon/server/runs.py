@@ -260,39 +260,6 @@ class RunTable:
                 history.lost,
             )
 
-    def restore(self, history: History) -> None:
-        """Start recording into ``history`` and know the runs it kept from earlier daemon
-        processes (finished or LOST), within today's retention limits (the runs past
-        them are forgotten, in the history too). Call before any run is launched."""
-        stored, history.stored = history.stored, []
-        history.metrics = self._metrics
-        history.start()
-        self._history = None  # restoring rewrites nothing
-        try:
-            for row in stored:
-                rec = RunRecord.restored(row, self._metrics)
-                self._runs[rec.run_id] = rec
-                if rec.key:
-                    scoped = self._scoped(rec.client, rec.key)
-                    self._keys[scoped] = rec.run_id
-                    self._key_prints[scoped] = rec.key_print
-                self._remember_finished(rec)
-        finally:
-            self._history = history
-        for row in stored:
-            if row.run_id not in self._runs:
-                history.forget(row.run_id)
-        # Every id below the history's next one may have been given out before.
-        self._highest_id = max(self._highest_id, history.run_ids.next_id - 1)
-        if stored:
-            log.info(
-                "run history %s: %d earlier runs known (%d of them LOST: active when "
-                "their daemon stopped)",
-                history.path,
-                len(self._runs),
-                history.lost,
-            )
-
     def record(self, run_id: int, field: str = "run_id") -> RunRecord:
         """The run's record; ``InvalidField`` for 0, ``UnknownObject`` for an unknown id
         (saying whether it was evicted: run ids grow, so an id up to the highest one
