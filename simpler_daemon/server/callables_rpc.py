@@ -277,12 +277,15 @@ class CallablesRpc(ServiceBase):
         task.add_done_callback(self._releasing.discard)
 
     async def _release(self, session: Session) -> None:
-        # Runs of the owner still active may dispatch tasks of these callables: they
-        # keep them until they end (a script that submits and exits leaves its runs
-        # running).
+        # Runs of the owner submitted while the session was open, still active, may
+        # dispatch tasks of these callables: they keep them until they end (a script
+        # that submits and exits leaves its runs running). Older runs cannot have
+        # needed this session's references (a long run would hold them for ever).
         for rec in self._runs.list_runs(session.owner, set(), 1 << 62):
-            if not rec.terminal:
+            if rec.submit_ns >= session.opened_ns and not rec.terminal:
                 await rec.wait_finished(None)
+        if self.serving_state == pb.SERVING_STATE_STOPPING:
+            return  # the registrations end with the daemon
         for hashid, n in list(session.refs.items()):
             for _ in range(n):
                 if self._worker.registry.lookup(hashid) is None:

@@ -19,6 +19,7 @@ loop, no I/O): callables_rpc.py drives it on the daemon's event loop, so no lock
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from typing import Final
 
@@ -34,11 +35,14 @@ SESSION_ID: Final = re.compile(r"[0-9A-Za-z_-]{1,64}")
 class Session:
     """One open client session: its owner and the references registered in it."""
 
-    __slots__ = ("ended", "id", "owner", "refs")
+    __slots__ = ("ended", "id", "opened_ns", "owner", "refs")
 
     def __init__(self, session_id: str, owner: str) -> None:
         self.id = session_id
         self.owner = owner
+        #: When it opened (``time.time_ns()``, as ``RunRecord.submit_ns``): the owner's
+        #: runs submitted since may use its callables.
+        self.opened_ns = time.time_ns()
         #: hashid -> references this session holds (one, unless registrations of one
         #: path on different NEXT_LEVEL workers, or concurrent ones, each added one).
         self.refs: Counter[str] = Counter()

@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 import pytest
 
-from simpler_daemon.client import AsyncClient, Client
+from simpler_daemon.client import AsyncClient, Client, sub_task, tensor
 from simpler_daemon.client.errors import FailedPrecondition, ResourceExhausted
 from simpler_daemon.errors import AccessDenied, InvalidField, LimitExceeded, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
@@ -440,3 +440,30 @@ def test_registering_while_the_last_reference_is_released(
         with daemon.client(timeout=60, transport=transport) as c:
             c.register(path)
     _settled(admin, baseline, "a closed client's reference stayed")
+
+
+def test_a_run_older_than_the_session_does_not_hold_its_references(
+    daemon: DaemonProcess, admin: Client
+) -> None:
+    """The same identity's long run, submitted before a short client's session opened,
+    does not keep that session's references (only runs it could have submitted do)."""
+    wait = admin.register(f"{EXAMPLES}:wait_for_flag", persist=True)
+    flag = admin.alloc_buffer((2,), "uint8").buffer_id
+    run = admin.submit([sub_task(wait, [tensor(flag, "inout", (2,), "uint8")], [60_000])])
+    try:
+        baseline = _refs(admin)
+        done = subprocess.run(
+            [*_CLIENT, daemon.socket, "fast", f"run:{EXAMPLES}:empty", "exit"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        _settled(admin, baseline, "a run older than the session held its references")
+        assert not run.done()
+    finally:
+        admin.write_buffer(flag, np.array([1, 0], dtype=np.uint8))
+        admin.wait(run, timeout=60)
+        admin.free_buffer(flag)
+        admin.unregister(wait)
