@@ -158,6 +158,7 @@ max_finished_runs_kept = 10000
 max_finished_run_bytes = 67108864   # 64 MiB of finished runs' statuses (about 2 KiB each)
 max_run_result_bytes = 16777216     # 16 MiB of task results per run
 max_finished_result_bytes = 268435456  # 256 MiB of results kept by finished runs
+max_finished_run_age = 0.0          # seconds a finished run is kept; 0 = no age limit
 max_group_members = 65536
 per_client_runs = 128
 per_client_queued_runs = 10000      # runs past per_client_runs wait QUEUED, up to this many
@@ -372,7 +373,10 @@ def _check(config: DaemonConfig) -> None:
 
     for f in msgspec.structs.fields(LimitsConfig):
         value = getattr(config.limits, f.name)
-        if f.name == "max_task_seconds":  # 0 = no ceiling
+        if f.name == "max_finished_run_age":  # 0 = no age limit
+            if not (math.isfinite(value) and value >= 0):
+                raise Invalid(f"limits.{f.name}", f": must be >= 0 (0 = none), got {value}")
+        elif f.name == "max_task_seconds":  # 0 = no ceiling
             if not 0 <= value <= _MAX_TASK_SECONDS:  # NaN fails too
                 raise Invalid(
                     f"limits.{f.name}",

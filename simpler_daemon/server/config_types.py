@@ -214,6 +214,10 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Bytes of results all finished runs keep together; past it the results of the
     oldest finished runs are dropped (their WaitRun / SubmitRun ``include_results`` is
     FAILED_PRECONDITION naming this limit; their status stays)."""
+    max_finished_run_age: float = 0.0
+    """Seconds a finished run is kept after it ended (in memory and in the run history);
+    older ones are forgotten, oldest first. 0 = no age limit (the count and byte limits
+    still apply)."""
     max_group_members: int = 65_536
     """Members of one SUB_GROUP / NEXT_LEVEL_GROUP task."""
     per_client_runs: int = 128

@@ -211,6 +211,7 @@ class RunTable:
         any), at most ``limit`` (0: LIST_RUNS_DEFAULT). Finished runs past
         limits.max_finished_runs_kept are already forgotten."""
         limit = limit or LIST_RUNS_DEFAULT
+        self._expire()
         out: list[RunRecord] = []
         # Run ids grow with submission: the dict's reverse order is newest first.
         for rec in reversed(self._runs.values()):
@@ -266,6 +267,7 @@ class RunTable:
         given out that is not kept was a finished run)."""
         if run_id == 0:
             raise InvalidField(field, "required (run ids start at 1)")
+        self._expire()
         rec = self._runs.get(run_id)
         if rec is None:
             if 0 < run_id <= self._highest_id:
@@ -456,9 +458,24 @@ class RunTable:
             self._history.finished(rec)
         self._trim()
 
+    def _expire(self) -> None:
+        """Forget finished runs that ended more than limits.max_finished_run_age ago
+        (checked when a run finishes and before a lookup or a listing)."""
+        age = self._limits.max_finished_run_age
+        if age <= 0 or not self._finished:
+            return
+        cutoff = time.time_ns() - int(age * 1e9)
+        while self._finished:
+            oldest = next(iter(self._finished))
+            rec = self._runs.get(oldest)
+            if rec is not None and rec.finish_ns > cutoff:
+                return
+            self._evict(oldest, f"limits.max_finished_run_age = {age:g}")
+
     def _trim(self) -> None:
-        """Forget finished runs past the count and byte limits; drop the oldest runs'
-        results past limits.max_finished_result_bytes."""
+        """Forget finished runs past the age, count and byte limits; drop the oldest
+        runs' results past limits.max_finished_result_bytes."""
+        self._expire()
         while len(self._finished) > self._limits.max_finished_runs_kept:
             self._evict(self._eviction_victim(), self._count_limit())
         # One finished run stays whatever its size (a limit below one status keeps one).

@@ -131,6 +131,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_finished_run_bytes": 4097,
         "max_run_result_bytes": 700,
         "max_finished_result_bytes": 701,
+        "max_finished_run_age": 86400.0,
         "max_group_members": 12,
         "per_client_runs": 13,
         "per_client_queued_runs": 17,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon.client import PermissionDenied, RunPhase, sub_task
+from simpler_daemon.client import NotFound, PermissionDenied, RunPhase, sub_task
 from simpler_daemon.errors import TaskError
 from simpler_daemon.server.history import DB_NAME, ID_BLOCK, History
 from tests.support.ctl import Ctl
@@ -398,6 +398,37 @@ def test_retention_prunes_the_history_per_owner(tmp_path: Path) -> None:
         with pytest.raises(PermissionDenied):
             other.wait_run(my_runs[3].run_id)
     assert set(stored(state)) == {theirs.run_id, my_runs[3].run_id}
+
+
+def test_finished_runs_past_the_age_limit_are_forgotten_also_from_the_history(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    first = daemon_on(tmp_path, "a", state).start()  # no age limit
+    with stopped_at_the_end(first), first.client() as c:
+        nothing = c.register(f"{TASKS}:nothing")
+        old = c.run([sub_task(nothing)], label="old")
+    assert old.run_id in stored(state)
+
+    aged = {"limits": {"max_finished_run_age": 1.0}}
+    second = daemon_on(tmp_path, "b", state, aged).start()
+    with stopped_at_the_end(second), second.client() as c:
+        nothing = c.register(f"{TASKS}:nothing")
+        new = c.run([sub_task(nothing)], label="new")
+        wait_until(
+            lambda: old.run_id not in {r.run_id for r in c.list_runs()},
+            timeout=60,
+            message="a run older than max_finished_run_age is still listed",
+        )
+        with pytest.raises(NotFound, match="max_finished_run_age"):
+            c.wait_run(old.run_id)
+        wait_until(lambda: old.run_id not in stored(state), message="still in the history")
+        wait_until(
+            lambda: new.run_id not in {r.run_id for r in c.list_runs()},
+            timeout=60,
+            message="the new run never aged out",
+        )
+    assert new.run_id not in stored(state)
 
 
 def test_memory_state_keeps_nothing(tmp_path: Path) -> None:
