@@ -12,9 +12,13 @@
       serve()    (uvloop)  Worker.start_async -> DaemonService
                  -> grpc.aio on the Unix socket (0660, group)   [+ TCP: TLS + bearer token]
                  -> health SERVING, metrics listener -> READY=1, WATCHDOG=1 every ping period
+                 ... a worker pool without capacity: health NOT_SERVING, and after
+                     health.unhealthy_exit_s no WATCHDOG=1 (server/health.py) ...
                  ... SIGTERM / SIGINT / Drain(shutdown) ...
                  -> STOPPING=1, health NOT_SERVING, no new runs
-                 -> admitted runs get daemon.shutdown_grace, then are cancelled (watchers see it)
+                 -> admitted runs get daemon.shutdown_grace, then are cancelled (watchers see it);
+                    within that grace, the runs' outputs stay readable until their owners
+                    have read them (server/owed.py)
                  -> Worker.close_async -> gRPC servers stop -> socket removed
 
 Signals (each leaves no socket and no /dev/shm heap behind):
