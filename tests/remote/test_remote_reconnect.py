@@ -125,15 +125,22 @@ def no_leaked_children(site: Site) -> Iterator[None]:
 
 @contextlib.contextmanager
 def level4(
-    endpoint: str, *, n: int = 1, reconnect: ReconnectPolicy | bool = FAST
+    endpoint: str,
+    *,
+    n: int = 1,
+    reconnect: ReconnectPolicy | bool = FAST,
+    session_timeout_s: float = 5.0,
 ) -> Iterator[tuple[Worker, list[int], dict[str, Any]]]:
     """An initialised L4 Worker with ``n`` remote workers on ``endpoint``."""
-    w4 = Worker(level=4, startup_timeout=10.0, reconnect=reconnect)
+    w4 = Worker(level=4, startup_timeout=5.0, reconnect=reconnect)
     try:
         ids = [
             w4.add_remote_worker(
                 RemoteWorkerSpec(
-                    endpoint=endpoint, num_sub_workers=1, session_timeout_s=5.0, heap_bytes=8 << 20
+                    endpoint=endpoint,
+                    num_sub_workers=1,
+                    session_timeout_s=session_timeout_s,
+                    heap_bytes=8 << 20,
                 )
             )
             for _ in range(n)
@@ -343,3 +350,49 @@ def test_max_elapsed_s_gives_the_worker_up_with_a_clear_reason(site: Site) -> No
         with pytest.raises(TaskError) as info:
             w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
         assert "gave up reconnecting" in str(info.value)
+
+
+def test_a_partitioned_host_rejoins_once_its_link_is_back(site: Site) -> None:
+    if not site.hosts.netns:
+        pytest.skip("needs network namespaces (root and `ip netns`) to take a link down")
+    with level4(site.endpoint, session_timeout_s=2.0) as (w4, (r,), orch):
+        w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
+        first = row(w4, r)
+        site.hosts.link_down(0)
+        try:
+            # The health lane falls silent, the session fails, attempts fail.
+            wait_until(
+                lambda: (x := row(w4, r))["state"] == "reconnecting" and x["attempts"] >= 2,
+                60.0,
+                lambda: f"no reconnect attempts seen: {row(w4, r)}",
+            )
+        finally:
+            site.hosts.link_up(0)
+        up = wait_reconnected(w4, r, timeout=60.0)
+        assert up["session_id"] != first["session_id"] and up["session_generation"] == 2
+        w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
+
+
+def test_a_frozen_host_rejoins_once_it_thaws(site: Site) -> None:
+    assert site.worker is not None
+    with level4(site.endpoint, session_timeout_s=2.0) as (w4, (r,), orch):
+        w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
+        frozen = [site.worker.proc.pid, int(row(w4, r)["pid"])]  # the service, the runner
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            # An idle session is judged on its next request: silent health fails it.
+            with pytest.raises(TaskError, match="health lane silent"):
+                w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
+            # Attempts connect (the kernel still accepts) but get no answer in time.
+            wait_until(
+                lambda: (x := row(w4, r))["state"] == "reconnecting" and x["attempts"] >= 2,
+                60.0,
+                lambda: f"no reconnect attempts seen: {row(w4, r)}",
+            )
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        up = wait_reconnected(w4, r, timeout=60.0)
+        assert up["session_generation"] == 2
+        w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
