@@ -116,6 +116,10 @@ class Client(_Base):
     ``transport``: ``"auto"`` (the daemon's local fast path when its socket is beside a
     Unix target, else gRPC; ``$SIMPLER_DAEMON_TRANSPORT`` overrides it), ``"fast"``
     (``Unavailable`` without a fast socket) or ``"grpc"``; :attr:`transport` tells.
+    ``retry``: how calls safe to repeat (reads, submits: each gets an idempotency key
+    when given none) are retried on UNAVAILABLE and on a RESOURCE_EXHAUSTED that carries
+    the daemon's retry-after hint (:class:`~simpler_daemon.client.retry.RetryPolicy`:
+    capped exponential backoff with full jitter, 30 s in all by default); None: never.
 
     Every refusal or transport failure is a :class:`~simpler_daemon.client.errors.DaemonError`
     subclass (also a ``grpc.RpcError``), never a raw gRPC error.

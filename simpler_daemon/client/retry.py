@@ -23,6 +23,8 @@ with the run it started, ``deduplicated``).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import random
 import time
 import uuid
@@ -54,7 +56,6 @@ SAFE_METHODS: Final = frozenset(
         "ListBuffers",
         "ListRuns",
         "WaitRun",
-        "WatchRun",
         "ReadBuffer",
     }
 )
@@ -70,9 +71,24 @@ def safe_to_repeat(method: str, request: Any) -> bool:
     return method in KEYED_METHODS and bool(getattr(request, "idempotency_key", ""))
 
 
-def new_key() -> str:
-    """An idempotency key for one submit (what the clients use when given none)."""
-    return "auto-" + uuid.uuid4().hex
+class _Keys:
+    """Idempotency keys unique across processes: a random prefix per process (drawn
+    again in a forked child) and a counter; no system call per key."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = "auto-" + uuid.uuid4().hex[:20] + "-"
+        self.counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return self.prefix + str(next(self.counter))
+
+
+#: An idempotency key for one submit (what the clients use when given none).
+new_key: Final[Callable[[], str]] = _Keys()
 
 
 @dataclass(frozen=True)

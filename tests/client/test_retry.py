@@ -173,6 +173,21 @@ def test_only_calls_safe_to_repeat_are_retried() -> None:
         Client("/nonexistent-dir-for-retry/daemon.sock", retry=30.0)  # type: ignore[arg-type]
 
 
+def test_generated_keys_are_unique_across_calls_and_processes() -> None:
+    keys = {new_key() for _ in range(1000)}
+    assert len(keys) == 1000
+    other = subprocess.run(
+        [sys.executable, "-c", "from simpler_daemon.client.retry import new_key; print(new_key())"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    assert other.startswith("auto-") and other not in keys
+    assert other.rsplit("-", 1)[0] != next(iter(keys)).rsplit("-", 1)[0]  # its own prefix
+
+
 # --------------------------------------------------------------------------- real daemons
 
 _CLIENT = textwrap.dedent(
