@@ -178,7 +178,8 @@ class IdBlock:
                 if self._asked <= self.durable:  # no block past this one asked for yet
                     self._asked = n + ID_BLOCK
                     history.reserve(self, self._asked, wait=False)
-                if n >= self.durable:
+                if n >= self.durable:  # caught up with the stored ceiling: wait for one past n
+                    self._asked = max(self._asked, n + ID_BLOCK)
                     history.reserve(self, self._asked, wait=True)
             return n
 
@@ -356,7 +357,7 @@ class History:
             try:
                 db = _connect(path)
             except sqlite3.DatabaseError as exc:  # OperationalError too: locked, unreadable
-                if not reset:
+                if not reset or not os.path.lexists(path):  # nothing there to move aside
                     raise StartupError(_corrupt_text(path, str(exc))) from exc
                 ceilings = _salvage_ceilings(path)
                 aside = _move_aside(path)
