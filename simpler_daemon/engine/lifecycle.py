@@ -24,6 +24,7 @@ every registered callable so a closed Worker keeps none alive).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import math
@@ -188,6 +189,8 @@ class Lifecycle:
     _init_called_at: float
     _startup_deadline: float | None
     _after_attach: Callable[[], None] | None
+    #: CLOSED, but the children not stopped yet: a close whose loop ended under it.
+    _stop_pending: bool = False
     _local_lane_dead: Callable[[WorkerThread], None] | None
 
     # Provided by Worker.
@@ -363,9 +366,13 @@ class Lifecycle:
         rolled back). Inside an orchestration function of this worker it raises
         ``WorkerClosedError`` at once: the run would wait for itself.
         """
-        if self.state is WorkerState.CLOSED or self._attached:
+        if self._attached:
             return  # an attached L3 worker is closed by its level-4 parent
         if os.getpid() != self._pid:  # a forked child must never tear down its parent's pool
+            return
+        if self.state is WorkerState.CLOSED:
+            if self._stop_pending:  # the loop of an earlier close ended under it
+                self._finish_stop(self._close_budget(timeout))
             return
         self._check_not_within_run()
         budget = self._close_budget(timeout)
@@ -392,13 +399,14 @@ class Lifecycle:
         # thread fails now (WorkerClosedError) rather than after the drain.
         sched.admission.closed = True
         if loop is not None:
-            asyncio.run_coroutine_threadsafe(self.close_async(budget), loop).result()
+            self._close_on_loop(budget, loop)
             return
         # A thread driving its own run hands the lock over between two rounds; from now
         # on this thread drives every run in flight, and theirs wait for them to end.
         with driver.lock:
             deadline = started + budget
             self.state = WorkerState.CLOSED
+            self._stop_pending = True
             runs = [r for r in sched.admission.runs() if not r.terminal]
             driver.drive_until(lambda: all(r.terminal for r in runs), budget / 2)
             why = _closed_why(budget, started)
@@ -406,9 +414,50 @@ class Lifecycle:
             self._stop_sync(deadline, why)
             driver.close_aux()
 
+    def _close_on_loop(self, budget: float, loop: asyncio.AbstractEventLoop) -> None:
+        """``close`` from another thread of a Worker bound to a running loop: the stop
+        sequence runs there; when that loop ends first (``asyncio.run`` returned and
+        cancelled it), it is finished here (``_finish_stop``)."""
+        fut = asyncio.run_coroutine_threadsafe(self.close_async(budget), loop)
+        while True:
+            try:
+                fut.result(0.05)
+                return
+            except concurrent.futures.TimeoutError:
+                if loop.is_running():
+                    continue
+            except concurrent.futures.CancelledError:
+                pass  # the loop's owner cancelled every task on its way out
+            break
+        self._finish_stop(budget)
+
+    def _finish_stop(self, budget: float) -> None:
+        """Stop the children of a close whose event loop ended before it did, with the
+        blocking driver, once that loop let go (``Driver.fall_back``)."""
+        driver = self._driver
+        patience = time.monotonic() + 5.0  # asyncio.run cancels its tasks, then closes
+        while not driver.fall_back():
+            if time.monotonic() > patience:
+                raise WorkerStateError(
+                    "cannot close the worker: the event loop it is bound to stopped during "
+                    "the close with its Scheduler coroutine still pending; run that loop "
+                    "again (the close goes on there) or close it, then call close() again"
+                )
+            time.sleep(0.01)
+        started = time.monotonic()
+        with driver.lock:
+            if not self._stop_pending:
+                return  # the loop finished the close after all
+            why = _closed_why(budget, started)
+            self._runs.cancel_all(why)
+            self._stop_sync(started + budget, why)
+            driver.close_aux()
+
     async def close_async(self, timeout: float | None = None) -> None:
         """The stop sequence from the bound loop: drain, cancel, stop, reap, release."""
         if self.state is WorkerState.CLOSED:
+            if self._stop_pending and self._driver.loop is not asyncio.get_running_loop():
+                self._finish_stop(self._close_budget(timeout))  # the earlier loop ended
             return
         self._check_not_within_run()
         budget = self._close_budget(timeout)
@@ -427,6 +476,7 @@ class Lifecycle:
         sched = self.scheduler
         assert sched is not None
         self.state = WorkerState.CLOSED
+        self._stop_pending = True
         sched.admission.closed = True
         pending = [r for r in sched.admission.runs() if not r.terminal]
         if pending and self._driver.loop is not None:
@@ -475,3 +525,4 @@ class Lifecycle:
         self._driver.stop()
         self._pool.release()
         self._drop_callables()
+        self._stop_pending = False

@@ -306,9 +306,9 @@ class ChildPool:
             if now > deadline and (now > report_by or all(e[0] != "l3" for e in pending)):
                 names = ", ".join(f"{c.label} (pid {c.pid})" for _, _, _, c in pending)
                 raise StartupError(
-                    f"cannot start worker: {names} not ready: waited "
-                    f"{now - (deadline - self.startup_timeout):.2f} s since init() was called "
-                    f"(startup_timeout={self.startup_timeout:g} s)"
+                    f"cannot start worker: {names} not ready within startup_timeout="
+                    f"{self.startup_timeout:g} s: waited "
+                    f"{now - (deadline - self.startup_timeout):.2f} s since init() was called"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.01)

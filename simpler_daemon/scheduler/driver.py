@@ -57,6 +57,7 @@ from typing import Any, Final
 from simpler_daemon.errors import StartupError, WorkerClosedError
 from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.scheduler.dispatch import Scheduler
+from simpler_daemon.scheduler.driverlock import DriverLock
 
 log = logging.getLogger("simpler_daemon.driver")
 
@@ -97,109 +98,6 @@ def retire_background_threads(what: str) -> None:
             "while the process runs one thread; wait for those runs (or close that "
             "Worker) first"
         )
-
-
-class DriverLock:
-    """``Driver.lock``: re-entrant, held by whoever runs rounds on a thread.
-
-    Every thread that takes it through ``acquire`` / ``with`` is a *caller* (a blocking
-    call of the Worker): counted before it waits, so the background thread stays away,
-    and a background thread in its rounds is woken (doorbell) to let go. The background
-    thread itself takes it with ``take_background``, uncounted.
-    """
-
-    __slots__ = ("_depth", "_driver", "_lock", "_owner", "_wanting")
-
-    def __init__(self, driver: Driver) -> None:
-        self._driver = driver
-        self._lock = threading.RLock()
-        self._owner: int | None = None
-        self._depth = 0
-        #: One entry per thread blocked in ``acquire`` (the lock was taken): a caller
-        #: that drives while waiting for a run hands the lock over to it between rounds.
-        self._wanting: list[None] = []
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = threading.get_ident()
-        if self._owner == me:
-            self._lock.acquire()
-            self._depth += 1
-            return True
-        driver = self._driver
-        driver._callers.append(None)  # atomic: no lock on the hot path
-        try:
-            # Uncontended (one thread): the lock is free and nobody is told anything.
-            got = self._lock.acquire(blocking=False)
-            if not got and blocking:
-                wanting = self._wanting
-                wanting.append(None)  # before the look at who drives (see Driver.rounds)
-                try:
-                    if driver._bg_driving or driver._waiter_driving:
-                        # Wake the parked round of whoever drives: it lets go.
-                        driver._wake_background()
-                    got = self._lock.acquire(True, timeout)
-                finally:
-                    wanting.pop()
-        except BaseException:  # Ctrl-C while waiting: not a caller any more
-            driver._caller_leaves()
-            raise
-        if not got:
-            driver._caller_leaves()
-            return False
-        self._owner = me
-        self._depth = 1
-        return True
-
-    def held_here(self) -> bool:
-        """True when this thread holds the lock (a nested call)."""
-        return self._owner == threading.get_ident()
-
-    def hand_over(self) -> None:
-        """The owner at depth 1 lets go for a thread that wants the lock, and stays a
-        caller (the background thread keeps away): ``try_take`` takes it back."""
-        self._depth = 0
-        self._owner = None
-        self._lock.release()
-
-    def try_take(self) -> bool:
-        """After ``hand_over``: take the lock back when it is free right now."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        self._owner = threading.get_ident()
-        self._depth = 1
-        return True
-
-    __enter__ = acquire
-
-    def release(self, *_: object) -> None:
-        depth = self._depth - 1
-        self._depth = depth
-        if depth:
-            self._lock.release()
-            return
-        self._owner = None  # before the release: the next owner sets its own
-        self._lock.release()
-        driver = self._driver
-        driver._caller_leaves()
-        if driver._sleepers:
-            driver._wake_sleepers()  # a waiter that handed the lock over drives again
-
-    __exit__ = release
-
-    def take_background(self) -> bool:
-        """The background thread: take the lock only when it is free right now."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        self._owner = threading.get_ident()
-        self._depth = 1
-        return True
-
-    def release_background(self) -> None:
-        self._depth = 0
-        self._owner = None
-        self._lock.release()
-        if self._driver._sleepers:
-            self._driver._wake_sleepers()
 
 
 class Driver:
@@ -245,8 +143,7 @@ class Driver:
         self._foreign: list[Callable[[], None]] = []
         self._foreign_lock = threading.Lock()
         self._stopped = False
-        #: Called (holding ``lock``) once ``fall_back`` let a dead loop go: the calls it
-        #: had deferred to that loop are deferred again (``RunBuilder``).
+        #: Called (holding ``lock``) once ``fall_back`` let a dead loop go (RunBuilder).
         self.on_fall_back: Callable[[], None] | None = None
 
     def start(self, scheduler: Scheduler, doorbell: Doorbell) -> None:
@@ -437,20 +334,16 @@ class Driver:
             if self.fall_back():
                 return None  # that loop ended: the blocking driver drives from now on
             raise RuntimeError(
-                "cannot block on this Worker: its event loop is stopped but not finished "
-                "(its Scheduler coroutine is still pending on it); run the loop again or "
-                "close it"
+                "cannot block on this Worker: its event loop is stopped, its Scheduler "
+                "coroutine still pending there; run the loop again or close it"
             )
         return loop
 
     def fall_back(self) -> bool:
         """From outside the bound loop: when it ended for good (closed, or stopped with
-        the Scheduler's coroutine finished, as ``asyncio.run`` leaves it), let it go and
-        drive with the blocking driver again; True then (or when nothing is bound).
-
-        Nothing runs on a loop that is not running, so this thread may take its place.
-        Calls deferred to it and never run are lost with it (an admitted run whose
-        orchestration had not started yet is built again here)."""
+        the Scheduler's coroutine done, as ``asyncio.run`` leaves it), let it go and
+        drive with the blocking driver again (``on_fall_back`` re-defers its builds);
+        True then, or when nothing is bound."""
         sched = self._scheduler
         if self.loop is None:
             return True
@@ -626,7 +519,7 @@ class Driver:
             if self._stopped:  # closed while this thread waited for the lock
                 if inspect.iscoroutine(aw):
                     aw.close()
-                raise WorkerClosedError("cannot finish the call: the worker was closed meanwhile")
+                raise WorkerClosedError("cannot finish the call: the worker closed meanwhile")
             if self._aux_loop is None:
                 self._aux_loop = asyncio.new_event_loop()
             return self._aux_loop.run_until_complete(aw)
@@ -705,12 +598,9 @@ class Driver:
         sched = self._scheduler
         doorbell = self._doorbell
         assert sched is not None and doorbell is not None
-        if self._stopped:
-            # Another thread's close() stopped everything while this one waited for the
-            # lock: no round may run (the mailboxes and the heap are gone). Its runs
-            # ended in that close (drained, or failed with RunClosedError).
+        if self._stopped:  # closed by another thread meanwhile: the heap is gone
             if done():
-                return True
+                return True  # its runs ended in that close (drained, or RunClosedError)
             raise WorkerClosedError("cannot wait: the worker was closed meanwhile")
         self.check_may_wait()
         if not handover:

@@ -143,6 +143,39 @@ def test_close_from_another_thread_drains_a_run_on_the_bound_loop() -> None:
     assert not child_pids()
 
 
+def test_close_whose_loop_ends_under_it_still_stops_every_child() -> None:
+    # The loop's owner returns from asyncio.run once its run is done, cancelling every
+    # task left on it (the close that another thread runs there too): the close is
+    # finished on the closing thread.
+    held = Held()
+    w = held.w
+    ran: dict[str, Any] = {}
+
+    def own_loop() -> None:
+        try:
+            asyncio.run(w.run_async(held.orch))
+            ran["result"] = None
+        except BaseException as exc:
+            ran["error"] = exc
+
+    looper = threading.Thread(target=own_loop, name="test-loop")
+    looper.start()
+    try:
+        poll_for(lambda: held.started[0] != 0, timeout=30, message="the task never started")
+        closer, closed = held.on_thread(lambda: w.close(60.0))
+        poll_for(held.closing, timeout=30, message="close() never stopped admission")
+        held.flags[0] = 1
+        looper.join(60)
+        closer.join(60)
+    finally:
+        held.flags[0] = 1
+        looper.join(60)
+        w.close()
+    assert ran == {"result": None}, ran
+    assert closed == {"result": None}, closed
+    assert not child_pids()
+
+
 def test_close_inside_a_run_is_still_refused() -> None:
     held = Held()
     w = held.w
