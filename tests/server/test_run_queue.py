@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from simpler_daemon.cli.output import EXIT_EXHAUSTED
+from simpler_daemon.cli.simplerctl import exhausted_hint
 from simpler_daemon.client import Client, RunPhase, sub_task, tensor
 from simpler_daemon.client.errors import ResourceExhausted
 from simpler_daemon.protocol.metadata import RETRY_AFTER_METADATA
@@ -342,3 +343,15 @@ def test_a_drain_cancels_the_queued_runs_and_lets_the_active_finish(
         for run_id in h.flags:
             c.wait_run(run_id, timeout=60)
         h.free()
+
+
+def test_the_cli_hint_follows_the_limit_that_was_hit() -> None:
+    queue = "cannot submit a run: queue full (limits.per_client_queued_runs = 3): ..."
+    assert "runs --state queued" in exhausted_hint(queue)
+    heap = "shape: cannot allocate 64 bytes: quota limits.per_client_heap_bytes (1024 bytes)"
+    assert "simplerctl free" in exhausted_hint(heap)
+    streams = "cannot open another stream: quota reached (limits.max_streams_per_client = 4)"
+    assert "streams" in exhausted_hint(streams) and "free" not in exhausted_hint(streams)
+    regs = "cannot register a callable: quota limits.per_client_registrations (256) reached"
+    assert "unregister" in exhausted_hint(regs)
+    assert "limit" in exhausted_hint("something else ran out")
