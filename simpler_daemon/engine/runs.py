@@ -290,11 +290,13 @@ def cancelled_error(run_id: int, reason: str) -> RunCancelled:
 
 def closed_error(run_id: int, why: str) -> RunClosedError:
     """The error of a run ``close()`` ended: ``run N did not finish before the worker
-    closed: <why>``, outcome CANCELLED (a ``WorkerClosedError`` and a ``RunCancelled``)."""
+    closed: <why>`` (a ``WorkerClosedError`` and a ``RunCancelled``). Outcome SKIPPED and
+    ``remote_text`` "run cancelled: worker closing", as before: the daemon's run records
+    report such a run CANCELLED (``server/run_record.py``)."""
     text = f"run {run_id} did not finish before the worker closed" + (f": {why}" if why else "")
     return RunClosedError(
         text,
         run_id=run_id,
-        outcome=Outcome.CANCELLED.name,
+        outcome=Outcome.SKIPPED.name,
         remote_text="run cancelled: worker closing",
     )
