@@ -137,6 +137,8 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "per_client_queued_runs": 17,
         "per_client_heap_bytes": 14,
         "per_client_registrations": 15,
+        "per_client_sessions": 18,
+        "session_ttl": 4.5,
         "max_import_path_chars": 16,
         "max_task_seconds": 2.5,
     },
