@@ -681,7 +681,10 @@ class RunTable:
             rec.end_unstarted(error, cancelled=False)
         log.debug("run %d of %s left its queue", rec.run_id, rec.client)
         if item.on_start is not None:
-            item.on_start(rec)
+            try:
+                item.on_start(rec)
+            except Exception:  # a task of its own: nobody would see it raise
+                log.exception("run %d: handing over its pins failed", rec.run_id)
 
     def _dequeue(self, rec: RunRecord) -> _Queued | None:
         queue = self._queues.get(rec.client)
