@@ -31,7 +31,7 @@ import numpy as np
 from simpler_daemon.args import TensorDesc, dtype_code
 from simpler_daemon.callables import CallableSpec
 from simpler_daemon.engine.registration import cleanup_uncertain, fan_out, register_failed
-from simpler_daemon.engine.remote_reconnect import Outage, Reconnector
+from simpler_daemon.engine.remote_reconnect import Outage, Reconnecting, Reconnector
 from simpler_daemon.errors import ControlError, EndpointError, RegistrationError, StartupError
 from simpler_daemon.remote import wire
 from simpler_daemon.remote.spec import ReconnectPolicy, RemoteTensorRef, RemoteWorkerSpec
@@ -416,7 +416,7 @@ class RemoteFleet:
         """An attempt failed: until the next one succeeds, work for the worker fails at
         once, naming its state (no run waits on a host that is down)."""
         if lane.endpoint is old and self.reconnector.outages.get(lane.worker_id) is outage:
-            lane.gone = outage.describe(self.reconnector.clock())
+            lane.gone = Reconnecting(outage.describe(self.reconnector.clock()))
             assert self._scheduler is not None
             self._scheduler.wake()
 

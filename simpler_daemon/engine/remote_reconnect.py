@@ -40,6 +40,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("simpler_daemon.remote")
 
 
+class Reconnecting(str):
+    """``lane.gone`` while a remote worker waits for its next reconnect attempt: the
+    Scheduler fails its work at once (it reads ``gone``), yet a new session is coming,
+    so the daemon's health counts the lane as capacity (``reconnecting`` is True)."""
+
+    __slots__ = ()
+    reconnecting = True
+
+
 @dataclass(slots=True)
 class Outage:
     """One failed session of a worker, from its failure until a new session replaces it."""

@@ -63,7 +63,12 @@ def pools_down(manager: Any, level: int) -> list[PoolDown]:
     out = []
     for pool, lanes in pools:
         lanes = list(lanes)
-        if lanes and all(lane.gone is not None for lane in lanes):
+        # A remote worker between reconnect attempts fails its work at once (its
+        # ``gone`` says so) but is coming back: capacity, not down.
+        if lanes and all(
+            lane.gone is not None and not getattr(lane.gone, "reconnecting", False)
+            for lane in lanes
+        ):
             name = _pool_name(pool)
             count = (
                 f"all {len(lanes)} {name} workers are"

@@ -28,6 +28,7 @@ from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ControlError, EndpointError, TaskError
 from simpler_daemon.remote.spec import ReconnectPolicy, RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.remote.wire import CopyFrom, encode_payload
+from simpler_daemon.server.health import pools_down
 from simpler_daemon.testing import child_pids, poll_for
 from simpler_daemon.testing.netns import TestHosts
 from tests.support.remote_harness import (
@@ -315,6 +316,8 @@ def test_a_worker_down_for_several_attempts_rejoins_and_serves_new_work(site: Si
             lambda: f"no reconnect attempts seen: {row(w4, r)}",
         )
         assert 0.0 <= down["next_try_s"] <= FAST.max_s, down
+        # The daemon's health counts a worker that is coming back as capacity.
+        assert pools_down(w4.manager, 4) == []
         assert "reconnecting: attempt" in down["reason"] and "next attempt in" in down["reason"]
         # Work for a worker that is down fails at once, naming its state.
         with pytest.raises(TaskError) as info:
@@ -347,6 +350,7 @@ def test_max_elapsed_s_gives_the_worker_up_with_a_clear_reason(site: Site) -> No
         assert "gave up reconnecting after" in reason, reason
         assert "reconnect.max_elapsed_s=1.5" in reason and "the last one failed:" in reason
         assert gone["attempts"] == 0 and gone["next_try_s"] is None
+        assert [p.pool for p in pools_down(w4.manager, 4)] == ["l3"]
         with pytest.raises(TaskError) as info:
             w4.submit(tasks((orch["noop_remote"], r, TaskArgs()))).wait(30.0)
         assert "gave up reconnecting" in str(info.value)
