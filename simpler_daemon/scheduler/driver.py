@@ -54,7 +54,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from simpler_daemon.errors import StartupError, WorkerClosedError
+from simpler_daemon.errors import StartupError, WorkerClosedError, WorkerStateError
 from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.driverlock import DriverLock
@@ -282,7 +282,7 @@ class Driver:
         if self.loop is loop:
             return
         if self.loop is not None and not self.fall_back():
-            raise RuntimeError(
+            raise WorkerStateError(
                 "cannot use this Worker from another event loop: its Scheduler already runs on "
                 "a different one"
             )
@@ -333,7 +333,7 @@ class Driver:
         if not loop.is_running():
             if self.fall_back():
                 return None  # that loop ended: the blocking driver drives from now on
-            raise RuntimeError(
+            raise WorkerStateError(
                 "cannot block on this Worker: its event loop is stopped, its Scheduler "
                 "coroutine still pending there; run the loop again or close it"
             )

@@ -6,6 +6,8 @@ Worker, so one ``except WorkerStateError`` covers both."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -156,4 +158,26 @@ def test_bad_arguments_stay_value_and_type_errors() -> None:
         with pytest.raises(TypeError, match="CallableHandle"):
             w.unregister("noop")  # type: ignore[arg-type]
     finally:
+        w.close()
+
+
+def test_a_second_live_event_loop_is_a_state_error() -> None:
+    w = Worker(num_sub_workers=1, heap_bytes=1 << 20)
+    w.register(tasks.noop)
+    w.init()
+    loop = asyncio.new_event_loop()
+    looper = threading.Thread(target=loop.run_forever, name="test-loop")
+    looper.start()
+    try:
+        asyncio.run_coroutine_threadsafe(w.run_async(noop_orch), loop).result(30)
+
+        async def from_another_loop() -> None:
+            await w.submit_async(noop_orch)
+
+        state_error(lambda: asyncio.run(from_another_loop()), "another event loop")
+        w.close()  # on the bound loop, while it runs
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        looper.join(30)
+        loop.close()
         w.close()
