@@ -333,6 +333,8 @@ class Scheduler(ProgressLoop):
                     else:
                         self._notice_dead(target)
                 continue
+            if target.lacks(q[0].digest):
+                continue  # a queued install of it failed there (``WorkerThread.missing``)
             while q:
                 slot = q.popleft()
                 if self._claim(slot):
@@ -537,7 +539,7 @@ class Scheduler(ProgressLoop):
             for q in per.values():
                 while q and q[0].state != SlotState.READY:
                     q.popleft()
-                if q:
+                if q and not target.lacks(q[0].digest):
                     key = _pass(q[0].run)
                     if best is None or key < best_key:
                         best, best_key = q, key

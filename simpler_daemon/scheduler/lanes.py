@@ -121,6 +121,7 @@ class WorkerThread:
         return (
             self.staged is None
             and self.endpoint.caps.supports_frame_staging
+            and not self.deliveries
             and not self.stopping
             and not self.endpoint.poisoned
         )

@@ -308,3 +308,100 @@ def test_daemon_register_while_another_clients_task_holds_a_worker(tmp_path: Pat
         finally:
             a.write_buffer(flag, b"\x01")
         held.result(timeout=60)
+
+
+@pytest.mark.asyncio
+async def test_a_queued_install_that_fails_leaves_that_child_out_of_its_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The busy child refuses the import once its task ended (after the register
+    returned): a WARNING names it, and every task of the callable goes to the child that
+    has it, also while the other one idles."""
+    name = f"busy_import_{uuid.uuid4().hex[:10]}"
+    monkeypatch.syspath_prepend(str(tmp_path))  # before init: the children inherit it
+    r = rig()
+    async with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        run, i, busy_pid = await r.hold(hw)
+        busy = r.lane_of(busy_pid)
+        (idle_pid,) = r.child_pids() - {busy_pid}
+        (tmp_path / f"{name}.py").write_text(
+            "import os\n"
+            f"if os.getpid() == {busy_pid}:\n"
+            "    raise ImportError('the busy child refuses it')\n"
+            "def record_pid(args):\n"
+            "    args.tensors[0][args.scalars[0]] = os.getpid()\n"
+        )
+        try:
+            h = await asyncio.wait_for(r.w.register_async(f"{name}:record_pid"), SOON_S)
+        finally:
+            r.release(i)
+        await asyncio.wait_for(run.wait_async(), SOON_S)
+        with caplog.at_level("WARNING", logger="simpler_daemon.registration"):
+            await until(lambda: busy.deliveries == 0, "the queued install")
+        assert busy.missing == {h.digest}
+        assert f"cannot register {name}:record_pid on worker {busy.worker_id}" in caplog.text
+        assert "the busy child refuses it" in caplog.text
+        # The child that has it held: a task of it waits for that child, never the other.
+        await r.only_idle(hw, busy_pid)
+        out = r.w.alloc((1,), np.int64)
+        try:
+            task = targs((out, Tag.OUTPUT), scalars=(0,))
+            queued = await r.w.submit_async(lambda o, a, c: o.submit_sub(h, task))
+        finally:
+            await r.release_all()
+        await asyncio.wait_for(queued.wait_async(), SOON_S)  # the other child: "not registered"
+        assert int(out[0]) == idle_pid
+        await r.w.unregister_async(h)
+        assert not busy.missing  # that child answered "not registered": nothing left
+        sys.modules.pop(name, None)
+
+
+RELOADED = """import os
+
+
+def stamp(args):
+    args.tensors[0][0] = {value}
+    args.tensors[0][1] = os.getpid()
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_reload_does_not_wait_for_a_child_busy_with_another_callable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"busy_reload_{uuid.uuid4().hex[:10]}"
+    src = tmp_path / f"{name}.py"
+    src.write_text(RELOADED.format(value=1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = rig()
+    async with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        h = await r.w.register_async(f"{name}:stamp")
+        out = r.w.alloc((2,), np.int64)
+
+        async def stamp() -> tuple[int, int]:
+            await r.w.run_async(lambda o, a, c: o.submit_sub(h, targs((out, Tag.OUTPUT))))
+            return int(out[0]), int(out[1])
+
+        run, i, busy_pid = await r.hold(hw)
+        busy = r.lane_of(busy_pid)
+        (idle_pid,) = r.child_pids() - {busy_pid}
+        try:
+            src.write_text(RELOADED.format(value=2))
+            assert (
+                await asyncio.wait_for(r.w.register_async(f"{name}:stamp", reload=True), SOON_S)
+                == h
+            )
+            assert busy.deliveries == 1  # its reload waits for its task
+            assert await stamp() == (2, idle_pid)
+        finally:
+            r.release(i)
+        await asyncio.wait_for(run.wait_async(), SOON_S)
+        await until(lambda: busy.deliveries == 0, "the queued reload")
+        await r.only_idle(hw, busy_pid)
+        try:
+            assert await stamp() == (2, busy_pid)  # the new code there too
+        finally:
+            await r.release_all()
+        sys.modules.pop(name, None)
