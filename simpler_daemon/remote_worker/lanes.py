@@ -33,8 +33,10 @@ from simpler_daemon.remote.wire import Frame, FrameDecoder, FrameType, encode_fr
 
 __all__ = [
     "ATTACH_BYTES",
+    "CANDIDATE_S",
     "HEALTH_CANDIDATE_S",
     "HEALTH_INTERVAL_S",
+    "MAX_CANDIDATES",
     "CommandProtocol",
     "HealthLane",
     "LaneHost",
@@ -48,12 +50,13 @@ log = logging.getLogger("simpler_daemon.remote.session")
 
 ATTACH_BYTES = 40  # u64 LE session_id + 32 raw bytes of the attach key
 HEALTH_INTERVAL_S = 0.2
-#: How long one health-lane candidate may take to present its attach bytes (its TLS
-#: handshake included). Candidates are checked side by side, so a silent one holds up
-#: nobody; this only bounds what it costs.
-HEALTH_CANDIDATE_S = 2.0
-#: Health-lane candidates checked at once; a newer one drops the oldest.
-MAX_HEALTH_CANDIDATES = 64
+#: How long one candidate connection (either lane) may take to present its attach
+#: bytes, its TLS handshake included. Candidates are checked side by side, so a silent
+#: one holds up nobody; this only bounds what it costs.
+CANDIDATE_S = 2.0
+HEALTH_CANDIDATE_S = CANDIDATE_S
+#: Candidates checked at once per lane; a newer one drops the oldest.
+MAX_CANDIDATES = 64
 #: How long the health thread waits for a blocked loop to take a stop request.
 STOP_ACK_S = 1.0
 _COMMAND_TYPES = frozenset({FrameType.TASK, FrameType.CONTROL, FrameType.SHUTDOWN})
@@ -68,7 +71,8 @@ class LaneHost(Protocol):
     deadline: float  # time.monotonic() based: both lanes attach before it
     tls: ssl.SSLContext | None
     manifest: Manifest
-    candidates: set[CommandProtocol]
+    #: Command-lane candidates that have not attached yet, oldest first.
+    candidates: dict[CommandProtocol, None]
     #: Set by ``stop`` on the loop: the loop is responsive and is ending the session.
     stop_seen: threading.Event
 
@@ -208,8 +212,8 @@ class HealthLane(threading.Thread):
         """The first candidate that presents the right attach bytes, or None.
 
         Candidates are checked side by side (non-blocking, one selector), each within
-        ``HEALTH_CANDIDATE_S``: a silent or slow connection, with or without TLS, never
-        holds up the parent's, however many there are (past ``MAX_HEALTH_CANDIDATES``
+        ``CANDIDATE_S``: a silent or slow connection, with or without TLS, never
+        holds up the parent's, however many there are (past ``MAX_CANDIDATES``
         the oldest is dropped).
         """
         r = self.runner
@@ -277,10 +281,10 @@ class HealthLane(threading.Thread):
                 log.warning("health lane: dropped a candidate connection: %s", exc)
                 conn.close()
                 continue
-            if len(pending) >= MAX_HEALTH_CANDIDATES:
+            if len(pending) >= MAX_CANDIDATES:
                 log.warning("health lane: dropped the oldest of %d candidates", len(pending))
                 self._drop(sel, pending, next(iter(pending)))
-            budget = min(HEALTH_CANDIDATE_S, max(0.0, r.deadline - time.monotonic()))
+            budget = min(CANDIDATE_S, max(0.0, r.deadline - time.monotonic()))
             cand = _Candidate(sock, time.monotonic() + budget, r.tls is not None)
             pending[sock.fileno()] = cand
             sel.register(sock, selectors.EVENT_READ)
@@ -348,6 +352,7 @@ class CommandProtocol(asyncio.Protocol):
         self.runner = runner
         self.transport: asyncio.Transport | None = None
         self.attached = False
+        self._expiry: asyncio.TimerHandle | None = None
         self._pre = b""
         self.decoder = FrameDecoder(
             session_id=runner.session_id, worker_id=runner.worker_id, allowed=_COMMAND_TYPES
@@ -356,7 +361,24 @@ class CommandProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, so no isinstance check.
         self.transport = cast(asyncio.Transport, transport)
-        self.runner.candidates.add(self)
+        waiting = self.runner.candidates
+        if len(waiting) >= MAX_CANDIDATES:
+            log.warning("command lane: dropped the oldest of %d candidates", len(waiting))
+            next(iter(waiting)).drop()
+        waiting[self] = None
+        # A candidate that has not attached within CANDIDATE_S holds a slot no longer.
+        self._expiry = asyncio.get_running_loop().call_later(CANDIDATE_S, self._expire)
+
+    def _expire(self) -> None:
+        if not self.attached:
+            log.warning("command lane: dropped a candidate: no attach bytes in time")
+            self.drop()
+
+    def drop(self) -> None:
+        """Close an unattached candidate."""
+        self.runner.candidates.pop(self, None)
+        if self.transport is not None:
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if not self.attached:
@@ -371,6 +393,9 @@ class CommandProtocol(asyncio.Protocol):
                 self.transport.abort()
                 return
             self.attached = True
+            self.runner.candidates.pop(self, None)
+            if self._expiry is not None:
+                self._expiry.cancel()
             if not rest:
                 return
             data = rest
@@ -392,7 +417,9 @@ class CommandProtocol(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.runner.candidates.discard(self)
+        self.runner.candidates.pop(self, None)
+        if self._expiry is not None:
+            self._expiry.cancel()
         if self.attached:
             why = f": {exc}" if exc is not None else ""
             self.runner.stop(1 if exc is not None else 0, f"command connection lost{why}")

@@ -85,8 +85,10 @@ from simpler_daemon.remote_worker.controls import (
 )
 from simpler_daemon.remote_worker.lanes import (
     ATTACH_BYTES,
+    CANDIDATE_S,
     HEALTH_CANDIDATE_S,
     HEALTH_INTERVAL_S,
+    MAX_CANDIDATES,
     CommandProtocol,
     HealthLane,
     listen,
@@ -134,7 +136,7 @@ class SessionRunner:
         self.command_listener: socket.socket | None = None
         self.health_listener: socket.socket | None = None
         self.health: HealthLane | None = None
-        self.candidates: set[CommandProtocol] = set()
+        self.candidates: dict[CommandProtocol, None] = {}
         self.stop_seen = threading.Event()
         #: Seconds to spin for the next request after a reply (see ``_linger``).
         self.linger_s = LINGER_S
@@ -346,10 +348,21 @@ class SessionRunner:
         listener = self.command_listener
         assert listener is not None
         listener.setblocking(False)
-        pending: set[asyncio.Task[Any]] = set()
+        # Candidates still in their TLS handshake, oldest first (bounded like the rest).
+        pending: dict[asyncio.Task[Any], None] = {}
         try:
             while True:
-                conn, _ = await loop.sock_accept(listener)
+                try:
+                    conn, _ = await loop.sock_accept(listener)
+                except OSError as exc:  # EMFILE and the like: candidates time out, retry
+                    log.warning("command lane: cannot accept a connection: %s", exc)
+                    await asyncio.sleep(0.05)
+                    continue
+                if len(pending) >= MAX_CANDIDATES:
+                    log.warning("command lane: dropped the oldest of %d candidates", len(pending))
+                    oldest = next(iter(pending))
+                    del pending[oldest]  # counted out now: a burst drops one per newcomer
+                    oldest.cancel()
                 try:
                     tune_socket(conn, self.manifest.session_timeout_s)
                 except OSError as exc:
@@ -357,8 +370,8 @@ class SessionRunner:
                     conn.close()
                     continue
                 t = loop.create_task(self._start_candidate(conn))
-                pending.add(t)
-                t.add_done_callback(pending.discard)
+                pending[t] = None
+                t.add_done_callback(lambda done: pending.pop(done, None))
         finally:
             for t in pending:
                 t.cancel()
@@ -372,12 +385,17 @@ class SessionRunner:
                 conn,
                 ssl=self.tls,
                 ssl_handshake_timeout=(
-                    max(0.1, self.deadline - time.monotonic()) if self.tls is not None else None
+                    max(0.1, min(CANDIDATE_S, self.deadline - time.monotonic()))
+                    if self.tls is not None
+                    else None
                 ),
             )
         except (OSError, ssl.SSLError, TimeoutError) as exc:
             log.warning("command lane: dropped a candidate connection: %s", exc)
             conn.close()
+        except asyncio.CancelledError:
+            conn.close()
+            raise
 
     def _send_hello(self) -> None:
         hello = Hello(

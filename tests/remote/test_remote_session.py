@@ -701,6 +701,36 @@ def test_silent_health_connections_during_attach_do_not_stall_it(
     assert r.wait_exit() == 0
 
 
+def test_silent_command_connections_are_dropped_before_the_attach(
+    tmp_path: Path, runners: list[Runner]
+) -> None:
+    r = Runner(tmp_path)
+    runners.append(r)
+    assert r.ready["ok"], r.ready
+    silent = [socket.create_connection(r._addr(r.ready["command"]), timeout=10) for _ in range(5)]
+    try:
+        # Each is closed once its time to present the attach bytes is up, long before
+        # the 30 s attach deadline: they hold no slot (or descriptor) while the runner waits.
+        for s in silent:
+            s.settimeout(15)
+            try:
+                assert s.recv(100) == b""
+            except ConnectionResetError:
+                pass
+        assert "command lane: dropped a candidate: no attach bytes in time" in r.stderr()
+        r.attach()
+        buf = r.alloc([1], "int8")
+        assert (
+            r.task("tests.support.l3_jobs:fill_remote", [tensor(buf, [1], "int8")], [3]).error_code
+            == 0
+        )
+    finally:
+        for s in silent:
+            s.close()
+    r.send(FrameType.SHUTDOWN)
+    assert r.wait_exit() == 0
+
+
 def test_command_eof_ends_session(runner: Runner) -> None:
     assert runner.command is not None
     runner.command.close()
