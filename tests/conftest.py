@@ -37,9 +37,11 @@ pytest.register_assert_rewrite(
 from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files  # noqa: E402
 from tests.support.worker_pool import TASKS, Pool  # noqa: E402
 
-# A daemon a test starts keeps no run history unless the test gives it a state_dir
-# (tests/support/daemon_harness.py does, one per daemon): never the user's
-# ~/.local/state, and never one directory shared by daemons running at once.
+# A daemon a test starts keeps no run history: never the user's ~/.local/state, and
+# never one directory shared by daemons running at once. The variable overrides the
+# daemon's config file, so a test whose daemon keeps a history (a restart test) both
+# sets daemon.state_dir and drops this variable from the daemon's environment, as
+# tests/support/daemon_harness.py does (one state_dir per daemon).
 os.environ.setdefault("SIMPLER_DAEMON__DAEMON__STATE_DIR", ":memory:")
 
 # A shell without job control starts background commands with SIGINT ignored (``make
