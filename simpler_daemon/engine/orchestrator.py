@@ -354,10 +354,10 @@ class Orchestrator:
                 # (the task may write it, and writes to a snapshot would be lost).
                 if owner != target and tag is not Tag.INPUT:
                     raise ValueError(
-                        f"cannot {api}: {where} is tagged {tag.name}, which needs read-write "
-                        f"access, but remote worker {target} holds only a read-only snapshot "
-                        f"of {t!r} (imported; access read-only); tag it INPUT, or write it "
-                        f"on its owner, worker {owner}"
+                        f"cannot {api}: {where} is tagged {tag.name}, but remote worker "
+                        f"{target} holds only a read-only snapshot of {t!r} (imported; "
+                        f"access read-only, {tag.name} needs read-write); tag it INPUT, or "
+                        f"write it on its owner, worker {owner}"
                     )
                 descs.append(remote.describe(t, target, f"{api}: {where}").with_tag(tag))
         return descs
