@@ -729,7 +729,10 @@ class LocalMailboxEndpoint:
             # the control is unknown, so the child cannot be trusted any more.
             if self._control_op is op:
                 self._control_op = None
-                self.poison(f"{op.name} abandoned; completion uncertain")
+                # After close the mailbox is unmapped and the child gone: nothing to tell
+                # (a control queued behind a busy child may still be polled then).
+                if not self.mailbox.closed:
+                    self.poison(f"{op.name} abandoned; completion uncertain")
             raise
 
     def _control_settled(self, task: asyncio.Future[ControlResult]) -> None:

@@ -19,7 +19,10 @@ The control is published at once all the same (the child answers it between task
 its deadline runs only while the child has no task in flight, so an idle child that
 misses it is still killed and replaced (``LocalMailboxEndpoint._control_expired``).
 
-A target with no ``lane`` (a remote worker, a unit-test target) is always idle.
+A target with no ``lane`` is always idle (awaited): a remote worker, a replacement's
+replay, and every target of a call made outside the Worker's bound loop
+(``ChildPool.registration_targets``): the blocking API runs a private loop only while
+the call waits, so a control queued there would not progress after it returned.
 """
 
 from __future__ import annotations

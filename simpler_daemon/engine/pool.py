@@ -568,14 +568,23 @@ class ChildPool:
         else:
             out = l3
         # Each control goes through the child's lane: queued behind a busy child's task
-        # (``delivery.py``), the lane taking no task until it was delivered.
+        # (``delivery.py``), the lane taking no task until it was delivered. Only on the
+        # Worker's bound loop, which keeps running after the caller returned: a blocking
+        # call drives a loop only while it waits, so there every control is awaited.
         sched = self._scheduler
-        if sched is not None:
+        if sched is not None and self._on_bound_loop():
             lanes = {id(lane.endpoint): lane for lane in sched.manager.lanes}
             for target in out:
                 target.lane = lanes.get(id(target.endpoint))
                 target.wake = sched.wake
         return out
+
+    def _on_bound_loop(self) -> bool:
+        loop = self._driver.loop
+        try:
+            return loop is not None and asyncio.get_running_loop() is loop
+        except RuntimeError:
+            return False
 
     def list_workers(self, manager: WorkerManager | None) -> list[dict[str, Any]]:
         """One row per child: kind, id, pid, liveness, pipeline depth and lane state."""
