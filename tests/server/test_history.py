@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import socket
 import sqlite3
@@ -475,5 +476,53 @@ def test_ids_are_reserved_ahead_so_a_crash_never_repeats_them(tmp_path: Path) ->
     try:
         assert next(again.run_ids) > ids[-1]
         assert next(again.buffer_ids) > buffers[-1]
+    finally:
+        _crash(again)
+
+
+def test_a_failing_write_is_counted_logged_once_and_retried_until_it_works(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The full-disk path without root: SQLite's own limit on the file's pages gives the
+    same ``database or disk is full`` a full filesystem does."""
+    from simpler_daemon.server.history import StoredRun
+    from simpler_daemon.server.run_record import RunRecord
+
+    def finished(run_id: int) -> RunRecord:
+        row = StoredRun(
+            run_id, "uid:0", "", "", b"", 1, 5, 1, 1, 0, 0, 1, 2, 3, "", None,
+            [(0, None, bytes(50_000))], "",
+        )  # fmt: skip
+        return RunRecord.restored(row, None)
+
+    history = History.open(str(tmp_path))
+    pages = history._db.execute("PRAGMA page_count").fetchone()[0]
+    history._db.execute(f"PRAGMA max_page_count = {pages + 2}")  # no room for 50 KB
+
+    async def scenario() -> None:
+        history.start()
+        for run_id in (1, 2, 3):
+            history.finished(finished(run_id))
+        await asyncio.to_thread(wait_until, lambda: history.failing, 30, "the write never failed")
+        history.finished(finished(4))  # more while it fails: kept for the retry
+        await asyncio.to_thread(wait_until, lambda: history.failures >= 2, 30, "no retry")
+        history._db.execute("PRAGMA max_page_count = 1000000")  # room again
+        await asyncio.to_thread(
+            wait_until, lambda: not history.failing, 30, "recording never resumed"
+        )
+        await history.close()
+
+    with caplog.at_level(logging.INFO, logger="simpler_daemon.history"):
+        asyncio.run(scenario())
+    texts = [r.getMessage() for r in caplog.records]
+    failed = [t for t in texts if t.startswith("cannot record the run history")]
+    assert len(failed) == 1, texts  # once per incident, however many retries failed
+    assert "database or disk is full" in failed[0] and "runs go on" in failed[0]
+    assert any("recording works again" in t for t in texts)
+
+    again = History.open(str(tmp_path))
+    try:
+        assert [row.run_id for row in again.stored] == [1, 2, 3, 4]
+        assert all(row.results == [(0, None, bytes(50_000))] for row in again.stored)
     finally:
         _crash(again)
