@@ -299,7 +299,14 @@ class Lifecycle:
         try:
             gate.check()
             # Remote sessions only after the last local fork, within the same deadline.
-            self._fleet.open_all(deadline)
+            try:
+                self._fleet.open_all(deadline)
+            except StartupError as exc:  # say how long init waited in all, not one session
+                waited = time.monotonic() - (deadline - self.startup_timeout)
+                raise StartupError(
+                    f"{exc} (init() waited {waited:.2f} s, startup_timeout="
+                    f"{self.startup_timeout:g} s)"
+                ) from exc
             if self._after_attach is not None:
                 self._after_attach()
             gate.check()

@@ -542,6 +542,7 @@ def test_worker_that_never_answers_is_a_startup_error_within_the_deadline() -> N
     text = str(info.value)
     assert f"cannot start remote worker {r} (127.0.0.1:{port})" in text, text
     assert "no answer within" in text, text
+    assert "startup_timeout=1.5 s" in text and "init() waited" in text, text
 
 
 def test_wrong_token_is_refused_before_anything_spawns(

@@ -9,19 +9,21 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from simpler_daemon import Tag, TaskArgs, TaskError, Worker
+from simpler_daemon import StartupError, Tag, TaskArgs, TaskError, Worker
 from simpler_daemon.remote.spec import RemoteCallable, RemoteWorkerSpec
 from simpler_daemon.testing import child_pids, poll_for
 from simpler_daemon.testing.netns import TestHosts
 from tests.support.remote_harness import (
     RemoteWorkerProcess,
     our_shm_files,
+    runner_processes,
     start_worker,
     wait_no_runners,
     wait_until,
@@ -259,3 +261,31 @@ def test_a_task_error_two_levels_down_names_the_remote_worker(
             )
         )
     assert f"remote worker {a}" in str(info.value)
+
+
+def test_init_held_up_after_the_sessions_attach_is_a_startup_error(
+    worker: RemoteWorkerProcess,
+) -> None:
+    # As the origin: init() checks the startup deadline once more before READY. Its
+    # thread is held past the deadline once the session is attached (a slow host, a stop
+    # signal); the session that did attach is shut down with everything else.
+    budget = 8.0
+    w4 = Worker(level=4, startup_timeout=budget)
+    r = w4.add_remote_worker(RemoteWorkerSpec(endpoint=worker.endpoint, num_sub_workers=1))
+    w4.register(RemoteCallable(f"{JOBS}:fill_remote"), workers=[r])
+    attached: list[int] = []
+
+    def held_up() -> None:
+        attached.append(len(runner_processes()))
+        poll_for(lambda: time.monotonic() > called + budget + 0.5, timeout=30, interval=0.05)
+
+    w4._after_attach = held_up
+    called = time.monotonic()
+    try:
+        with pytest.raises(StartupError, match=r"past startup_timeout=8 s") as info:
+            w4.init()
+    finally:
+        w4.close()
+    assert attached and attached[0] >= 1, attached  # the session's runner was up
+    assert "every child started" in str(info.value)
+    wait_no_runners(15.0, "after the late init rolled back")
