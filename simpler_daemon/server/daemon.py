@@ -286,16 +286,12 @@ class Daemon:
             self._add_local_workers(worker)
             self._add_remote_workers(worker)
             worker.init()
+            # After the forks: no child holds the history's lock or database.
+            self.history = open_history(cfg.daemon.state_dir, worker.heap, reset=self._reset_state)
         except BaseException:
             worker.close()
             raise
         self.worker = worker
-        try:  # after the forks: no child holds the history's lock or database
-            self.history = open_history(cfg.daemon.state_dir, worker.heap, reset=self._reset_state)
-        except BaseException:
-            self.worker = None
-            worker.close()
-            raise
         log.info(
             "worker pool ready: %d SUB workers, %d chips, %d local L3 workers, "
             "%d remote workers, heap %d bytes",

@@ -449,6 +449,17 @@ class History:
         if self._pending:
             self._arm()
 
+    def restored(self, kept: int) -> None:
+        """The run table took the stored runs: ``kept`` of them within its limits."""
+        if kept or self.lost:
+            log.info(
+                "run history %s: %d earlier runs known (%d came back LOST: active when "
+                "their daemon stopped)",
+                self.path,
+                kept,
+                self.lost,
+            )
+
     def submitted(self, rec: Any) -> None:
         """A run was launched (or changed: its results were dropped, it finished)."""
         run_id = rec.run_id

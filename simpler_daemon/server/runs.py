@@ -233,33 +233,22 @@ class RunTable:
         return counts
 
     def restore(self, history: History) -> None:
-        """Start recording into ``history`` and know the runs it kept from earlier daemon
-        processes (finished or LOST), within today's retention limits (the runs past
-        them are forgotten, in the history too). Call before any run is launched."""
+        """Record into ``history`` from now on; know the runs it kept (finished or LOST)
+        within today's retention limits (the rest it forgets too). Before any launch."""
         stored, history.stored = history.stored, []
         history.metrics = self._metrics
         history.start()
-        self._history = None  # restoring rewrites nothing
-        try:
-            for row in stored:
-                rec = RunRecord.restored(row, self._metrics)
-                self._add(rec)
-                self._remember_finished(rec)
-        finally:
-            self._history = history
+        for row in stored:  # self._history is still None: restoring rewrites nothing
+            rec = RunRecord.restored(row, self._metrics)
+            self._add(rec)
+            self._remember_finished(rec)
+        self._history = history
         for row in stored:
             if row.run_id not in self._runs:
                 history.forget(row.run_id)
         # Every id below the history's next one may have been given out before.
         self._highest_id = max(self._highest_id, history.run_ids.next_id - 1)
-        if stored:
-            log.info(
-                "run history %s: %d earlier runs known (%d of them LOST: active when "
-                "their daemon stopped)",
-                history.path,
-                len(self._runs),
-                history.lost,
-            )
+        history.restored(len(self._runs))
 
     def record(self, run_id: int, field: str = "run_id") -> RunRecord:
         """The run's record; ``InvalidField`` for 0, ``UnknownObject`` for an unknown id
@@ -459,13 +448,11 @@ class RunTable:
         self._trim()
 
     def _expire(self) -> None:
-        """Forget finished runs that ended more than limits.max_finished_run_age ago
-        (checked when a run finishes and before a lookup or a listing)."""
+        """Forget finished runs older than limits.max_finished_run_age (checked when a run
+        finishes and before a lookup or a listing)."""
         age = self._limits.max_finished_run_age
-        if age <= 0 or not self._finished:
-            return
         cutoff = time.time_ns() - int(age * 1e9)
-        while self._finished:
+        while age > 0 and self._finished:
             oldest = next(iter(self._finished))
             rec = self._runs.get(oldest)
             if rec is not None and rec.finish_ns > cutoff:
