@@ -2,17 +2,21 @@
 
 A *pool* is one kind of lane of the Worker: its SUB workers, and its next-level
 workers (chips at level 3; the local nested and remote L3 workers at level 4). A
-pool is *down* when it has lanes and every one of them is given up (``lane.gone``:
-dead, and no replacement or reconnect is coming: the fork servers are exhausted, or
-a remote session's reconnect failed). A dead lane whose replacement or reconnect is
-still pending counts as capacity: it is being replaced. A pool configured with no
-worker at all is not down. The daemon is *healthy* while no pool is down::
+pool is *down* when it has lanes and every one of them has ``lane.gone`` set: dead
+with no replacement coming (the fork servers are exhausted, a remote session's
+reconnect was given up), or a remote worker waiting for its next reconnect attempt.
+A local lane whose replacement is under way counts as capacity. A pool configured
+with no worker at all is not down. The daemon is *healthy* while no pool is down.
+The watchdog pings stop only for a pool down with nothing coming back: a level-4
+daemon whose L3 workers all reconnect reports NOT_SERVING but keeps pinging (a
+restart of it would not bring the remote hosts back sooner)::
 
     every CHECK_PERIOD on the event loop:  pools_down(manager, level) -> HealthState.observe
       healthy -> unhealthy     "unhealthy" (log WARNING once; health NOT_SERVING,
                                GetInfo SERVING_STATE_UNHEALTHY + reason, metric, STATUS=)
-      unhealthy for            "pings_stopped" (log ERROR once; no WATCHDOG=1 from now on:
-      health.unhealthy_exit_s  systemd's WatchdogSec= restarts the daemon); 0 = never
+      a pool down, nothing     "pings_stopped" (log ERROR once; no WATCHDOG=1 from now on:
+      coming back, for         systemd's WatchdogSec= restarts the daemon); 0 = never
+      health.unhealthy_exit_s
       capacity back            "healthy" (log WARNING; SERVING, pings resume)
 
 ``HealthState`` is the pure state machine (tested with a fake clock); ``HealthWatch``
@@ -41,10 +45,14 @@ CHECK_PERIOD: Final = 1.0
 
 @dataclass(frozen=True)
 class PoolDown:
-    """One pool without capacity: ``pool`` is its metric label ("sub", "chip", "l3")."""
+    """One pool without capacity: ``pool`` is its metric label ("sub", "chip", "l3").
+    ``recovering``: some of its lanes are remote workers that reconnect (the daemon
+    cannot serve that pool now, but a restart of it would not bring them back sooner:
+    the watchdog pings go on)."""
 
     pool: str
     reason: str
+    recovering: bool = False
 
 
 def _pool_name(pool: str) -> str:
@@ -63,25 +71,25 @@ def pools_down(manager: Any, level: int) -> list[PoolDown]:
     out = []
     for pool, lanes in pools:
         lanes = list(lanes)
-        # A remote worker between reconnect attempts fails its work at once (its
-        # ``gone`` says so) but is coming back: capacity, not down.
-        if lanes and all(
-            lane.gone is not None and not getattr(lane.gone, "reconnecting", False)
-            for lane in lanes
-        ):
-            name = _pool_name(pool)
-            count = (
-                f"all {len(lanes)} {name} workers are"
-                if len(lanes) > 1
-                else f"the {name} worker is"
+        if not lanes or any(lane.gone is None for lane in lanes):
+            continue
+        name = _pool_name(pool)
+        count = (
+            f"all {len(lanes)} {name} workers are" if len(lanes) > 1 else f"the {name} worker is"
+        )
+        # A remote worker between reconnect attempts fails its work at once (its ``gone``
+        # says so): no capacity now, but one is coming back.
+        coming = [lane for lane in lanes if getattr(lane.gone, "reconnecting", False)]
+        if coming:
+            reason = (
+                f"no {name} worker can take work: {count} down, {len(coming)} of them "
+                f"reconnecting ({coming[0].gone})"
             )
-            out.append(
-                PoolDown(
-                    pool,
-                    f"no {name} worker left: {count} down and none is being replaced "
-                    f"({lanes[0].gone})",
-                )
+        else:
+            reason = (
+                f"no {name} worker left: {count} down and none is being replaced ({lanes[0].gone})"
             )
+        out.append(PoolDown(pool, reason, recovering=bool(coming)))
     return out
 
 
@@ -101,6 +109,9 @@ class HealthState:
         #: True once unhealthy for ``exit_after``: the daemon sends no WATCHDOG=1.
         self.pings_stopped = False
         self._since = 0.0
+        #: Since when a pool is down with nothing coming back (None: none is); the
+        #: pings stop ``exit_after`` after that, not while remote workers reconnect.
+        self._stuck_since: float | None = None
 
     @property
     def healthy(self) -> bool:
@@ -122,11 +133,16 @@ class HealthState:
         elif pools != self.down:
             out.append("changed")
         self.reason, self.down = reason, pools
+        stuck = any(not d.recovering for d in down)
+        if not stuck:
+            self._stuck_since = None
+        elif self._stuck_since is None:
+            self._stuck_since = now
         if (
-            self.reason
+            self._stuck_since is not None
             and not self.pings_stopped
             and self.exit_after > 0
-            and now - self._since >= self.exit_after
+            and now - self._stuck_since >= self.exit_after
         ):
             self.pings_stopped = True
             out.append("pings_stopped")

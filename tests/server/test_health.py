@@ -70,6 +70,20 @@ def test_state_can_stop_the_pings_at_the_first_check() -> None:
     assert state.observe([PoolDown("sub", "x")], 5.1) == ["pings_stopped"]
 
 
+def test_state_keeps_pinging_while_the_pool_down_is_reconnecting() -> None:
+    """A level-4 daemon whose every L3 worker reconnects cannot serve (NOT_SERVING),
+    but a restart would not bring its remote hosts back: the pings go on until a pool
+    is down with nothing coming back."""
+    state = HealthState(exit_after=10.0)
+    reconnecting = PoolDown("l3", "no L3 worker can take work", recovering=True)
+    assert state.observe([reconnecting], 0.0) == ["unhealthy"]
+    assert state.observe([reconnecting], 1000.0) == [] and not state.pings_stopped
+    given_up = PoolDown("l3", "no L3 worker left", recovering=False)
+    assert state.observe([given_up], 1001.0) == []  # same pool; the bound starts now
+    assert state.observe([given_up], 1010.5) == []
+    assert state.observe([given_up], 1011.0) == ["pings_stopped"]
+
+
 class _Lane:
     def __init__(self, gone: str | None) -> None:
         self.gone = gone
@@ -94,7 +108,15 @@ def test_a_pool_is_down_only_when_every_lane_is_given_up() -> None:
     (down,) = pools_down(_Manager([replacing], [_Lane("session lost")]), 4)
     assert down.pool == "l3" and down.reason.startswith("no L3 worker left: the L3 worker is")
     (down,) = pools_down(_Manager([], [_Lane("chip died")]), 3)
-    assert down.pool == "chip"
+    assert down.pool == "chip" and not down.recovering
+    # Remote workers between reconnect attempts: down now, coming back.
+    from simpler_daemon.engine.remote_reconnect import Reconnecting
+
+    waiting = _Lane(Reconnecting("remote worker 1 failed; reconnecting: next try in 2.0 s"))
+    (down,) = pools_down(_Manager([replacing], [waiting, _Lane("session lost")]), 4)
+    assert down.recovering and down.reason.startswith(
+        "no L3 worker can take work: all 2 L3 workers are down, 1 of them reconnecting"
+    )
 
 
 # --------------------------------------------------------------------------- real daemons
