@@ -233,6 +233,9 @@ def _lock(directory: str) -> int:
 
 def _connect(path: str) -> sqlite3.Connection:
     """Open and check the database; ``sqlite3.DatabaseError`` when it is unusable."""
+    with contextlib.suppress(FileExistsError):  # the runs' labels and results: owner only
+        # (SQLite gives its -wal and -shm files the database's mode).
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")

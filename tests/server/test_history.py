@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import subprocess
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -124,8 +125,12 @@ def test_runs_results_and_ids_survive_a_graceful_restart(
         assert bad_status.state is RunPhase.FAILED
         buffer = int(c.alloc_array(np.zeros(4, dtype=np.float32)))
 
+    # Owner only: the history holds every client's labels, errors and results.
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / DB_NAME).stat().st_mode) == 0o600
     with stopped_at_the_end(daemon_on(tmp_path, "b", state).start()) as second:
         with second.client() as c:
+            assert stat.S_IMODE((state / f"{DB_NAME}-wal").stat().st_mode) == 0o600
             runs = {r.run_id: r for r in c.list_runs()}
             assert set(runs) == {ok.run_id, int(keyed), int(bad)}
             row = runs[ok.run_id]
