@@ -316,8 +316,10 @@ def test_a_worker_down_for_several_attempts_rejoins_and_serves_new_work(site: Si
             lambda: f"no reconnect attempts seen: {row(w4, r)}",
         )
         assert 0.0 <= down["next_try_s"] <= FAST.max_s, down
-        # The daemon's health counts a worker that is coming back as capacity.
-        assert pools_down(w4.manager, 4) == []
+        # The daemon's health: the L3 pool is down (no worker can take work), but it is
+        # coming back, so the watchdog pings go on.
+        (l3,) = pools_down(w4.manager, 4)
+        assert l3.pool == "l3" and l3.recovering and "reconnecting" in l3.reason
         assert "reconnecting: attempt" in down["reason"] and "next attempt in" in down["reason"]
         # Work for a worker that is down fails at once, naming its state.
         with pytest.raises(TaskError) as info:
