@@ -42,7 +42,7 @@ from typing import Any, Final, NamedTuple
 
 import msgspec
 
-from simpler_daemon.errors import StartupError
+from simpler_daemon.errors import StartupError, UnknownObject
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.scheduler.runmodel import Run
 from simpler_daemon.system.runtimedir import MEMORY_STATE
@@ -57,6 +57,7 @@ __all__ = [
     "History",
     "IdBlock",
     "StoredRun",
+    "UnrecordedRun",
     "open_history",
 ]
 
@@ -300,6 +301,24 @@ def _move_aside(path: str) -> str:
     return aside
 
 
+class UnrecordedRun(UnknownObject):
+    """A run id the previous daemon may have handed out but never recorded (it was
+    killed within ``FLUSH_DELAY`` of the submit): if it was submitted, it is LOST."""
+
+    def __init__(self, field: str, run_id: int) -> None:
+        self.run_id = run_id
+        self.text = (
+            f"run {run_id} has no record: the daemon that handed out its id was stopped "
+            "before it recorded the run; if it was submitted, it is LOST"
+        )
+        super().__init__(field, self.text)
+
+    def status(self) -> Any:
+        """What WaitRun answers for it: LOST, with nothing else known."""
+        error = pb.RunError(message=self.text, outcome="LOST")
+        return pb.RunStatus(run_id=self.run_id, state=pb.RUN_STATE_LOST, error=error)
+
+
 class History:
     """The run history of one daemon; see the module docstring.
 
@@ -317,6 +336,8 @@ class History:
         self.stored: list[StoredRun] = []
         #: How many of them were active when their daemon stopped (now LOST).
         self.lost = 0
+        #: ``[lo, hi)``: run ids a killed daemon may have handed out unrecorded.
+        self._unrecorded = (0, 0)
         self.run_ids = IdBlock("run", self)
         self.buffer_ids = IdBlock("buffer", self)
         #: Set by the run table: history_write_failures is counted there.
@@ -410,6 +431,9 @@ class History:
             top = db.execute("SELECT max(run_id) FROM runs").fetchone()[0]
             if top:
                 ceilings["run"] = max(ceilings.get("run", 1), int(top) + 1)
+            # Ids between the last recorded run and the ceiling may have been handed out
+            # by a daemon killed before it recorded them (within FLUSH_DELAY).
+            self._unrecorded = (int(top or 0) + 1, max(1, ceilings.get("run", 1)))
             for block in (self.run_ids, self.buffer_ids):
                 first = max(1, ceilings.get(block.name, 1))
                 block._next = first
@@ -479,6 +503,12 @@ class History:
 
     changed = submitted
     finished = submitted
+
+    def unrecorded(self, run_id: int, field: str) -> UnrecordedRun | None:
+        """:class:`UnrecordedRun` for an id the previous daemon may have handed out
+        unrecorded, else None."""
+        lo, hi = self._unrecorded
+        return UnrecordedRun(field, run_id) if lo <= run_id < hi else None
 
     def forget(self, run_id: int) -> None:
         """Retention dropped the run: delete it from the history too."""

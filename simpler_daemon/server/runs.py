@@ -252,13 +252,16 @@ class RunTable:
 
     def record(self, run_id: int, field: str = "run_id") -> RunRecord:
         """The run's record; ``InvalidField`` for 0, ``UnknownObject`` for an unknown id
-        (saying whether it was evicted: run ids grow, so an id up to the highest one
-        given out that is not kept was a finished run)."""
+        (evicted: an id up to the highest given out; ``UnrecordedRun``: handed out by a
+        killed daemon that never recorded it)."""
         if run_id == 0:
             raise InvalidField(field, "required (run ids start at 1)")
         self._expire()
         rec = self._runs.get(run_id)
         if rec is None:
+            lost = self._history.unrecorded(run_id, field) if self._history else None
+            if lost is not None:
+                raise lost
             if 0 < run_id <= self._highest_id:
                 why = self._evicted.get(run_id) or (
                     f"{self._count_limit()} or {self._bytes_limit()}"

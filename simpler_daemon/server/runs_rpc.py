@@ -24,6 +24,7 @@ from typing import Any
 from simpler_daemon.callables import parse_import_path, resolve_import
 from simpler_daemon.errors import AccessDenied, InvalidField, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.history import UnrecordedRun
 from simpler_daemon.server.offloop import run_off_loop
 from simpler_daemon.server.owed import output_buffers
 from simpler_daemon.server.peers import Identity, client_label
@@ -193,7 +194,10 @@ class RunsRpc(ServiceBase):
 
     @unary
     async def WaitRun(self, request: Any, context: Any) -> Any:
-        rec = self._runs.record(request.run_id)
+        try:
+            rec = self._runs.record(request.run_id)
+        except UnrecordedRun as lost:  # nothing known of it, not even its owner: LOST
+            return lost.status()
         self._owners.check_run(self._who(context), rec.client, rec.run_id, "wait for")
         timeout = (
             timeout_field(request, "timeout_seconds")

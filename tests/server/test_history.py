@@ -485,6 +485,29 @@ def test_ids_are_reserved_ahead_so_a_crash_never_repeats_them(tmp_path: Path) ->
         _crash(again)
 
 
+def test_an_id_handed_out_but_never_recorded_before_a_crash_is_reported_lost(
+    tmp_path: Path,
+) -> None:
+    """A run submitted within FLUSH_DELAY of a SIGKILL has no row: its id must not read
+    as "finished and was evicted" (nor as unknown): WaitRun answers LOST."""
+    from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+    from simpler_daemon.server.history import UnrecordedRun
+
+    history = History.open(str(tmp_path))
+    handed_out = [next(history.run_ids) for _ in range(3)]  # submitted, never recorded
+    _crash(history)
+    again = History.open(str(tmp_path))
+    try:
+        lost = again.unrecorded(handed_out[1], "run_id")
+        assert isinstance(lost, UnrecordedRun)
+        status = lost.status()
+        assert status.state == pb.RUN_STATE_LOST and status.run_id == handed_out[1]
+        assert "has no record" in status.error.message and status.error.outcome == "LOST"
+        assert again.unrecorded(next(again.run_ids), "run_id") is None  # this daemon's own
+    finally:
+        _crash(again)
+
+
 def test_a_failing_write_is_counted_logged_once_and_retried_until_it_works(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
