@@ -336,8 +336,8 @@ class History:
         self.stored: list[StoredRun] = []
         #: How many of them were active when their daemon stopped (now LOST).
         self.lost = 0
-        #: ``[lo, hi)``: run ids a killed daemon may have handed out unrecorded.
-        self._unrecorded = (0, 0)
+        #: ``[lo, hi)`` ranges of run ids killed daemons may have handed out unrecorded.
+        self._unrecorded: list[tuple[int, int]] = []
         self.run_ids = IdBlock("run", self)
         self.buffer_ids = IdBlock("buffer", self)
         #: Set by the run table: history_write_failures is counted there.
@@ -432,8 +432,19 @@ class History:
             if top:
                 ceilings["run"] = max(ceilings.get("run", 1), int(top) + 1)
             # Ids between the last recorded run and the ceiling may have been handed out
-            # by a daemon killed before it recorded them (within FLUSH_DELAY).
-            self._unrecorded = (int(top or 0) + 1, max(1, ceilings.get("run", 1)))
+            # by a daemon killed before it recorded them (within FLUSH_DELAY): kept as a
+            # counters row "unrecorded:LO" = HI, one per crash, read back every start.
+            lo, hi = int(top or 0) + 1, max(1, ceilings.get("run", 1))
+            if lo < hi:
+                db.execute(
+                    "INSERT OR REPLACE INTO counters VALUES (?, ?)", (f"unrecorded:{lo}", hi)
+                )
+            self._unrecorded = [
+                (int(name.partition(":")[2]), int(ceiling))
+                for name, ceiling in db.execute(
+                    "SELECT name, ceiling FROM counters WHERE name LIKE 'unrecorded:%'"
+                )
+            ]
             for block in (self.run_ids, self.buffer_ids):
                 first = max(1, ceilings.get(block.name, 1))
                 block._next = first
@@ -507,8 +518,9 @@ class History:
     def unrecorded(self, run_id: int, field: str) -> UnrecordedRun | None:
         """:class:`UnrecordedRun` for an id the previous daemon may have handed out
         unrecorded, else None."""
-        lo, hi = self._unrecorded
-        return UnrecordedRun(field, run_id) if lo <= run_id < hi else None
+        if any(lo <= run_id < hi for lo, hi in self._unrecorded):
+            return UnrecordedRun(field, run_id)
+        return None
 
     def forget(self, run_id: int) -> None:
         """Retention dropped the run: delete it from the history too."""

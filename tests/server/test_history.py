@@ -506,6 +506,11 @@ def test_an_id_handed_out_but_never_recorded_before_a_crash_is_reported_lost(
         assert again.unrecorded(next(again.run_ids), "run_id") is None  # this daemon's own
     finally:
         _crash(again)
+    third = History.open(str(tmp_path))  # a second crash keeps the first one's range
+    try:
+        assert isinstance(third.unrecorded(handed_out[0], "run_id"), UnrecordedRun)
+    finally:
+        _crash(third)
 
 
 def test_a_failing_write_is_counted_logged_once_and_retried_until_it_works(
