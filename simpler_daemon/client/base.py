@@ -19,7 +19,7 @@ import numpy as np
 
 from simpler_daemon.client.discovery import ENV_SOCKET as ENV_TARGET
 from simpler_daemon.client.discovery import default_target as discover
-from simpler_daemon.client.errors import daemon_error
+from simpler_daemon.client.errors import DaemonError, daemon_error
 from simpler_daemon.client.fastpath import pick_fast_socket
 from simpler_daemon.client.heapview import map_buffer_view
 from simpler_daemon.client.requests import call_deadline, check_wait
@@ -187,6 +187,19 @@ class _Base:
 
     def _new_channel(self) -> Any:
         raise NotImplementedError  # each client opens its own kind of channel
+
+    def _lease_socket(self) -> str | None:
+        """The fast socket a blocking gRPC client holds its session over (None: none).
+
+        A sync gRPC stream left open keeps a grpc thread polling in this process (and a
+        process with threads cannot fork a Worker); a call on the fast socket beside
+        the Unix target holds it with none, for the same identity (client/session.py)."""
+        if self._fast_path is not None or not self.address.startswith("unix:"):
+            return self._fast_path
+        try:
+            return pick_fast_socket("fast", _unix_path(self.address), self.address)
+        except (DaemonError, OSError):  # none beside it (or not trusted): a gRPC call
+            return None
 
     def _view(self, info: Any) -> np.ndarray[Any, Any]:
         return map_buffer_view(info, self._daemon_uid)

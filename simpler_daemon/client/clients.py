@@ -126,7 +126,7 @@ class Client(_Base):
     """
 
     def _open(self) -> None:
-        self._lease = SessionLease()
+        self._lease = SessionLease(self._lease_socket())
         self._fast: FastTransport | None = None
         if self._fast_path is not None:
             self._fast = FastTransport(self._fast_path, self.client_id)
@@ -146,7 +146,7 @@ class Client(_Base):
         return self._done_watcher
 
     def close(self) -> None:
-        self._lease.end()  # the daemon releases this client's session registrations
+        self._lease.end(closing=True)  # the daemon releases its session's registrations
         if self._fast is not None:
             self._fast.close()
         if self._channel is not None:
@@ -212,7 +212,9 @@ class Client(_Base):
             request.persist = persist
             return self._call("RegisterCallable", request)  # type: ignore[no-any-return]
         for retry in (False, True):
-            request.session = self._lease.current(self._fast, lambda: self.stub, self.metadata)
+            request.session = self._lease.current(
+                self._fast, lambda: self.stub, self.metadata, self.tcp
+            )
             try:
                 return self._call("RegisterCallable", request)  # type: ignore[no-any-return]
             except DaemonError as exc:

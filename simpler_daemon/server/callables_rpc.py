@@ -225,11 +225,11 @@ class CallablesRpc(ServiceBase):
         """The lease of one client session: open while this call lasts (sessions.py)."""
         who = self._who(context)
         requests = aiter(request)
-        # The local fast path learns of a dead client from the kernel at once; a gRPC
-        # connection may hang half-open (a vanished host): the client must renew.
-        ttl = 0.0 if type(context) is FastContext else self._limits.session_ttl
+        # A first request that never comes holds nothing: give up on it after the TTL
+        # (the local fast path learns of a dead client from the kernel at once).
+        fast = type(context) is FastContext
         try:
-            async with asyncio.timeout(ttl or None):
+            async with asyncio.timeout(None if fast else self._limits.session_ttl):
                 first = await anext(requests, None)
         except TimeoutError:
             return
@@ -239,8 +239,12 @@ class CallablesRpc(ServiceBase):
             raise InvalidField("", first.describe())
         self._check_usable("open a session")
         session = self._sessions.open(who, first.session, self._limits.per_client_sessions)
+        # A client that renews (AsyncClient over gRPC) must, within the TTL; one that
+        # cannot without a thread of its own (the blocking Client) holds the call only:
+        # a peer that vanished is found by the server's keepalive pings instead.
+        ttl = self._limits.session_ttl if first.renew and not fast else 0.0
         why = "closed by the client"
-        log.debug("%s opened (ttl %s s)", session, ttl or "none")
+        log.debug("%s opened (ttl %s)", session, ttl or "none")
         try:
             yield pb.SessionLease(session=session.id, ttl_seconds=ttl)
             while True:
@@ -252,7 +256,9 @@ class CallablesRpc(ServiceBase):
                     log.info("%s expired: %s", session, why)
                     return
                 if renewal is None:
-                    return
+                    if ttl:
+                        return  # a renewing client ends its session so
+                    await asyncio.get_running_loop().create_future()  # until cancelled
         except BaseException:
             why = "its call ended (the connection was lost or the client died)"
             raise

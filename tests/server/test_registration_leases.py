@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,10 +161,18 @@ def _settled(c: Client, baseline: dict[str, tuple[int, int]], message: str) -> N
 class LeaseClient:
     """One client process (tests/support/lease_client.py) fed commands on stdin."""
 
-    def __init__(self, daemon: DaemonProcess, transport: str, *commands: str) -> None:
+    def __init__(
+        self,
+        daemon: DaemonProcess,
+        transport: str,
+        *commands: str,
+        target: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.proc = subprocess.Popen(
-            [*_CLIENT, daemon.socket, transport, *commands, "wait"],
+            [*_CLIENT, target or daemon.socket, transport, *commands, "wait"],
             cwd=REPO,
+            env={**os.environ, **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -358,6 +367,11 @@ def test_a_session_is_refused_to_a_call_that_does_not_hold_it(
 
 def test_the_quota_counts_live_references_only(daemon: DaemonProcess, admin: Client) -> None:
     """Persistent references fill the quota; a closed client's stop counting."""
+    wait_until(  # an earlier test's closed clients are released
+        lambda: not any(session for _, session in _refs(admin).values()),
+        timeout=RELEASE_TIMEOUT,
+        message="sessions of earlier tests kept references",
+    )
     baseline = _refs(admin)
     path = f"{EXAMPLES}:fill"
     held = [admin.register(path, persist=True) for _ in range(QUOTA)]
@@ -385,29 +399,77 @@ def test_the_quota_counts_live_references_only(daemon: DaemonProcess, admin: Cli
 # --------------------------------------------------------------------------- lease TTL
 
 
-def test_a_grpc_session_not_renewed_expires(tmp_path: Path) -> None:
-    """A client that stops renewing (SIGSTOP: its connection stays open, nothing is
-    sent) loses its session after limits.session_ttl; resumed, it opens a new one."""
-    config = {**CONFIG, "limits": {**CONFIG["limits"], "session_ttl": 1.0}}
-    with running_daemon(tmp_path / "d", config) as daemon, daemon.client(timeout=60) as admin:
-        baseline = _refs(admin)
-        path = f"{EXAMPLES}:empty"
-        lc = LeaseClient(daemon, "grpc", f"run:{path}")
+def _stopped_client_loses_its_session(
+    daemon: DaemonProcess, admin: Client, transport: str, **where: Any
+) -> None:
+    baseline = _refs(admin)
+    path = f"{EXAMPLES}:empty"
+    lc = LeaseClient(daemon, transport, f"run:{path}", **where)
+    try:
+        assert _refs(admin)[path] == (1, 1)
+        os.kill(lc.proc.pid, signal.SIGSTOP)
         try:
-            assert _refs(admin)[path] == (1, 1)
-            os.kill(lc.proc.pid, signal.SIGSTOP)
-            try:
-                _settled(admin, baseline, "a session not renewed outlived limits.session_ttl")
-            finally:
-                os.kill(lc.proc.pid, signal.SIGCONT)
-            # Its next registration finds the session ended, opens another and succeeds.
-            assert lc.ask(f"run:{path}") == "ran"
-            assert _refs(admin)[path] == (1, 1)
-            lc.end("close")
-            _settled(admin, baseline, "a closed client's reference stayed")
+            _settled(admin, baseline, "a stopped client kept its session")
         finally:
-            lc.stop()
-        assert "not renewed for limits.session_ttl" in daemon.stderr() + daemon.stdout()
+            os.kill(lc.proc.pid, signal.SIGCONT)
+        # Its next registration finds the session ended, opens another and succeeds.
+        assert lc.ask(f"run:{path}") == "ran"
+        assert _refs(admin)[path] == (1, 1)
+        lc.end("close")
+        _settled(admin, baseline, "a closed client's reference stayed")
+    finally:
+        lc.stop()
+    assert "not renewed for limits.session_ttl" in daemon.stderr() + daemon.stdout()
+
+
+TTL_CONFIG = {**CONFIG, "limits": {**CONFIG["limits"], "session_ttl": 1.0}}
+
+
+def test_an_async_client_that_stops_renewing_loses_its_session(tmp_path: Path) -> None:
+    """An AsyncClient that stops renewing (SIGSTOP: its connection stays open, nothing
+    is sent) loses its session after limits.session_ttl; resumed, it opens a new one."""
+    with running_daemon(tmp_path / "d", TTL_CONFIG) as daemon, daemon.client() as admin:
+        _stopped_client_loses_its_session(daemon, admin, "grpc-async")
+
+
+def test_a_tcp_client_that_stops_renewing_loses_its_session(tmp_path: Path) -> None:
+    """Over TCP (where a connection can hang half-open) the blocking Client renews
+    too; stopped, it loses its session after limits.session_ttl."""
+    from simpler_daemon.testing import self_signed_cert
+
+    pair = self_signed_cert(tmp_path)
+    if pair is None:
+        pytest.skip("the openssl CLI is not available")
+    cert, key = pair
+    token = tmp_path / "token"
+    token.write_text("lease-token-0123456789abcdef\n")
+    token.chmod(0o600)
+    tcp = {"tcp_listen": "127.0.0.1:0", "tls_cert": str(cert), "tls_key": str(key)}
+    config = {**TTL_CONFIG, "grpc": {**tcp, "token_file": str(token)}}
+    with running_daemon(tmp_path / "d", config) as daemon, daemon.client() as admin:
+        line = next(x for x in daemon.stdout().splitlines() if "listening on tcp" in x)
+        address = line.split("listening on tcp ", 1)[1].split()[0]
+        env = {"LEASE_TOKEN": "lease-token-0123456789abcdef", "LEASE_CA": str(cert)}
+        _stopped_client_loses_its_session(daemon, admin, "grpc", target=address, env=env)
+
+
+def test_a_local_blocking_client_holds_its_session_without_threads(
+    daemon: DaemonProcess, admin: Client
+) -> None:
+    """Over a Unix socket (gRPC or the fast path) the session costs the blocking
+    Client no thread: the process may still fork a Worker."""
+    baseline = _refs(admin)
+    for transport in TRANSPORTS:
+        with daemon.client(timeout=60, transport=transport) as c:
+            c.register(f"{EXAMPLES}:add")
+            # (grpc's thread sending the session's one request ends once it is sent)
+            wait_until(
+                lambda: threading.active_count() == 1,
+                timeout=RELEASE_TIMEOUT,
+                message=f"the session keeps threads: {threading.enumerate()}",
+            )
+            assert _refs(admin)[f"{EXAMPLES}:add"] == (1, 1)
+        _settled(admin, baseline, "a closed client's reference stayed")
 
 
 def test_session_ttl_is_validated(tmp_path: Path) -> None:

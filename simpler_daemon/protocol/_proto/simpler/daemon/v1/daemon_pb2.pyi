@@ -311,10 +311,12 @@ class UnregisterCallableRequest(_message.Message):
     def __init__(self, hashid: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class KeepSessionRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "renew")
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
     session: str
-    def __init__(self, session: _Optional[str] = ...) -> None: ...
+    renew: bool
+    def __init__(self, session: _Optional[str] = ..., renew: _Optional[bool] = ...) -> None: ...
 
 class SessionLease(_message.Message):
     __slots__ = ("session", "ttl_seconds")

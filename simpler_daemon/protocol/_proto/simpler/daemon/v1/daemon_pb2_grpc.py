@@ -180,11 +180,13 @@ class DaemonServicer:
     def KeepSession(self, request_iterator, context):
         """Hold a client session open (its lease): the first request names the session
         (a random id the client made); the first response grants it. The session
-        lasts while this call does: when the client closes it, the connection ends
-        or no request came for SessionLease.ttl_seconds (a client renews every
-        third of it; not needed on the local fast path), the session ends and every
-        reference registered in it is released (once the caller's runs active then
-        have finished). A session belongs to the identity that opened it.
+        lasts while this call does: when the client cancels it, the connection ends
+        or, for a client that renews (KeepSessionRequest.renew: one whose connection
+        may hang half-open, over TCP), no request came for
+        SessionLease.ttl_seconds or its requests ended, the
+        session ends and every reference registered in it is released (once the
+        caller's runs submitted meanwhile have finished). A session belongs to the
+        identity that opened it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
