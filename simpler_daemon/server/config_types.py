@@ -238,10 +238,11 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Client sessions (KeepSession leases: one per client that registered) one client
     identity may hold open at once."""
     session_ttl: float = 30.0
-    """Seconds a gRPC client session lives without a renewal from its client (clients
-    renew every third of it): a client whose host or network vanished without closing
-    the connection loses its session's registrations after this long. The local fast
-    path needs none (the kernel reports the end of a connection)."""
+    """Seconds the session of a client that renews (over TCP, and an AsyncClient over
+    gRPC: every third of it) lives without a renewal: a client whose host or network
+    vanished without closing the connection loses its session's registrations after
+    this long. Local blocking clients need none (the kernel reports the end of a Unix
+    connection)."""
     max_import_path_chars: int = 1024
     """Length of a RegisterCallable import path."""
     max_task_seconds: float = 0.0
