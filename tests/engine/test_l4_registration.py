@@ -3,9 +3,7 @@
 * ``w4.register("pkg.mod:kernel", kind="chip")`` without ``workers=`` installs the kernel
   into every L3 worker that has chips, all or none: a chip grandchild that refuses it
   rolls the others back and the ``REGISTER_PARTIAL_FAILURE`` names its path;
-  ``unregister`` removes it everywhere and the hashid can be registered again (the
-  origin's ``test_l4_register_chip_callable_installs_on_every_l3_child``,
-  ``test_l4_register_chip_partial_failure_rolls_back``).
+  ``unregister`` removes it everywhere and the hashid can be registered again.
 * ``w4.register(RemoteCallable(...))`` needs ``workers=[remote ids]``: ``RuntimeError``
   when there is no remote worker, ``ValueError`` without the list.
 * Unregistering a ``RemoteCallable`` on a remote worker whose session died warns,

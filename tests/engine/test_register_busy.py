@@ -6,8 +6,7 @@ child at once, the busy child's control is queued on its lane and reaches it whe
 task ends, before its next task. The Scheduler sends a task of a callable only to a
 child that has it installed. An unregister waits for the tasks of its own callable
 only. A register racing the final unregister of the same callable ends in a defined
-state in both orders (the origin's
-``test_register_during_unregister_tombstone_is_rejected`` names the refusal).
+state in both orders (the refusal is the origin's ``REGISTER_TOMBSTONE_ACTIVE``).
 """
 
 from __future__ import annotations
