@@ -20,7 +20,7 @@ from simpler_daemon.children.process import describe_status, fork_child, reap_al
 from simpler_daemon.children.sub import format_exception
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
-from simpler_daemon.errors import StartupError
+from simpler_daemon.errors import StartupError, WorkerStateError
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.layout import (
@@ -393,7 +393,7 @@ def test_worker_init_failed_names_the_worker_and_rolls_back() -> None:
     ), msg
     assert "ModuleNotFoundError: No module named 'tests.helpers_missing'" in msg
     _assert_rolled_back(w, shm_before)
-    with pytest.raises(StartupError, match="worker is FAILED"):
+    with pytest.raises(WorkerStateError, match="worker is FAILED"):
         w.init()
     w.close()
 
@@ -430,7 +430,7 @@ def test_worker_init_deadline_terminates_the_starting_child(
     monkeypatch.setattr(pool_mod, "reap_all", spy)
     w = worker_mod.Worker(num_sub_workers=2, heap_bytes=1 << 20, startup_timeout=0.5)
     w._init_hooks[0] = lambda: time.sleep(30)
-    with pytest.raises(StartupError, match=r"sub worker 0 \(pid \d+\) not ready within 0\.5s"):
+    with pytest.raises(StartupError, match=r"sub worker 0 \(pid \d+\) not ready within startup_timeout=0\.5 s"):
         w.init()
     assert reaped == {"sub worker 0": "killed by SIGTERM", "sub worker 1": "exited with code 0"}
     assert not child_pids()
