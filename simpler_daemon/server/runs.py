@@ -1,4 +1,4 @@
-"""The run table: every run the daemon knows, its retention, keys, listing and counts.
+"""The run table: every run the daemon knows, its keys, queues, listing and counts.
 
 ::
 
@@ -12,13 +12,11 @@
          validated and its buffers pinned already); _admit starts the oldest queued run
          of a client as one of its active runs ends (Cancel removes it, a drain cancels it)
 
-    runs / active / live / finished (bounded by limits.max_finished_runs_kept and
-    limits.max_finished_run_bytes: the oldest finished run of the client holding the
-    most goes first; a finished run keeps a small status, not its slots), task result bytes
-    (limits.max_run_result_bytes per run, limits.max_finished_result_bytes for the
-    finished runs together: the oldest runs' results are dropped),
-    idempotency keys (scoped per owner) -> run ids, per-owner active counts,
-    listing (ListRuns: newest first) and per-state counts (metrics)
+    runs / active / live / finished (the finished runs kept within the retention
+    limits are retention.py's FinishedRuns), task result bytes (limits.
+    max_run_result_bytes per run), idempotency keys (scoped per owner) -> run ids,
+    per-owner active counts, listing (ListRuns: newest first) and per-state counts
+    (metrics)
 
 Everything here runs on the daemon's one event loop, beside the Scheduler
 coroutine. A bookkeeping bug is logged and never propagates into the Scheduler
@@ -56,6 +54,7 @@ from simpler_daemon.server.config import LimitsConfig, run_result_limit
 from simpler_daemon.server.history import History
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.plan import MAX_KEY
+from simpler_daemon.server.retention import FinishedRuns
 from simpler_daemon.server.run_record import (
     WATCH_QUEUE_LIMIT,
     RunRecord,
@@ -81,9 +80,6 @@ log = logging.getLogger("simpler_daemon.service")
 
 #: ListRuns answers at most this many runs when the request says 0.
 LIST_RUNS_DEFAULT: Final = 100
-#: Evicted runs whose eviction reason (the limit) UnknownObject still names; older ones get
-#: both limits named.
-_EVICTIONS_REMEMBERED: Final = 4096
 #: The keys of :meth:`RunTable.state_counts` (metrics read them).
 STATE_KEYS: Final = ("queued", "active", "completed", "failed", "cancelled", "lost")
 #: The retry-after hint (seconds) of a refusal before any run has finished, and its bounds:
@@ -140,19 +136,8 @@ class RunTable:
         self._runs: dict[int, RunRecord] = {}
         self._active: dict[int, RunRecord] = {}
         self._live: dict[int, RunRecord] = {}  # bound to an engine Run, not yet finished
-        # Finished runs kept, oldest first: all of them, and per client (eviction takes
-        # the oldest of the client holding the most, so one client cannot evict another's).
-        self._finished: OrderedDict[int, None] = OrderedDict()
-        self._finished_by_client: dict[str, OrderedDict[int, None]] = {}
-        # Bytes the finished runs' statuses are counted for (RunRecord.status_bytes), in
-        # all and per client (the byte limit evicts from the client holding the most bytes).
-        self._finished_status_bytes = 0
-        self._status_bytes_by_client: Counter[str] = Counter()
-        # Recently evicted runs -> the limit that evicted them (for UnknownObject's text).
-        self._evicted: OrderedDict[int, str] = OrderedDict()
-        # Finished runs whose results are still kept, oldest first, and their bytes.
-        self._with_results: OrderedDict[int, None] = OrderedDict()
-        self._finished_result_bytes = 0
+        # The finished runs kept (age, count, byte and result-byte limits), and evictions.
+        self._retention = FinishedRuns(self._runs, limits, self._forget_key)
         self._highest_id = 0
         # Set by Resume: a drain in its grace period then cancels nothing.
         self._drain_aborted: asyncio.Event | None = None
@@ -177,7 +162,7 @@ class RunTable:
         QUEUED). Finished runs past the new retention limits are forgotten now; a
         higher limits.per_client_runs starts queued runs now."""
         self._limits = limits
-        self._trim()
+        self._retention.reconfigure(limits)
         if self._queues:
             self._schedule_admission()
 
@@ -211,7 +196,7 @@ class RunTable:
         any), at most ``limit`` (0: LIST_RUNS_DEFAULT). Finished runs past
         limits.max_finished_runs_kept are already forgotten."""
         limit = limit or LIST_RUNS_DEFAULT
-        self._expire()
+        self._retention.expire()
         out: list[RunRecord] = []
         # Run ids grow with submission: the dict's reverse order is newest first.
         for rec in reversed(self._runs.values()):
@@ -242,7 +227,7 @@ class RunTable:
             rec = RunRecord.restored(row, self._metrics)
             self._add(rec)
             self._remember_finished(rec)
-        self._history = history
+        self._history = self._retention.history = history
         for row in stored:
             if row.run_id not in self._runs:
                 history.forget(row.run_id)
@@ -256,16 +241,14 @@ class RunTable:
         killed daemon that never recorded it)."""
         if run_id == 0:
             raise InvalidField(field, "required (run ids start at 1)")
-        self._expire()
+        self._retention.expire()
         rec = self._runs.get(run_id)
         if rec is None:
             lost = self._history.unrecorded(run_id, field) if self._history else None
             if lost is not None:
                 raise lost
             if 0 < run_id <= self._highest_id:
-                why = self._evicted.get(run_id) or (
-                    f"{self._count_limit()} or {self._bytes_limit()}"
-                )
+                why = self._retention.eviction_reason(run_id)
                 raise UnknownObject(
                     field, f"run {run_id} finished and was evicted ({why}): its status is gone"
                 )
@@ -439,103 +422,12 @@ class RunTable:
 
     def _remember_finished(self, rec: RunRecord) -> None:
         self._live.pop(rec.run_id, None)
-        self._finished[rec.run_id] = None
-        self._finished_by_client.setdefault(rec.client, OrderedDict())[rec.run_id] = None
-        if rec.result_bytes:
-            self._with_results[rec.run_id] = None
-            self._finished_result_bytes += rec.result_bytes
-        self._finished_status_bytes += rec.status_bytes
-        self._status_bytes_by_client[rec.client] += rec.status_bytes
-        if self._history is not None:
-            self._history.finished(rec)
-        self._trim()
+        self._retention.remember(rec)
 
-    def _expire(self) -> None:
-        """Forget finished runs older than limits.max_finished_run_age (checked when a run
-        finishes and before a lookup or a listing)."""
-        age = self._limits.max_finished_run_age
-        cutoff = time.time_ns() - int(age * 1e9)
-        while age > 0 and self._finished:
-            oldest = next(iter(self._finished))
-            rec = self._runs.get(oldest)
-            if rec is not None and rec.finish_ns > cutoff:
-                return
-            self._evict(oldest, f"limits.max_finished_run_age = {age:g}")
-
-    def _trim(self) -> None:
-        """Forget finished runs past the age, count and byte limits; drop the oldest
-        runs' results past limits.max_finished_result_bytes."""
-        self._expire()
-        while len(self._finished) > self._limits.max_finished_runs_kept:
-            self._evict(self._eviction_victim(), self._count_limit())
-        # One finished run stays whatever its size (a limit below one status keeps one).
-        while self._finished_status_bytes > self._limits.max_finished_run_bytes and (
-            len(self._finished) > 1
-        ):
-            self._evict(self._eviction_victim(by_bytes=True), self._bytes_limit())
-        limit = self._limits.max_finished_result_bytes
-        while self._finished_result_bytes > limit and self._with_results:
-            old, _ = self._with_results.popitem(last=False)
-            victim = self._runs.get(old)
-            if victim is not None:
-                freed = victim.drop_results(f"limits.max_finished_result_bytes = {limit}")
-                if self._history is not None:
-                    self._history.changed(victim)
-                self._finished_result_bytes -= freed
-                log.info(
-                    "run %d: results (%d bytes) dropped: finished runs keep at most %d bytes",
-                    old,
-                    freed,
-                    limit,
-                )
-
-    def _eviction_victim(self, *, by_bytes: bool = False) -> int:
-        """The finished run to forget: the oldest of the client holding the most finished
-        runs, or (``by_bytes``, for limits.max_finished_run_bytes) the most bytes of
-        them, so one client's big statuses never evict another client's runs (ties: the
-        client whose oldest is oldest)."""
-        best: OrderedDict[int, None] | None = None
-        best_key: tuple[int, int] = (0, 0)
-        weight = self._status_bytes_by_client
-        for client, runs in self._finished_by_client.items():
-            key = (weight[client] if by_bytes else len(runs), -next(iter(runs)))
-            if best is None or key > best_key:
-                best, best_key = runs, key
-        assert best is not None  # _finished is not empty, so neither is this
-        return next(iter(best))
-
-    def _count_limit(self) -> str:
-        return f"limits.max_finished_runs_kept = {self._limits.max_finished_runs_kept}"
-
-    def _bytes_limit(self) -> str:
-        return f"limits.max_finished_run_bytes = {self._limits.max_finished_run_bytes}"
-
-    def _evict(self, old: int, why: str) -> None:
-        self._finished.pop(old, None)
-        gone = self._runs.pop(old, None)
-        if gone is None:
-            return
-        self._evicted[old] = why
-        if self._history is not None:
-            self._history.forget(old)
-        if len(self._evicted) > _EVICTIONS_REMEMBERED:
-            self._evicted.popitem(last=False)
-        self._finished_status_bytes -= gone.status_bytes
-        left = self._status_bytes_by_client[gone.client] - gone.status_bytes
-        if left > 0:
-            self._status_bytes_by_client[gone.client] = left
-        else:
-            del self._status_bytes_by_client[gone.client]
-        own = self._finished_by_client.get(gone.client)
-        if own is not None:
-            own.pop(old, None)
-            if not own:
-                del self._finished_by_client[gone.client]
-        if old in self._with_results:
-            del self._with_results[old]
-            self._finished_result_bytes -= gone.result_bytes
+    def _forget_key(self, gone: RunRecord) -> None:
+        """An evicted run's idempotency key names no run any more."""
         scoped = self._scoped(gone.client, gone.key)
-        if gone.key and self._keys.get(scoped) == old:
+        if gone.key and self._keys.get(scoped) == gone.run_id:
             del self._keys[scoped]
             self._key_prints.pop(scoped, None)
 
