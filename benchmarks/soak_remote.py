@@ -54,6 +54,7 @@ from typing import Any, Final
 from benchmarks.soak_phases import Census, PhaseReport
 from benchmarks.soak_remote_jobs import CHECK, FILL, FILL_CHECK, WRONG
 from simpler_daemon.callables import spec_for_import
+from simpler_daemon.client.errors import NotFound
 from simpler_daemon.client.requests import task
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.testing import alive, descendants, shm_files
@@ -117,7 +118,7 @@ max_s = 1.0
 
 [limits]
 max_concurrent_runs = 64
-max_finished_runs_kept = 20000   # every run of the phase is looked up at its end
+max_finished_runs_kept = 20000   # every run of the phase is looked up after each blip
 
 [callables]
 allowed_modules = ["{EX}", "benchmarks.soak_remote_jobs"]
@@ -231,10 +232,11 @@ class Hosts:
                 self.hosts.close()
             except RuntimeError as exc:
                 problems.append(str(exc))
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-        left_ns = [ns for ns in namespaces if ns in listed.stdout]
-        if left_ns:
-            problems.append(f"network namespaces left: {left_ns}")
+        if namespaces:
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+            left_ns = [ns for ns in namespaces if ns in listed.stdout.split()]
+            if left_ns:
+                problems.append(f"network namespaces left: {left_ns}")
         deadline = time.monotonic() + 10.0
         while self.marked() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -480,12 +482,17 @@ def remote(seconds: float, seed: int, keep: bool = False) -> RemoteReport:
             kinds = ["restart", "freeze"] + (["link"] if hosts.hosts.netns else [])
             rng.shuffle(kinds)
             until = time.monotonic() + seconds
+            checked = 0
             scale = min(1.0, seconds / 120.0)  # a short phase gets short blips
             while report.events == 0 or time.monotonic() < until:
                 kind = kinds[report.events % len(kinds)]
                 i = rng.randrange(n)
                 daemon_pids |= descendants(daemon.pid)
                 blip(report, hosts, daemon, probe, workers, windows, kind, i, rng, scale)
+                # Looked up as they go: the history keeps the last 20000 runs only.
+                seen = len(load.outcomes)
+                report.problems += accounted(daemon, load.outcomes[checked:seen])
+                checked = seen
                 if time.monotonic() < until:
                     time.sleep(rng.uniform(0.5, 2.0) * scale + 0.2)  # runs flow between blips
             load.stop.set()
@@ -495,7 +502,7 @@ def remote(seconds: float, seed: int, keep: bool = False) -> RemoteReport:
             report.problems += load.errors
             report.runs = len(load.outcomes)
             classify(report, load.outcomes, windows)
-            report.problems += accounted(daemon, load.outcomes)
+            report.problems += accounted(daemon, load.outcomes[checked:])
             after = Census.take(daemon)
             report.after = after.line()
             report.problems += before.compare(after, "remote")
@@ -634,7 +641,6 @@ def probe_rejoin(
 ) -> None:
     """The probe's buffer of before the blip is intact or refused as lost, never other
     data; a fresh buffer is filled and read back within :data:`REJOIN_S`."""
-    from simpler_daemon.errors import EndpointError
 
     def ready() -> None:
         row = probe.row(i)
@@ -643,7 +649,7 @@ def probe_rejoin(
 
     _until(ready, REJOIN_S)
     try:
-        got = _until(lambda: _copy_or_lost(probe, ref, EndpointError), REJOIN_S)
+        got = _until(lambda: _copy_or_lost(probe, ref), REJOIN_S)
     except Exception as exc:
         raise RuntimeError(f"probe buffer of before the blip: {exc}") from exc
     if got is None:
@@ -660,25 +666,28 @@ def probe_rejoin(
     probe.w4.free(fresh)
 
 
-def _copy_or_lost(probe: Probe, ref: Any, endpoint_error: type[Exception]) -> Any:
+def _copy_or_lost(probe: Probe, ref: Any) -> Any:
     """The buffer's data, or None when it is refused as the data of an ended session;
-    raises (to be retried) while the session is down."""
+    raises (``EndpointError``, to be retried) while the session is down."""
     try:
         return probe.w4.copy_from_remote(ref)
     except ValueError as exc:
         if "which ended: its data is lost" in str(exc):
             return None
         raise
-    except endpoint_error:
-        raise
 
 
 def accounted(daemon: Any, outcomes: list[Outcome]) -> list[str]:
-    """Every run the load saw end is in the daemon's history, terminal, as it was seen."""
+    """Every run the load saw end is in the daemon's history, terminal, as it was seen
+    (``NotFound`` here is a run missing from the history: a problem)."""
     problems = []
     with daemon.client() as c:
         for o in outcomes:
-            status = c.wait_run(o.run_id, 5.0)
+            try:
+                status = c.wait_run(o.run_id, 5.0)
+            except NotFound as exc:
+                problems.append(f"run {o.run_id} is missing from the history: {exc}")
+                continue
             state = pb.RunState.Name(status.state).removeprefix("RUN_STATE_")
             if state != o.state:
                 problems.append(f"run {o.run_id}: the history says {state}, the load saw {o.state}")
