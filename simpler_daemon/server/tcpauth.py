@@ -3,10 +3,17 @@
 ::
 
     TCP call --TLS--> TokenInterceptor: health? pass
-                        else wrap the method: blocked host?        -> RESOURCE_EXHAUSTED
-                                              Bearer token / admin? -> the method
-                                              else count a failure, log the peer,
-                                                   UNAUTHENTICATED (10 in 60 s: blocked 60 s)
+                        else wrap the method: Bearer token / admin? -> the method (always:
+                                                   a correct token is never refused)
+                                              else count a failure, log the peer;
+                                                   past 10 in 60 s from that host the
+                                                   answer waits FAILURE_DELAY_S (60 s) and
+                                                   is RESOURCE_EXHAUSTED, else
+                                                   UNAUTHENTICATED
+
+Limiting the failures, not the source: a guesser on the host of a real client
+(another local user, say) slows its own guesses down, and can never lock the real
+client out.
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ from typing import Any, Final
 
 from simpler_daemon.system.authguard import FailedAuthLimiter, peer_host
 
-__all__ = ["HEALTH_SERVICE", "is_loopback", "token_interceptor"]
+__all__ = ["FAILURE_DELAY_S", "HEALTH_SERVICE", "is_loopback", "token_interceptor"]
 
 log = logging.getLogger("simpler_daemon.daemon")
 
 #: Health checks need no token (load balancers probe without one).
 HEALTH_SERVICE: Final = "grpc.health.v1.Health"
+#: How late a failure is answered once its host is over the failed-auth limit.
+FAILURE_DELAY_S: Final = 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -43,11 +52,14 @@ def token_interceptor(
     """A server interceptor requiring ``authorization: Bearer <token>`` (health is exempt);
     ``Bearer <admin_token>`` passes too (the service makes its holder an admin).
 
-    A host with too many failed authentications (``limiter``) is refused every call
-    for a while, the right token or not; each failure is logged naming the peer. The
-    peer is only known inside the call (``context.peer()``), so the check wraps the
-    method's behaviour instead of choosing a handler.
+    A host with too many failed authentications (``limiter``) gets its further
+    failures answered :data:`FAILURE_DELAY_S` late; the right token always passes at
+    once. Each failure is logged naming the peer. The peer is only known inside the
+    call (``context.peer()``), so the check wraps the method's behaviour instead of
+    choosing a handler.
     """
+    import asyncio
+
     import grpc
 
     expected = b"Bearer " + token
@@ -56,26 +68,29 @@ def token_interceptor(
     guard = limiter if limiter is not None else FailedAuthLimiter()
 
     async def check(given: bytes, method: str, context: Any) -> None:
-        peer = str(context.peer())
-        host = peer_host(peer)
-        left = guard.blocked_for(host)
-        if left:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many failed authentications from {host}: refused for {left:.0f} s",
-            )
         if given:
             ok = hmac.compare_digest(given, expected)
             if admin_expected is not None:
                 ok = hmac.compare_digest(given, admin_expected) or ok
             if ok:
                 return
+        peer = str(context.peer())
+        host = peer_host(peer)
+        left = guard.blocked_for(host)
+        if left:
+            guard.failed(host)
+            await asyncio.sleep(FAILURE_DELAY_S)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many failed authentications from {host}: its failures are answered "
+                f"{FAILURE_DELAY_S:g} s late for {left:.0f} s more (a correct token passes)",
+            )
         count = guard.failed(host)
         why = "wrong bearer token" if given else "missing bearer token"
         if count >= guard.max_failures:
             log.warning(
-                "refusing TCP calls from %s for %.0f s: %d failed authentications within "
-                "%.0f s (last: %s to %s)",
+                "slowing failed TCP calls from %s for %.0f s: %d failed authentications "
+                "within %.0f s (last: %s to %s); a correct token still passes",
                 peer, guard.block_s, count, guard.window_s, why, method,
             )  # fmt: skip
         else:
