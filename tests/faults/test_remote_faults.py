@@ -451,7 +451,9 @@ def test_health_delayed_past_session_timeout_fails_and_stays_failed(
         with pytest.raises(TaskError) as info:
             p.submit("sleep_for", 2000).wait(RUN_TIMEOUT)
         elapsed = time.monotonic() - t0
-        assert 1.0 <= elapsed < 2.5, elapsed
+        # Not before the session timeout; what ended it is in the text (a loaded
+        # machine may take longer to notice, so no tight upper bound).
+        assert 1.0 <= elapsed < RUN_TIMEOUT, elapsed
         text = assert_endpoint_failure(info.value, p, "health lane silent for")
         assert "session_timeout_s=1" in text
         failed = p.row()

@@ -577,9 +577,10 @@ def test_task_deadline_fails_the_session(h: Harness) -> None:
     ep.submit_progress(dispatch(deadline_ms=100))
     h.peer.recv_frame()
     t0 = time.monotonic()
-    ev = final(events_until(ep, completed, timeout=10))
+    ev = final(events_until(ep, completed, timeout=20))
     elapsed = time.monotonic() - t0
-    assert 0.1 + TASK_DEADLINE_GRACE_S - 0.1 <= elapsed < 0.1 + TASK_DEADLINE_GRACE_S + 1.0
+    # Not before the deadline plus its grace; the upper bound leaves room for load.
+    assert 0.1 + TASK_DEADLINE_GRACE_S - 0.1 <= elapsed < 0.1 + TASK_DEADLINE_GRACE_S + 8.0
     assert ev.outcome is Outcome.ENDPOINT_FAILURE
     assert ev.message.endswith("failed: task sequence 1 exceeded its deadline of 100 ms")
     assert ep.poisoned
