@@ -4,6 +4,7 @@
 
     main: load config -> Daemon(config)
       prepare()  sweep stale heaps, runtime dir, credentials,
+                 the worker tree of the config (server/topology.py):
                  Worker(...).add_worker(Worker(level=3), [[workers.local]]...)   (level 4)
                        .add_remote_worker([[workers.remote]]...)                 (level 4)
                        .register(preload..., local and remote callables...)
@@ -49,16 +50,10 @@ from simpler_daemon.args import MAX_TENSORS
 from simpler_daemon.callables import extend_import_path, restrict_imports
 from simpler_daemon.endpoints.local import set_max_task_seconds
 from simpler_daemon.engine.worker import Worker
-from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
-from simpler_daemon.heap import heap_name, sweep_stale_heaps
+from simpler_daemon.errors import ConfigError, StartupError
+from simpler_daemon.heap import sweep_stale_heaps
 from simpler_daemon.mailbox.layout import MAILBOX_ARGS_CAPACITY, TENSOR_DESC_SIZE
-from simpler_daemon.remote.spec import ReconnectPolicy, RemoteWorkerSpec
-from simpler_daemon.server.config import (
-    DaemonConfig,
-    LocalWorkerConfig,
-    RemoteWorkerConfig,
-    parse_host_port,
-)
+from simpler_daemon.server.config import DaemonConfig, parse_host_port
 from simpler_daemon.server.health import HealthState, HealthWatch
 from simpler_daemon.server.history import History, open_history
 from simpler_daemon.server.listeners import (
@@ -69,6 +64,13 @@ from simpler_daemon.server.listeners import (
     publish_relay,
 )
 from simpler_daemon.server.tcpauth import is_loopback, token_interceptor
+from simpler_daemon.server.topology import (
+    CLOSE_TIMEOUT,
+    add_configured_workers,
+    local_worker_of,
+    new_worker,
+    remote_spec_of,
+)
 from simpler_daemon.system.authguard import check_private_file, read_token_file
 from simpler_daemon.system.exitcodes import EXIT_QUIT
 from simpler_daemon.system.notify import SystemdNotifier
@@ -96,8 +98,6 @@ EXIT_FORCED: Final = 128 + signal.SIGINT
 IGNORED_SIGNALS: Final = (signal.SIGUSR1, signal.SIGUSR2)
 #: Seconds open streams get to deliver their last events when the servers stop.
 STREAM_GRACE: Final = 2.0
-#: Seconds the Worker gets to stop its children once the runs are settled.
-CLOSE_TIMEOUT: Final = 10.0
 _GAUGE_PERIOD: Final = 1.0
 
 
@@ -127,51 +127,6 @@ def check_limits(config: DaemonConfig) -> None:
             f"is {MAILBOX_ARGS_CAPACITY} bytes",
             key="limits.max_tensors_per_task",
         )
-
-
-def remote_spec_of(remote: RemoteWorkerConfig, key: str) -> RemoteWorkerSpec:
-    """The ``RemoteWorkerSpec`` of one ``[[workers.remote]]`` table ("" settings -> None).
-
-    Raises ``ConfigError`` naming ``key`` for a rule only the spec knows.
-    """
-    try:
-        return RemoteWorkerSpec(
-            endpoint=remote.endpoint,
-            num_sub_workers=remote.num_sub_workers,
-            num_chips=remote.num_chips,
-            token_file=remote.token_file or None,
-            session_timeout_s=remote.session_timeout_s,
-            heap_bytes=remote.heap_bytes,
-            chip_pipeline_depth=remote.chip_pipeline_depth,
-            tls_ca_file=remote.tls_ca_file or None,
-            tls_cert_file=remote.tls_cert_file or None,
-            tls_key_file=remote.tls_key_file or None,
-            tls_server_name=remote.tls_server_name or None,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{key}: {exc}", key=key) from exc
-
-
-def local_worker_of(local: LocalWorkerConfig, key: str, startup_timeout: float) -> Worker:
-    """The NEW ``Worker(level=3)`` of one ``[[workers.local]]`` table, its callables
-    registered (its children inherit them when the daemon forks the L3).
-
-    Raises ``ConfigError`` naming ``key`` (or the callables entry) for a rule only the
-    Worker knows or a callable that cannot be imported.
-    """
-    try:
-        inner = Worker(
-            level=3,
-            num_sub_workers=local.num_sub_workers,
-            num_chips=local.num_chips,
-            chip_pipeline_depth=local.chip_pipeline_depth,
-            heap_bytes=local.heap_bytes,
-            startup_timeout=startup_timeout,
-            close_timeout=CLOSE_TIMEOUT,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{key}: {exc}", key=key) from exc
-    return inner
 
 
 # --------------------------------------------------------------------------- the daemon
@@ -253,38 +208,13 @@ class Daemon:
         self._prepare_paths()
         self.load_credentials()
         workers = cfg.workers
-        try:
-            worker = Worker(
-                level=cfg.daemon.level,
-                num_sub_workers=workers.num_sub_workers,
-                num_chips=workers.num_chips or 0,  # resolve() filled it in
-                chip_pipeline_depth=workers.chip_pipeline_depth,
-                heap_bytes=workers.heap_bytes,
-                heap_name=heap_name() if workers.heap_shared else None,
-                startup_timeout=cfg.daemon.startup_timeout,
-                close_timeout=CLOSE_TIMEOUT,
-                admission=cfg.scheduler.admission,
-                max_active_runs=cfg.limits.max_concurrent_runs,
-                scheduler_spin_s=cfg.scheduler.spin_us / 1e6,
-                child_spin_ns=cfg.scheduler.child_spin_us * 1000,
-                reconnect=ReconnectPolicy(
-                    initial_s=cfg.reconnect.initial_s,
-                    max_s=cfg.reconnect.max_s,
-                    max_elapsed_s=cfg.reconnect.max_elapsed_s,
-                ),
-            )
-        except ValueError as exc:
-            raise StartupError(f"cannot start the daemon: {exc}") from exc
+        worker = new_worker(cfg)  # the worker tree: server/topology.py
         self.notifier.status(
             f"starting {workers.num_sub_workers} SUB workers, {workers.num_chips} chips,"
             f" {len(workers.local)} local L3 workers and {len(workers.remote)} remote workers"
         )
         try:
-            for path in cfg.callables.preload:
-                worker.register(path)
-            # Locals first, then remotes: worker ids follow the file's order that way.
-            self._add_local_workers(worker)
-            self._add_remote_workers(worker)
+            add_configured_workers(worker, cfg)
             worker.init()
             # After the forks: no child holds the history's lock or database.
             self.history = open_history(cfg.daemon.state_dir, worker.heap, reset=self._reset_state)
@@ -301,54 +231,6 @@ class Daemon:
             len(workers.remote),
             worker.heap.size,
         )
-
-    def _add_local_workers(self, worker: Worker) -> None:
-        """Build every ``[[workers.local]]`` L3 with its callables and add it; ``init()``
-        forks it with its subtree (a child that does not come up fails start-up)."""
-        startup_timeout = self.config.daemon.startup_timeout
-        for i, local in enumerate(self.config.workers.local):
-            key = f"workers.local[{i}]"
-            inner = local_worker_of(local, key, startup_timeout)
-            try:
-                worker_id = worker.add_worker(inner)
-            except (ValueError, TypeError) as exc:
-                inner.close()
-                raise ConfigError(f"{key}: {exc}", key=key) from exc
-            log.info(
-                "local L3 worker %d: %d SUB workers, %d chips (%s)",
-                worker_id,
-                local.num_sub_workers,
-                local.num_chips,
-                key,
-            )
-            for j, entry in enumerate(local.callables):
-                try:
-                    worker.register(entry.target, kind=entry.kind, workers=[worker_id])
-                except (ValueError, TypeError, RegistrationError) as exc:
-                    raise ConfigError(
-                        f"{key}.callables[{j}]: cannot register {entry.target} on local L3 "
-                        f"worker {worker_id}: {exc}",
-                        key=f"{key}.callables[{j}]",
-                    ) from exc
-
-    def _add_remote_workers(self, worker: Worker) -> None:
-        """Declare every ``[[workers.remote]]`` session and its callables; ``init()`` opens
-        them (a session that cannot be opened fails start-up with a StartupError naming
-        the worker and its endpoint)."""
-        for i, remote in enumerate(self.config.workers.remote):
-            key = f"workers.remote[{i}]"
-            spec = remote_spec_of(remote, key)
-            worker_id = worker.add_remote_worker(spec)
-            log.info("remote worker %d: %s (%s)", worker_id, remote.endpoint, key)
-            for j, entry in enumerate(remote.callables):
-                try:
-                    worker.register(entry.target, kind=entry.kind, workers=[worker_id])
-                except ValueError as exc:
-                    raise ConfigError(
-                        f"{key}.callables[{j}]: cannot register {entry.target} on remote "
-                        f"worker {worker_id} ({remote.endpoint}): {exc}",
-                        key=f"{key}.callables[{j}]",
-                    ) from exc
 
     def _prepare_paths(self) -> None:
         """Verify (or create) the runtime and socket directories, remove a stale socket
