@@ -119,6 +119,7 @@ def test_free_of_a_buffer_a_queued_run_uses_is_deferred(client: Client) -> None:
 def test_run_orchestration_pins_its_argument_buffers(client: Client) -> None:
     c = client
     wait_h = c.register(f"{EXAMPLES}:wait_for_flag")
+    c.register(f"{EXAMPLES}:fill")  # what the orchestration submits
     orch = c.register("simpler_daemon.examples.remote:fill_all", "orchestration")
     flags = [_flag(c), _flag(c)]
     holders = [_hold(c, wait_h, f) for f in flags]
