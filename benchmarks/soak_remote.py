@@ -182,12 +182,14 @@ class Hosts:
         self.seen |= pids
         return pids
 
-    def kill_service(self, i: int) -> None:
+    def kill_service(self, i: int) -> set[int]:
+        """SIGKILL host ``i``'s service; the processes it had (its runners must follow)."""
         proc = self.services[i]
         assert proc is not None
-        self.tree(i)
+        old = self.tree(i)
         proc.kill()
         proc.wait(10)
+        return old
 
     def stop_services(self) -> list[str]:
         problems = []
@@ -558,6 +560,7 @@ def blip(
     ref, value = probe.filled(i)
     report.probe_runs += 1
     start = time.monotonic()
+    orphans: set[int] = set()
     if kind == "link":
         length = rng.uniform(*_scaled(LINK_S, scale))
         hosts.hosts.link_down(i)
@@ -567,7 +570,7 @@ def blip(
             hosts.hosts.link_up(i)
     elif kind == "restart":
         length = rng.uniform(*RESTART_AFTER_S)
-        hosts.kill_service(i)
+        orphans = hosts.kill_service(i)
         time.sleep(length)
         hosts.start_service(i)
     else:
@@ -592,6 +595,14 @@ def blip(
             report.sessions_renewed += 1
         probe_rejoin(report, probe, i, ref, value, what)
         report.rejoin_s.append(time.monotonic() - ended)
+        deadline = time.monotonic() + 10.0
+        while [p for p in orphans if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if [p for p in orphans if alive(p)]:
+            report.problems.append(
+                f"{what}: processes of the killed service still alive 10 s after the rejoin: "
+                f"{sorted(p for p in orphans if alive(p))}"
+            )
     except Exception as exc:
         report.problems.append(f"{what}: {type(exc).__name__}: {exc}")
     finally:
