@@ -131,9 +131,7 @@ class ChildPool:
 
     # -- startup ---------------------------------------------------------------------------------
 
-    def start(
-        self, check: Callable[[], None] | None = None, deadline: float | None = None
-    ) -> None:
+    def start(self, check: Callable[[], None] | None = None, deadline: float | None = None) -> None:
         """Fork SUB children first, then chips, then nested L3 children; one startup
         deadline for all of them (an L3 child inits its subtree within it): ``deadline``
         (``time.monotonic()``), ``startup_timeout`` after the call of ``init()``.
@@ -568,23 +566,24 @@ class ChildPool:
         else:
             out = l3
         # Each control goes through the child's lane: queued behind a busy child's task
-        # (``delivery.py``), the lane taking no task until it was delivered. Only on the
-        # Worker's bound loop, which keeps running after the caller returned: a blocking
-        # call drives a loop only while it waits, so there every control is awaited.
+        # (``delivery.py``), the lane taking no task until it was delivered. Only on a
+        # loop whose tasks go on after the caller returned (``Driver.keeps_tasks``): the
+        # bound one, or the blocking API's auxiliary loop, whose leftover tasks whoever
+        # drives the Scheduler steps (a waiting caller, the background driver thread).
         sched = self._scheduler
-        if sched is not None and self._on_bound_loop():
+        if sched is not None and self._keeps_tasks():
             lanes = {id(lane.endpoint): lane for lane in sched.manager.lanes}
             for target in out:
                 target.lane = lanes.get(id(target.endpoint))
                 target.wake = sched.wake
         return out
 
-    def _on_bound_loop(self) -> bool:
-        loop = self._driver.loop
+    def _keeps_tasks(self) -> bool:
         try:
-            return loop is not None and asyncio.get_running_loop() is loop
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             return False
+        return self._driver.keeps_tasks(loop)
 
     def list_workers(self, manager: WorkerManager | None) -> list[dict[str, Any]]:
         """One row per child: kind, id, pid, liveness, pipeline depth and lane state."""

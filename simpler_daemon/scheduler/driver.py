@@ -10,9 +10,21 @@
       fds (a readable fd runs its callback) deferred tasks -> loop.create_task
     drive(aw): rare coroutines (controls)   drive(aw) from another thread:
       on a private auxiliary loop             run_coroutine_threadsafe on the loop
+    tasks left on the auxiliary loop: every
+      round steps it (``_step_aux``)
 
 One owner calls lane progress at a time: the driving thread under ``lock``, or
-the bound loop. ``watch(fd, callback)`` / ``unwatch(fd)`` add a readable fd to
+the bound loop.
+
+**Tasks a blocking call leaves behind** (a registration control queued behind a busy
+child's task, ``engine/delivery.py``) stay on the auxiliary loop after ``drive``
+returned: while any is left (``aux_pending``), every round of whoever drives (a
+waiting caller, the background thread) first runs the loop's ready callbacks once,
+without blocking, and a parked round wakes at least every ``AUX_POLL_S`` for their
+timers; such tasks count as work for the background thread like an unfinished run,
+so they progress when nobody calls the Worker. ``keeps_tasks(loop)`` tells a
+coroutine whether its loop goes on after it returned. ``bind`` first finishes them
+(the bound loop cannot step another loop); ``close_aux`` cancels what is left. ``watch(fd, callback)`` / ``unwatch(fd)`` add a readable fd to
 whichever wait is active, so a caller (child pidfds, remote sockets) never needs
 to know the mode; after a callback the Scheduler takes a round.
 
@@ -79,6 +91,10 @@ SPIN_CHUNK: Final = 64
 #: and a released lock also wake it at once): a lost wake-up costs this much, no more.
 SLEEPER_CHECK_S: Final = 0.05
 
+#: While tasks are left on the auxiliary loop, a parked round waits at most this long,
+#: so their timers (a control's poll, at most 5 ms apart) fire about on time.
+AUX_POLL_S: Final = 0.005
+
 #: The Drivers that started a background thread (``retire_background_threads``).
 _DRIVERS: weakref.WeakSet[Driver] = weakref.WeakSet()
 
@@ -94,7 +110,8 @@ def retire_background_threads(what: str) -> None:
         runs = sum(d.unfinished_runs for d in busy)
         raise StartupError(
             f"cannot {what}: another Worker of this process has {runs} unfinished run(s) "
-            "progressing on its background driver thread, and children are forked only "
+            "(or registration controls queued behind a busy child) progressing on its "
+            "background driver thread, and children are forked only "
             "while the process runs one thread; wait for those runs (or close that "
             "Worker) first"
         )
@@ -134,6 +151,9 @@ class Driver:
         self._scheduler: Scheduler | None = None
         self._doorbell: Doorbell | None = None
         self._aux_loop: asyncio.AbstractEventLoop | None = None
+        #: Tasks are left on ``_aux_loop`` (``drive`` returned before them): rounds step
+        #: it and the background thread drives until they ended.
+        self.aux_pending = False
         # poll(2) keeps no kernel state: the set is only the fds passed to each call.
         self._poll = select.poll()
         self._watches: dict[int, Callable[[], None]] = {}
@@ -163,11 +183,20 @@ class Driver:
         self._join_background()
 
     def close_aux(self) -> None:
-        if self._aux_loop is not None:
+        loop = self._aux_loop
+        if loop is not None:
+            # What is left (a control queued behind a child the close stopped) is
+            # cancelled and run to its end: no task is destroyed pending.
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(_wait_all(left))
+            self.aux_pending = False
             # Join the loop's executor threads too: a thread left behind would make the
             # next fork in this process (a new Worker's init) refuse to run.
-            self._aux_loop.run_until_complete(self._aux_loop.shutdown_default_executor())
-            self._aux_loop.close()
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
             self._aux_loop = None
 
     # -- fd sources ------------------------------------------------------------------------------
@@ -287,6 +316,8 @@ class Driver:
                 "a different one"
             )
         assert self._scheduler is not None
+        with self.lock:
+            self._finish_aux()
         with self.lock, self._foreign_lock:
             self.loop = loop
             foreign, self._foreign = self._foreign, []
@@ -362,6 +393,10 @@ class Driver:
 
     # -- the background thread ---------------------------------------------------------------------
 
+    def _has_work(self) -> bool:
+        """Runs are unfinished or tasks are left on the auxiliary loop."""
+        return bool(self.unfinished_runs) or self.aux_pending
+
     def _may_drive(self) -> bool:
         return (
             not self._stopped
@@ -385,7 +420,7 @@ class Driver:
             # Plain stores: the thread only needs to see that callers come and go.
             self._left_at = time.monotonic()
             self._epoch += 1
-        if callers or not self.unfinished_runs:
+        if callers or not (self.unfinished_runs or self.aux_pending):
             return  # Worker.run's path: its run is over, nothing to hand on
         with self._cond:
             self._left_at = time.monotonic()
@@ -416,7 +451,7 @@ class Driver:
                     continue  # a caller took it meanwhile: it is counted, wait for it
                 self._bg_driving = True
                 try:
-                    if not self._callers and self.unfinished_runs:
+                    if not self._callers and self._has_work():
                         self.rounds(self._background_done, None)
                 except BaseException:
                     # A round failed with nobody to raise it to: fail the runs (still
@@ -437,7 +472,7 @@ class Driver:
                 self._exited.append(me)
 
     def _background_done(self) -> bool:
-        return bool(self._callers) or not self.unfinished_runs or not self._may_drive()
+        return bool(self._callers) or not self._has_work() or not self._may_drive()
 
     def _wait_for_turn(self) -> bool:
         """Nap until the thread should drive (True) or exit (False).
@@ -452,7 +487,7 @@ class Driver:
             while True:
                 if not self._may_drive():
                     return False
-                work = self.unfinished_runs > 0
+                work = self._has_work()
                 quiet = time.monotonic() - self._left_at
                 if not self._callers:
                     if work and quiet >= TAKEOVER_S:
@@ -476,7 +511,7 @@ class Driver:
         """End the background thread unless it has runs to drive (False then)."""
         with self._cond:
             thread = self._thread
-            if thread is not None and thread.is_alive() and self.unfinished_runs:
+            if thread is not None and thread.is_alive() and self._has_work():
                 return False
             self._retire = True
             self._cond.notify_all()
@@ -522,7 +557,51 @@ class Driver:
                 raise WorkerClosedError("cannot finish the call: the worker closed meanwhile")
             if self._aux_loop is None:
                 self._aux_loop = asyncio.new_event_loop()
-            return self._aux_loop.run_until_complete(aw)
+            loop = self._aux_loop
+            try:
+                return loop.run_until_complete(aw)
+            finally:
+                self.aux_pending = bool(asyncio.all_tasks(loop))
+
+    def keeps_tasks(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether a task on ``loop`` goes on once the coroutine that started it returned:
+        on the bound loop, and (unbound) on the auxiliary loop ``drive`` runs, which the
+        rounds step from then on."""
+        if self.loop is not None:
+            return loop is self.loop
+        return loop is self._aux_loop
+
+    def _step_aux(self) -> None:
+        """Under ``lock``: run the auxiliary loop's ready callbacks (and due timers) once,
+        without blocking, and note whether tasks are left on it."""
+        loop = self._aux_loop
+        if loop is None:
+            self.aux_pending = False
+            return
+        if loop.is_running() or asyncio._get_running_loop() is not None:
+            # Inside ``drive`` (it runs the loop already), or a blocking call from a
+            # coroutine of another loop on this thread: the next round elsewhere steps it.
+            return
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        self.aux_pending = bool(asyncio.all_tasks(loop))
+
+    def _finish_aux(self) -> None:
+        """Under ``lock``: run the auxiliary loop until no task is left on it."""
+        loop = self._aux_loop
+        if loop is None or not self.aux_pending or loop.is_running():
+            return
+        left = asyncio.all_tasks(loop)
+        if left:
+            # ``bind`` runs on the loop being bound, where another loop cannot run: a
+            # helper thread runs this one while this thread waits (never both at once).
+            log.info("binding: finishing %d control(s) queued by the blocking API", len(left))
+            helper = threading.Thread(
+                target=loop.run_until_complete, args=(_wait_all(left),), name="simpler-aux"
+            )
+            helper.start()
+            helper.join()
+        self.aux_pending = bool(asyncio.all_tasks(loop))
 
     def drive_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """Unbound mode: wait until ``done()`` or the timeout, running Scheduler rounds on
@@ -649,6 +728,8 @@ class Driver:
                 self._run_soon()
             if self._tasks:
                 self.run_tasks()
+            if self.aux_pending:
+                self._step_aux()
             seen = doorbell.completed()
             progressed = sched.round()
             if progressed and self._sleepers:
@@ -691,6 +772,8 @@ class Driver:
                 doorbell.unpark()
                 continue
             wait_s = 0.01 if sched.busy() else 0.25
+            if self.aux_pending:
+                wait_s = min(wait_s, AUX_POLL_S)
             if deadline is not None:
                 wait_s = max(0.0, min(wait_s, deadline - now))
             sched.note_park()
@@ -702,3 +785,7 @@ class Driver:
 
 async def _as_coro(aw: Awaitable[Any]) -> Any:
     return await aw
+
+
+async def _wait_all(tasks: set[asyncio.Task[Any]]) -> None:
+    await asyncio.wait(tasks)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -403,4 +404,218 @@ async def test_a_reload_does_not_wait_for_a_child_busy_with_another_callable(
             assert await stamp() == (2, busy_pid)  # the new code there too
         finally:
             await r.release_all()
+        sys.modules.pop(name, None)
+
+
+# -- the blocking API: no event loop of the user's ---------------------------------------------
+#
+# The queued control progresses on whoever drives the Scheduler: a blocking call that
+# waits for a run (``w.run`` on another thread), or the background driver thread when
+# nobody waits at all.
+
+
+class BlockingRig(Rig):
+    """``Rig`` driven through the blocking API only."""
+
+    def hold_sync(self, handle: Any) -> tuple[Any, int, int]:
+        """Submit a task of ``handle`` (wait_flag) and return (handle of the run, flag
+        index, the child's pid) once it runs; nobody waits for the run."""
+        i = self.slot
+        self.slot += 1
+        args = targs((self.flags, Tag.NO_DEP), (self.pids, Tag.NO_DEP), scalars=(i, i, HOLD_MS))
+        run = self.w.submit(lambda o, a, c: o.submit_sub(handle, args))
+        poll_for(lambda: self.pids[i] != 0, SOON_S, message="the held task never started")
+        return run, i, int(self.pids[i])
+
+    def only_idle_sync(self, handle: Any, pid: int) -> None:
+        """Hold every child, then let the one of ``pid`` go: it is the only idle one."""
+        self.held = [self.hold_sync(handle) for _ in range(2)]
+        run, i, _ = next(h for h in self.held if h[2] == pid)
+        self.release(i)
+        run.result(SOON_S)
+
+    def release_all_sync(self) -> None:
+        for run, i, _ in self.held:
+            self.release(i)
+            run.result(SOON_S)
+
+    def pid_of_sync(self, handle: Any) -> int:
+        out = self.w.alloc((1,), np.int64)
+        self.w.run(lambda o, a, c: o.submit_sub(handle, targs((out, Tag.OUTPUT), scalars=(0,))))
+        return int(out[0])
+
+
+def blocking_rig() -> BlockingRig:
+    w = Worker(num_sub_workers=2, admission="fair", heap_bytes=4 << 20)
+    w.register(sub_tasks.wait_flag)
+    return BlockingRig(w)
+
+
+def before_release(call: Callable[[], Any], release: Callable[[], None]) -> Any:
+    """Run the blocking ``call`` on a thread and return its result; assert it returned
+    before ``release`` (which ends the held task) was called: within SOON_S, else the
+    held task is released so that the call can end and the test fails."""
+    done = threading.Event()
+    out: list[Any] = []
+
+    def go() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # handed to the test's thread
+            out.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=go, name="blocking-register")
+    t.start()
+    returned = done.wait(SOON_S)
+    release_now = not returned
+    try:
+        if release_now:
+            release()
+    finally:
+        t.join(SOON_S)
+    assert returned, "the blocking call waited for the busy child's task"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def test_blocking_register_returns_while_a_waiting_caller_drives() -> None:
+    """Thread A waits in ``w.run`` for the held task (it drives the Scheduler); a
+    blocking register from another thread returns meanwhile, and the busy child gets
+    the callable once the task ended."""
+    r = blocking_rig()
+    with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        i = r.slot
+        r.slot += 1
+        args = targs((r.flags, Tag.NO_DEP), (r.pids, Tag.NO_DEP), scalars=(i, i, HOLD_MS))
+        waiter_out: list[Any] = []
+
+        def wait_in_run() -> None:
+            try:
+                waiter_out.append(r.w.run(lambda o, a, c: o.submit_sub(hw, args)))
+            except BaseException as exc:
+                waiter_out.append(exc)
+
+        waiter = threading.Thread(target=wait_in_run, name="waiter")
+        waiter.start()
+        try:
+            poll_for(lambda: r.pids[i] != 0, SOON_S, message="the held task never started")
+            busy_pid = int(r.pids[i])
+            (idle_pid,) = r.child_pids() - {busy_pid}
+            busy = r.lane_of(busy_pid)
+            h = before_release(lambda: r.w.register(PID), lambda: r.release(i))
+            assert waiter.is_alive()  # the held task still runs: nothing waited for it
+            assert busy.deliveries == 1  # its install is queued behind the task
+            # A task of the new callable runs at once, on the child that has it.
+            assert before_release(lambda: r.pid_of_sync(h), lambda: r.release(i)) == idle_pid
+            assert waiter.is_alive()
+        finally:
+            r.release(i)
+            waiter.join(SOON_S)
+        assert not waiter.is_alive() and not isinstance(waiter_out[0], BaseException)
+        poll_for(lambda: busy.deliveries == 0, SOON_S, message="the queued install never ran")
+        assert not busy.missing
+        r.only_idle_sync(hw, busy_pid)
+        try:
+            assert r.pid_of_sync(h) == busy_pid
+        finally:
+            r.release_all_sync()
+        assert r.w.restarts["sub"] == 0
+
+
+def test_blocking_register_with_nobody_waiting_is_delivered_by_the_background_driver() -> None:
+    """Submitted and not waited for: the background driver thread drives the held task;
+    the register on the main thread returns while it is held, and its control queued on
+    the busy child reaches it after the release with nobody calling the Worker."""
+    r = blocking_rig()
+    with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        run, i, busy_pid = r.hold_sync(hw)
+        busy = r.lane_of(busy_pid)
+        (idle_pid,) = r.child_pids() - {busy_pid}
+        try:
+            h = before_release(lambda: r.w.register(PID), lambda: r.release(i))
+            assert not run.done()
+            assert busy.deliveries == 1
+            assert before_release(lambda: r.pid_of_sync(h), lambda: r.release(i)) == idle_pid
+            assert not run.done()
+        finally:
+            r.release(i)
+        # Nobody waits for the run nor calls the Worker: the background driver ends the
+        # task and delivers the queued install.
+        poll_for(lambda: busy.deliveries == 0, SOON_S, message="the queued install never ran")
+        assert run.done() and not busy.missing
+        run.result(0)
+        r.only_idle_sync(hw, busy_pid)
+        try:
+            assert r.pid_of_sync(h) == busy_pid
+        finally:
+            r.release_all_sync()
+        assert r.w.restarts["sub"] == 0
+
+
+def test_blocking_unregister_waits_for_its_own_tasks_only() -> None:
+    r = blocking_rig()
+    with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        h = r.w.register(PID)
+        run, i, busy_pid = r.hold_sync(hw)
+        busy = r.lane_of(busy_pid)
+        try:
+            before_release(lambda: r.w.unregister(h), lambda: r.release(i))
+            assert h.hashid not in r.w.registry
+            assert not run.done() and busy.deliveries == 1
+        finally:
+            r.release(i)
+        poll_for(lambda: busy.deliveries == 0, SOON_S, message="the queued uninstall never ran")
+        run.result(SOON_S)
+        # Registered afresh, it runs on the formerly busy child too.
+        h = r.w.register(PID)
+        r.only_idle_sync(hw, busy_pid)
+        try:
+            assert r.pid_of_sync(h) == busy_pid
+        finally:
+            r.release_all_sync()
+        assert r.w.restarts["sub"] == 0
+
+
+def test_blocking_reload_does_not_wait_for_a_busy_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"busy_reload_{uuid.uuid4().hex[:10]}"
+    src = tmp_path / f"{name}.py"
+    src.write_text(RELOADED.format(value=1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = blocking_rig()
+    with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        h = r.w.register(f"{name}:stamp")
+        out = r.w.alloc((2,), np.int64)
+
+        def stamp() -> tuple[int, int]:
+            r.w.run(lambda o, a, c: o.submit_sub(h, targs((out, Tag.OUTPUT))))
+            return int(out[0]), int(out[1])
+
+        run, i, busy_pid = r.hold_sync(hw)
+        busy = r.lane_of(busy_pid)
+        (idle_pid,) = r.child_pids() - {busy_pid}
+        try:
+            src.write_text(RELOADED.format(value=2))
+            again = before_release(
+                lambda: r.w.register(f"{name}:stamp", reload=True), lambda: r.release(i)
+            )
+            assert again == h and busy.deliveries == 1
+            assert stamp() == (2, idle_pid)
+        finally:
+            r.release(i)
+        poll_for(lambda: busy.deliveries == 0, SOON_S, message="the queued reload never ran")
+        run.result(SOON_S)
+        r.only_idle_sync(hw, busy_pid)
+        try:
+            assert stamp() == (2, busy_pid)
+        finally:
+            r.release_all_sync()
         sys.modules.pop(name, None)
