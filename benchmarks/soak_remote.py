@@ -283,7 +283,8 @@ class RemoteReport(PhaseReport):
             f"{self.runs} runs: {self.completed} completed and verified, "
             f"{self.failed_with_cause} failed with a cause; probe: {self.probe_runs} buffers "
             f"filled and read back, {self.kept} kept their data across a blip, "
-            f"{self.refused_stale} refused as stale; {len(self.problems)} problems",
+            f"{self.refused_stale} uses of a stale one refused (copies and tasks); "
+            f"{len(self.problems)} problems",
             f"    before: {self.before}",
             f"    after:  {self.after}",
             *(f"    problem: {p}" for p in self.problems[:20]),
@@ -414,10 +415,18 @@ class Probe:
 
     def filled(self, i: int) -> tuple[Any, float]:
         """A fresh buffer on host ``i``, filled by a run and read back."""
-        from simpler_daemon import CallConfig, Tag, TaskArgs
-
         ref = self.w4.alloc_remote(self.ids[i], (16,), "float64")
         value = float(self.rng.randint(1, 1_000_000))
+        self.fill(i, ref, value)
+        got = self.w4.copy_from_remote(ref)
+        if not (got == value).all():
+            raise AssertionError(f"probe buffer on host {i}: read {got[:4]}, wrote {value}")
+        return ref, value
+
+    def fill(self, i: int, ref: Any, value: float) -> None:
+        """A run that fills ``ref`` with ``value`` on host ``i``'s worker."""
+        from simpler_daemon import CallConfig, Tag, TaskArgs
+
         args = TaskArgs().add_tensor(ref, Tag.OUTPUT).add_scalar(int(value))
         wid, handle = self.ids[i], self.fill_all
 
@@ -425,10 +434,6 @@ class Probe:
             o.submit_next_level(handle, args, CallConfig(), worker=wid)
 
         self.w4.submit(orch).wait(30.0)
-        got = self.w4.copy_from_remote(ref)
-        if not (got == value).all():
-            raise AssertionError(f"probe buffer on host {i}: read {got[:4]}, wrote {value}")
-        return ref, value
 
     def close(self) -> None:
         self.w4.close()
@@ -665,6 +670,15 @@ def probe_rejoin(
         raise RuntimeError(f"probe buffer of before the blip: {exc}") from exc
     if got is None:
         report.refused_stale += 1
+        try:  # a task on it is refused too, and touches no buffer of the new session
+            probe.fill(i, ref, value + 1)
+        except Exception as exc:
+            if "its data is lost" not in str(exc):
+                report.problems.append(f"{what}: a task on a stale buffer: unexplained {exc}")
+            else:
+                report.refused_stale += 1
+        else:
+            report.problems.append(f"{what}: WRONG: a task on a stale buffer completed")
     elif (got == value).all():
         report.kept += 1
         probe.w4.free(ref)
