@@ -20,9 +20,11 @@ its deadline runs only while the child has no task in flight, so an idle child t
 misses it is still killed and replaced (``LocalMailboxEndpoint._control_expired``).
 
 A target with no ``lane`` is always idle (awaited): a remote worker, a replacement's
-replay, and every target of a call made outside the Worker's bound loop
-(``ChildPool.registration_targets``): the blocking API runs a private loop only while
-the call waits, so a control queued there would not progress after it returned.
+replay, and every target of a call made on a loop whose tasks stop with the call
+(``ChildPool.registration_targets``, ``Driver.keeps_tasks``). The blocking API's
+auxiliary loop keeps them: a control queued there after ``drive`` returned is
+stepped by every Scheduler round of whoever drives (a waiting caller, the
+background driver thread, which drives while such a task is left).
 """
 
 from __future__ import annotations
