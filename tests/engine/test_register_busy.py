@@ -619,3 +619,45 @@ def test_blocking_reload_does_not_wait_for_a_busy_child(
         finally:
             r.release_all_sync()
         sys.modules.pop(name, None)
+
+
+def test_a_control_queued_by_the_blocking_api_survives_binding_an_event_loop() -> None:
+    """A blocking register queued its control behind a held task; then an event loop
+    binds the Worker (``run_async`` on another thread): the queued control still
+    reaches the child (``bind`` finishes it first), and the bound loop runs the
+    callable on both children."""
+    r = blocking_rig()
+    with r.w:
+        hw = r.w.registry.active()[0].spec.handle
+        run, i, busy_pid = r.hold_sync(hw)
+        busy = r.lane_of(busy_pid)
+        try:
+            h = before_release(lambda: r.w.register(PID), lambda: r.release(i))
+            assert busy.deliveries == 1
+            seen: list[Any] = []
+
+            async def on_loop() -> None:
+                seen.append(await r.pid_of(h))
+                await asyncio.wait_for(run.wait_async(), SOON_S)
+                await r.only_idle(hw, busy_pid)
+                try:
+                    seen.append(await r.pid_of(h))
+                finally:
+                    await r.release_all()
+
+            def go() -> None:
+                try:
+                    asyncio.run(on_loop())
+                except BaseException as exc:
+                    seen.append(exc)
+
+            bound = threading.Thread(target=go, name="bound-loop")
+            bound.start()
+        finally:
+            r.release(i)
+        bound.join(SOON_S * 2)
+        assert not bound.is_alive()
+        assert len(seen) == 2 and not isinstance(seen[-1], BaseException), seen
+        assert seen[1] == busy_pid  # installed there, in the end
+        assert busy.deliveries == 0 and not busy.missing
+        assert r.w.restarts["sub"] == 0
