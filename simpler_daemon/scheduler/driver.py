@@ -24,9 +24,11 @@ without blocking, and a parked round wakes at least every ``AUX_POLL_S`` for the
 timers; such tasks count as work for the background thread like an unfinished run,
 so they progress when nobody calls the Worker. ``keeps_tasks(loop)`` tells a
 coroutine whether its loop goes on after it returned. ``bind`` first finishes them
-(the bound loop cannot step another loop); ``close_aux`` cancels what is left. ``watch(fd, callback)`` / ``unwatch(fd)`` add a readable fd to
-whichever wait is active, so a caller (child pidfds, remote sockets) never needs
-to know the mode; after a callback the Scheduler takes a round.
+(the bound loop cannot step another loop); ``close_aux`` cancels what is left.
+
+``watch(fd, callback)`` / ``unwatch(fd)`` add a readable fd to whichever wait is
+active, so a caller (child pidfds, remote sockets) never needs to know the mode;
+after a callback the Scheduler takes a round.
 
 **The background driver** (unbound only): runs progress with nobody waiting on them.
 ``lock`` is a ``DriverLock``: every thread that takes it (a blocking Worker call) is a
@@ -110,10 +112,9 @@ def retire_background_threads(what: str) -> None:
         runs = sum(d.unfinished_runs for d in busy)
         raise StartupError(
             f"cannot {what}: another Worker of this process has {runs} unfinished run(s) "
-            "(or registration controls queued behind a busy child) progressing on its "
-            "background driver thread, and children are forked only "
-            "while the process runs one thread; wait for those runs (or close that "
-            "Worker) first"
+            "progressing on its background driver thread (or registration controls queued "
+            "behind a busy child), and children are forked only while the process runs "
+            "one thread; wait for those runs (or close that Worker) first"
         )
 
 
