@@ -430,7 +430,9 @@ def test_worker_init_deadline_terminates_the_starting_child(
     monkeypatch.setattr(pool_mod, "reap_all", spy)
     w = worker_mod.Worker(num_sub_workers=2, heap_bytes=1 << 20, startup_timeout=0.5)
     w._init_hooks[0] = lambda: time.sleep(30)
-    with pytest.raises(StartupError, match=r"sub worker 0 \(pid \d+\) not ready within startup_timeout=0\.5 s"):
+    with pytest.raises(
+        StartupError, match=r"sub worker 0 \(pid \d+\) not ready within startup_timeout=0\.5 s"
+    ):
         w.init()
     assert reaped == {"sub worker 0": "killed by SIGTERM", "sub worker 1": "exited with code 0"}
     assert not child_pids()
