@@ -17,8 +17,16 @@ its life and the error says so (a killed child). At the end the chaos stops, a l
 run of every shape must complete on the recovered workers, the daemon gets SIGTERM
 and must exit 0, and no process it ever had and no ``/dev/shm`` file of it may remain.
 
-Exit status: 0 clean; 1 any lost, wrong or unexplained run, a leak, or an unclean stop;
-2 the daemon did not start. ``make soak`` runs it for 300 s.
+That is the kills phase (2/5 of ``--seconds``). Then ``benchmarks/soak_phases.py``
+runs client churn and daemon restarts on the same daemon, each checked against a
+census taken before it (references, buffers, queued runs, fds, RSS) and every run
+accounted for. ``benchmarks/soak_remote.py`` blips remote hosts (link down, service
+restarted, host frozen) under a level-4 daemon of its own while runs flow; every host
+must rejoin. ``--phases`` picks and orders them.
+
+Exit status: 0 clean; 1 any lost, wrong, missing or unexplained run, a census that did
+not come back, a leak, or an unclean stop; 2 the daemon did not start. ``make soak``
+runs it for 300 s.
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -65,10 +73,11 @@ KILL_CAUSES = ("killed by", "exited", "fork server", "endpoint failure", "stoppe
 DEFAULT = -1.0  # every output starts as this: a lost write shows up as a wrong value
 
 
-def daemon_config(run_dir: Path) -> str:
+def daemon_config(run_dir: Path, state_dir: Path) -> str:
     return f"""
 [daemon]
 runtime_dir = "{run_dir}"
+state_dir = "{state_dir}"
 startup_timeout = 30.0
 shutdown_grace = 10.0
 log_level = "warning"
@@ -83,7 +92,7 @@ heap_shared = true
 max_tasks_per_run = 64
 max_concurrent_runs = 64
 max_streams_per_client = 8
-max_finished_runs_kept = 1000
+max_finished_runs_kept = 20000   # the restart phase checks every run it submitted
 
 [callables]
 allowed_modules = ["{EX}"]
@@ -144,7 +153,7 @@ class Daemon:
         self.dir = directory
         self.socket = str(directory / "run" / "daemon.sock")
         self.config = directory / "daemon.toml"
-        self.config.write_text(daemon_config(directory / "run"))
+        self.config.write_text(daemon_config(directory / "run", directory / "state"))
         self.stderr_path = directory / "stderr.txt"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -156,8 +165,14 @@ class Daemon:
     def start(self, timeout: float = 60.0) -> None:
         cmd = [sys.executable, "-m", "simpler_daemon.server.main", "serve"]
         cmd += ["--config", str(self.config)]
-        env = {k: v for k, v in os.environ.items() if k != "SIMPLER_DAEMON_SOCKET"}
-        with open(self.stderr_path, "wb") as err:
+        # Its config names its socket and state_dir: no variable may override them (the
+        # test suite sets SIMPLER_DAEMON__DAEMON__STATE_DIR=:memory: for its daemons).
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("SIMPLER_DAEMON_SOCKET", "SIMPLER_DAEMON__DAEMON__STATE_DIR")
+        }
+        with open(self.stderr_path, "ab") as err:  # a restart appends
             self.proc = subprocess.Popen(
                 cmd,
                 cwd=REPO_ROOT,
@@ -552,14 +567,14 @@ def ours_in_shm(pids: set[int]) -> set[str]:
 
 def register(daemon: Daemon) -> dict[str, str]:
     with daemon.client() as c:
-        out = {
-            n: c.register(f"{EX}:{n}") for n in ("fill", "add", "scale", "fail", "wait_for_flag")
-        }
-        out["scale_kernel"] = c.register(f"{EX}:scale_kernel", kind="chip")
+        # persist: the soak's registrations outlive this short client session.
+        names = ("fill", "add", "scale", "fail", "wait_for_flag")
+        out = {n: c.register(f"{EX}:{n}", persist=True) for n in names}
+        out["scale_kernel"] = c.register(f"{EX}:scale_kernel", kind="chip", persist=True)
     return out
 
 
-def summary(tally: Tally, seconds: float, problems: list[str]) -> str:
+def summary(tally: Tally, seconds: float, problems: list[str], phases: Sequence[str] = ()) -> str:
     runs = sum(tally.runs.values())
     kills = sum(tally.kills.values())
     lines = [
@@ -571,6 +586,7 @@ def summary(tally: Tally, seconds: float, problems: list[str]) -> str:
         f"  failures unexpected: {len(tally.unexpected)}",
         f"  lost: {len(tally.lost)}   wrong: {len(tally.wrong)}",
         f"  processes seen: {len(tally.seen_pids)}",
+        *phases,
     ]
     for title, items in (
         ("unexpected", tally.unexpected),
@@ -597,9 +613,25 @@ def workdir(keep: bool) -> Iterator[Path]:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def soak(seconds: float, seed: int, interval: tuple[float, float], keep: bool) -> int:
+#: Each phase's share of ``--seconds`` (benchmarks/soak_phases.py has churn and restarts,
+#: benchmarks/soak_remote.py the remote blips).
+PHASES: Final = {"kills": 0.4, "churn": 0.2, "restarts": 0.2, "remote": 0.2}
+
+
+def soak(
+    seconds: float,
+    seed: int,
+    interval: tuple[float, float],
+    keep: bool,
+    phases: Sequence[str] = tuple(PHASES),
+) -> int:
+    from benchmarks import soak_phases
+
     tally = Tally()
     problems: list[str] = []
+    reports: list[soak_phases.PhaseReport] = []
+    share = sum(PHASES[p] for p in phases)
+    length = {p: seconds * PHASES[p] / share for p in phases}
     with workdir(keep) as d:
         daemon = Daemon(d)
         try:
@@ -610,9 +642,10 @@ def soak(seconds: float, seed: int, interval: tuple[float, float], keep: bool) -
             return 2
         try:
             hashids = register(daemon)
+            before = soak_phases.Census.take(daemon)
             chaos = Chaos(daemon, tally, seed, interval)
             chaos.census()
-            until = time.monotonic() + seconds
+            until = time.monotonic() + length.get("kills", 0.0)
             loads = [Load(n, daemon, hashids, tally, seed + i + 1) for i, n in enumerate("AB")]
             threads = [
                 threading.Thread(
@@ -636,8 +669,29 @@ def soak(seconds: float, seed: int, interval: tuple[float, float], keep: bool) -
                 problems.append(stuck)
             else:
                 final_runs(daemon, hashids, tally)
+                problems += before.compare(soak_phases.Census.take(daemon), "kills")
             with tally.lock:
                 tally.seen_pids |= descendants(daemon.pid)
+            if "churn" in length and not problems:
+                reports.append(soak_phases.churn(daemon, length["churn"], seed))
+            if "restarts" in length and not problems:
+
+                def track(daemon: Daemon) -> dict[str, str]:
+                    with tally.lock:  # the old daemon's processes must be gone at the end
+                        tally.seen_pids |= descendants(daemon.pid) | {daemon.pid}
+                    return register(daemon)
+
+                reports.append(soak_phases.restarts(daemon, length["restarts"], seed, track))
+            if "remote" in length and not problems:
+                # Its own level-4 daemon and remote hosts, started and stopped by the
+                # phase (which checks their leaks): this daemon only waits meanwhile.
+                from benchmarks import soak_remote
+
+                reports.append(soak_remote.remote(length["remote"], seed, keep))
+            with tally.lock:
+                tally.seen_pids |= descendants(daemon.pid)
+            for report in reports:
+                problems += report.problems
         except Exception as exc:
             problems.append(f"soak: {type(exc).__name__}: {exc}")
         finally:
@@ -659,7 +713,7 @@ def soak(seconds: float, seed: int, interval: tuple[float, float], keep: bool) -
             problems.append(f"files left in /dev/shm: {sorted(shm)}")
         if os.path.exists(daemon.socket):
             problems.append(f"socket left behind: {daemon.socket}")
-        print(summary(tally, seconds, problems))
+        print(summary(tally, seconds, problems, [x for r in reports for x in r.lines()]))
     return 1 if problems or tally.unexpected or tally.lost or tally.wrong else 0
 
 
@@ -679,12 +733,21 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds between two kills, drawn uniformly (default 1.5 4.5)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (config, daemon log)")
+    ap.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"comma-separated phases, run in this order (default {','.join(PHASES)})",
+    )
     ns = ap.parse_args(argv)
     if not ns.seconds > 0:
         ap.error("--seconds must be > 0")
     seed = ns.seed if ns.seed is not None else int(time.time())
     print(f"soak: seed {seed}, {ns.seconds:.0f} s", flush=True)
-    return soak(ns.seconds, seed, (ns.kill_every[0], ns.kill_every[1]), ns.keep)
+    phases = [p for p in ns.phases.split(",") if p]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        ap.error(f"--phases: unknown {unknown} (choose from {', '.join(PHASES)})")
+    return soak(ns.seconds, seed, (ns.kill_every[0], ns.kill_every[1]), ns.keep, phases)
 
 
 if __name__ == "__main__":
