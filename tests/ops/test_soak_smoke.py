@@ -1,6 +1,6 @@
 """The 60 s smoke of the soak (``make soak`` runs it for 300 s): a real daemon under random
 kills of its children and fork server, two clients, every run verified; then client
-churn and daemon restarts, each phase ending with references, buffers, queued runs,
+churn, daemon restarts and remote host blips, each phase ending with references, buffers, queued runs,
 fds and RSS back where they were and every run accounted for; no leak."""
 
 from __future__ import annotations
