@@ -363,6 +363,10 @@ class Orchestrator:
         return descs
 
 
+#: The tags whose tensors a task writes.
+_WRITTEN: Final = frozenset((Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT))
+
+
 def _check_written_overlap(
     args_list: list[TaskArgs],
     member_descs: list[list[TensorDesc]],
@@ -377,9 +381,11 @@ def _check_written_overlap(
     blocks); two local arrays that pass it but whose elements never meet (interleaved
     strided views) are accepted."""
     for m, descs in enumerate(member_descs):
+        if sum(d.tag in _WRITTEN for d in descs) < 2:
+            continue  # nothing to compare (the common case)
         written: dict[Any, list[tuple[Any, str, Any]]] = {}
         for j, d in enumerate(descs):
-            if d.tag not in (Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT):
+            if d.tag not in _WRITTEN:
                 continue
             r = region(d)
             if r.lo >= r.hi:

@@ -86,9 +86,19 @@ class Region:
 
 def region(desc: TensorDesc) -> Region:
     """The region of ``desc`` (see the module docstring for when it is a box)."""
-    lo, hi = desc.byte_range()
     shape, strides = desc.shape, desc.strides
-    itemsize = _itemsize(desc.dtype)
+    itemsize = _ITEMSIZE.get(desc.dtype) or _itemsize(desc.dtype)
+    if len(shape) == 1 and strides[0] == itemsize:
+        # The common case on the submit path: a contiguous 1-D view.
+        lo, n = desc.byte_offset, shape[0]
+        if n == 0:
+            return Region(lo, lo)
+        hi = lo + n * itemsize
+        if lo % itemsize:
+            return Region(lo, hi, dense=True)
+        start = lo // itemsize
+        return Region(lo, hi, (itemsize, strides), (start,), (start + n,), True)
+    lo, hi = desc.byte_range()
     count = 1
     for dim in shape:
         count *= dim
