@@ -179,16 +179,23 @@ class Owners:
             "(a client may drop only its own registrations; an admin may drop any)",
         )
 
-    def drop_registration(self, owner: str, hashid: str) -> None:
+    def drop_registration(self, owner: str, hashid: str) -> bool:
+        """One reference of ``owner`` to ``hashid`` stops counting; False: it held none."""
         holders = self._registrations.get(hashid)
         if holders is None or holders[owner] <= 0:
-            return
+            return False
         holders[owner] -= 1
         if holders[owner] <= 0:
             del holders[owner]
         if not holders:
             del self._registrations[hashid]
         self._uncount(owner, 1)
+        return True
+
+    def restore_registration(self, owner: str, hashid: str) -> None:
+        """Undo :meth:`drop_registration`: the unregister it was for failed."""
+        self._registrations.setdefault(hashid, Counter())[owner] += 1
+        self._registration_count[owner] += 1
 
     def forget_registration(self, hashid: str) -> None:
         """The callable is gone from the registry: nobody holds a reference any more."""

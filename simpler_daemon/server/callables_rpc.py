@@ -189,11 +189,15 @@ class CallablesRpc(ServiceBase):
         """Drop one reference ``owner`` holds (``session``'s when given): the references
         left (0: the callable is gone from every worker)."""
         handle = self._plan.handle(hashid, "hashid")
+        # The quota frees with the reference, before the children are told: a client
+        # that sees the reference gone (ListCallables) finds the room at once.
+        dropped = self._owners.drop_registration(owner, hashid)
         try:
             await self._worker.unregister_async(handle)
         except Exception as exc:
+            if dropped:
+                self._owners.restore_registration(owner, hashid)
             raise at_field("hashid", exc) from exc
-        self._owners.drop_registration(owner, hashid)
         if session is not None:
             self._sessions.drop_ref(session, hashid)
         entry = self._worker.registry.lookup(hashid)
