@@ -540,7 +540,8 @@ class Worker(Lifecycle, RemoteMethods):
         (which holds it while it drains) refuses a new run at once."""
         sched = self.scheduler
         if sched is not None and sched.admission.closed:
-            self._check_ready("submit a run")  # CLOSED already
+            if not self._stop_pending:  # the close has not reached its drain, or is done
+                self._check_ready("submit a run")  # CLOSED already
             raise WorkerClosedError("cannot submit a run: the worker is closing")
 
     def _new_run(

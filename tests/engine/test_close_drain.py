@@ -74,13 +74,16 @@ def test_close_lets_a_run_on_another_thread_finish_and_refuses_new_ones_at_once(
     poll_for(lambda: held.started[0] != 0, timeout=30, message="the task never started")
     closer, closed = held.on_thread(lambda: w.close(60.0))
     poll_for(held.closing, timeout=30, message="close() never stopped admission")
-    # The run is still held (nobody set the flag): a submit now must not wait for the drain.
-    with pytest.raises(WorkerClosedError, match="closing"):
-        w.submit(held.noop_orch)
-    with pytest.raises(WorkerStateError):
-        w.run(held.noop_orch)
-    assert runner.is_alive() and closer.is_alive()
-    held.flags[0] = 1  # the run may finish now, within close's timeout
+    try:
+        # The run is still held (nobody set the flag): a submit now must not wait for
+        # the drain, whether the close has taken the driver's lock yet or not.
+        with pytest.raises(WorkerClosedError, match="closing"):
+            w.submit(held.noop_orch)
+        with pytest.raises(WorkerStateError):
+            w.run(held.noop_orch)
+        assert runner.is_alive() and closer.is_alive()
+    finally:
+        held.flags[0] = 1  # the run may finish now, within close's timeout (also on failure)
     runner.join(60)
     closer.join(60)
     assert ran == {"result": None}, ran
