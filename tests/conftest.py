@@ -34,8 +34,18 @@ pytest.register_assert_rewrite(
     "tests.support.worker_pool",
 )
 
-from simpler_daemon.testing import child_pids, settled_shm_leaks, shm_files  # noqa: E402
+from simpler_daemon.testing import (  # noqa: E402
+    child_pids,
+    settled_shm_leaks,
+    shm_files,
+    track_spawned_processes,
+)
 from tests.support.worker_pool import TASKS, Pool  # noqa: E402
+
+# pytest-xdist runs other test processes beside this one, and their daemons create and
+# remove heaps in the same /dev/shm: a heap whose creator has just died counts as a leak
+# of ours only when this process started that creator.
+track_spawned_processes()
 
 # A daemon a test starts keeps no run history: never the user's ~/.local/state, and
 # never one directory shared by daemons running at once. The variable overrides the

@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from simpler_daemon.endpoints.local import proc_state
 
@@ -97,15 +97,52 @@ def descendants(pid: int | None = None) -> set[int]:
     return out
 
 
+_spawned: set[int] = set()
+_tracking = False
+
+
+def track_spawned_processes() -> None:
+    """From now on, remember the pid of every ``subprocess.Popen`` this process starts.
+
+    A heap's name carries its creator's pid, and once the creator has exited nothing in
+    /proc says whose child it was. Without tracking, a heap of a dead creator counts as
+    ours; with it, only when the creator is one this process started (or saw among its
+    descendants, :func:`note_descendants`), so a daemon that another test process beside
+    this one has just killed is not taken for a leak of ours. The test suite's conftest
+    turns it on; idempotent."""
+    global _tracking
+    if _tracking:
+        return
+    _tracking = True
+    start: Any = subprocess.Popen.__init__
+
+    def __init__(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+        start(self, *args, **kwargs)
+        _spawned.add(self.pid)
+
+    setattr(subprocess.Popen, "__init__", __init__)  # noqa: B010 (mypy refuses the assignment)
+
+
+def note_descendants() -> None:
+    """Remember every live descendant as one of ours (a daemon that ``make run`` started
+    is a grandchild: Popen never saw its pid)."""
+    _spawned.update(descendants())
+
+
 def foreign_heap(name: str) -> bool:
-    """A named heap (``simpler-heap-<pid>-...``) of a live process outside this process's
-    tree: another test session's on a shared machine, not a leak of ours. A heap whose
-    creator is dead, or is this process or one of its descendants, is ours."""
+    """A named heap (``simpler-heap-<pid>-...``) that is not a leak of ours: its creator is
+    a live process outside this process's tree (another test session's on a shared
+    machine), or, while :func:`track_spawned_processes` is on, a dead process this one
+    never started. A heap of this process or of a descendant is ours."""
     m = re.match(r"simpler-heap-(\d+)-", name)
     if m is None:
         return False
     pid, me = int(m.group(1)), os.getpid()
-    return pid != me and alive(pid) and me not in _ancestors(pid)
+    if pid == me or pid in _spawned:
+        return False
+    if alive(pid):
+        return me not in _ancestors(pid)
+    return _tracking
 
 
 def leaked_shm(before: set[str]) -> set[str]:

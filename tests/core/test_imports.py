@@ -75,6 +75,8 @@ TESTING_NAMES = [
     "shm_files",
     "stopped",
     "alive",
+    "track_spawned_processes",
+    "note_descendants",
 ]
 #: What ``import simpler_daemon.client`` must not load: the engine, its children and the
 #: programs (the C extension is ``simpler_daemon.mailbox._mailbox``).

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from simpler_daemon.testing import leaked_shm, poll_for, shm_files
+from simpler_daemon.testing import leaked_shm, note_descendants, poll_for, shm_files
 from tests.support.daemon_harness import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -100,6 +100,7 @@ def test_readme_walkthrough(env: dict[str, str], tmp_path: Path) -> None:
                     return socket.exists()
 
                 poll_for(ready, timeout=90, interval=0.05, message="`make run` never served")
+                note_descendants()  # the daemon is make's child: its heap is ours
                 continue
             result = subprocess.run(
                 ["bash", "-c", cmd],
