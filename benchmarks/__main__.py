@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import baseline as baseline_mod
 from benchmarks import report
+from benchmarks.baseline import Baseline, BaselineError
 from benchmarks.workloads import (
     ADMISSION_ENV,
     LABELS,
@@ -99,6 +101,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the engine's admission policy for the in-process workloads (default: the "
         "Worker's own, fifo); compare W1/W2/W4 with and without fair",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run every cell of ours on git revision REV (a temporary worktree, its C "
+        "extension built), alternating with the working tree per repetition; the report gets "
+        "before/after columns and their per-round ratio",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="pass the cells' stderr through")
     # Internal: run one cell in this process (used by the parent's subprocesses).
     ap.add_argument("--cell", help=argparse.SUPPRESS)
@@ -141,8 +150,11 @@ def cell_main(args: argparse.Namespace) -> int:
         from benchmarks import peers
 
         result = peers.run(args.cell, args.system, args.repeat, args.smoke)
+    engine = getattr(sys.modules.get("simpler_daemon"), "__file__", None)
     for res in result.values():
         res["elapsed_s"] = time.monotonic() - t0
+        if engine:  # which engine the cell measured (--baseline checks it is the baseline's)
+            res["engine"] = str(Path(engine).resolve().parent)
     args.cell_out.write_text(json.dumps(result))
     return 0
 
@@ -177,10 +189,12 @@ def sweep_session(sid: int, grace: float = 3.0) -> list[str]:
     return [f"{name} (pid {pid})" for pid, name in members.items()]
 
 
-def _cell_env() -> dict[str, str]:
+def _cell_env(baseline: Baseline | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # Pools that spawn (loky, Dask) and Ray's workers import benchmarks.tasks by path.
-    extra = [p for p in (env.get("PYTHONPATH", ""), str(REPO_ROOT)) if p]
+    # A baseline cell finds the baseline's simpler_daemon first (benchmarks/baseline.py).
+    head = [str(baseline.path_dir)] if baseline is not None else []
+    extra = [p for p in (*head, env.get("PYTHONPATH", ""), str(REPO_ROOT)) if p]
     env["PYTHONPATH"] = os.pathsep.join(extra)
     env.setdefault("RAY_DISABLE_IMPORT_WARNING", "1")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -194,8 +208,13 @@ def spawn_cell(
     timeout: float,
     cprofile: Path | None = None,
     wrapper: list[str] | None = None,
+    baseline: Baseline | None = None,
 ) -> dict[str, Any]:
-    """Run one cell in a fresh interpreter in its own session; never raises for its failure."""
+    """Run one cell in a fresh interpreter in its own session; never raises for its failure.
+
+    With ``baseline`` the cell measures the baseline's engine (its working directory
+    and the head of its ``PYTHONPATH`` hold only the baseline's ``simpler_daemon``).
+    """
     keys = WORKLOADS[workload].ours_variants if system == "ours" else (system,)
     failed = "unavailable" if system == "ours" else "skipped"
     with tempfile.TemporaryDirectory(prefix="bench-cell-") as tmp:
@@ -208,7 +227,8 @@ def spawn_cell(
         stderr = None if args.verbose else subprocess.PIPE
         proc = subprocess.Popen(
             cmd,
-            env=_cell_env(),
+            env=_cell_env(baseline),
+            cwd=None if baseline is None else baseline.path_dir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL if not args.verbose else None,
             stderr=stderr,
@@ -239,7 +259,41 @@ def spawn_cell(
         print(f"  warning: {note}", file=sys.stderr)
         for res in result.values():
             res["leftover_processes"] = leftovers
+    if baseline is not None:
+        result = baseline_mod.check_engine(result, baseline)
     return result
+
+
+def run_ours(
+    workload: str, args: argparse.Namespace, timeout: float, baseline: Baseline | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Ours on the working tree ("after") and, with ``baseline``, on the baseline ("before").
+
+    Without a baseline: one cell of ``--repeat`` repetitions. With one: per
+    repetition one cell of each (``--repeat 1``), which goes first alternating
+    per round, so the machine's noise falls on both alike.
+    """
+    if baseline is None:
+        return spawn_cell(workload, "ours", args, timeout), None
+    skipped = baseline_mod.unsupported(workload)
+    after: list[dict[str, Any]] = []
+    before: list[dict[str, Any]] = []
+    saved = args.repeat
+    args.repeat = 1
+    try:
+        for i in range(saved):
+            order = ("before", "after") if i % 2 == 0 else ("after", "before")
+            for side in order:
+                if side == "before" and skipped is not None:
+                    continue
+                print(f"[{side} {i + 1}/{saved}]", end=" ", flush=True)
+                if side == "after":
+                    after.append(spawn_cell(workload, "ours", args, timeout))
+                else:
+                    before.append(spawn_cell(workload, "ours", args, timeout, baseline=baseline))
+    finally:
+        args.repeat = saved
+    return baseline_mod.merge_rounds(after), skipped or baseline_mod.merge_rounds(before)
 
 
 def _describe(res: dict[str, Any], workload: str, system: str) -> str:
@@ -290,6 +344,47 @@ def _profile(args: argparse.Namespace, stamp: str, timeout: float) -> dict[str, 
     return info
 
 
+def measure_all(
+    doc: dict[str, Any],
+    selected: list[str],
+    peers: list[str],
+    args: argparse.Namespace,
+    timeout: float,
+    baseline: Baseline | None,
+) -> None:
+    """Every selected workload on ours (before and after with a baseline) and each peer."""
+    for wid in selected:
+        spec = WORKLOADS[wid]
+        wl: dict[str, Any] = {"title": spec.title, "measured": spec.measured, "systems": {}}
+        doc["workloads"][wid] = wl
+        if not spec.measured:
+            print(f"{wid}: not yet measured ({spec.title})", flush=True)
+            continue
+        wl["params"] = spec.params(args.smoke)
+        for system in ["ours", *peers]:
+            if system != "ours" and system not in spec.peers:
+                wl["systems"][system] = {"status": "n/a", "reason": spec.na_reason}
+                continue
+            print(f"{wid} {LABELS[system]} ...", end=" ", flush=True)
+            before = None
+            if system == "ours":
+                result, before = run_ours(wid, args, timeout, baseline)
+            else:
+                result = spawn_cell(wid, system, args, timeout)
+            wl["systems"].update(result)
+            if before is not None:
+                wl["baseline_systems"] = before
+                print("\n  after: ", end="")
+            print("; ".join(f"{LABELS[k]}: {_describe(r, wid, k)}" for k, r in result.items()))
+            if before is not None:
+                described = (f"{LABELS[k]}: {_describe(r, wid, k)}" for k, r in before.items())
+                print("  before: " + "; ".join(described))
+        for peer in PEER_KEYS:
+            wl["systems"].setdefault(
+                peer, {"status": "not_run", "reason": "not selected (--peers)"}
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.out is None:
@@ -306,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "smoke" if args.smoke else "full"
     print(
         f"benchmarks: {mode}, workloads {','.join(selected)}, peers {','.join(peers) or 'none'}"
-        f" + ours, repeat {args.repeat}, out {args.out}",
+        f" + ours, repeat {args.repeat}, out {args.out}"
+        + (f", baseline {args.baseline}" if args.baseline else ""),
         flush=True,
     )
     doc: dict[str, Any] = {
@@ -323,26 +419,18 @@ def main(argv: list[str] | None = None) -> int:
         "git": report.git_info(REPO_ROOT),
         "workloads": {},
     }
-    for wid in selected:
-        spec = WORKLOADS[wid]
-        wl: dict[str, Any] = {"title": spec.title, "measured": spec.measured, "systems": {}}
-        doc["workloads"][wid] = wl
-        if not spec.measured:
-            print(f"{wid}: not yet measured ({spec.title})", flush=True)
-            continue
-        wl["params"] = spec.params(args.smoke)
-        for system in ["ours", *peers]:
-            if system != "ours" and system not in spec.peers:
-                wl["systems"][system] = {"status": "n/a", "reason": spec.na_reason}
-                continue
-            print(f"{wid} {LABELS[system]} ...", end=" ", flush=True)
-            result = spawn_cell(wid, system, args, timeout)
-            wl["systems"].update(result)
-            print("; ".join(f"{LABELS[k]}: {_describe(r, wid, k)}" for k, r in result.items()))
-        for peer in PEER_KEYS:
-            wl["systems"].setdefault(
-                peer, {"status": "not_run", "reason": "not selected (--peers)"}
-            )
+    try:
+        with contextlib.ExitStack() as stack:
+            baseline = None
+            if args.baseline is not None:
+                print(f"baseline: {args.baseline} in a temporary worktree ...", end=" ", flush=True)
+                baseline = stack.enter_context(baseline_mod.checkout(args.baseline, REPO_ROOT))
+                print(f"{baseline.short} “{baseline.subject}”, built in {baseline.tree}")
+                doc["baseline"] = baseline.describe()
+            measure_all(doc, selected, peers, args, timeout, baseline)
+    except BaselineError as exc:
+        print(f"\nbenchmarks: error: {exc}", file=sys.stderr)
+        return 2
     if args.profile:
         doc["profile"] = _profile(args, stamp, timeout)
     doc["wall_s"] = time.monotonic() - t0

@@ -7,7 +7,8 @@ reported ``unavailable (<reason>)`` and the peers are measured all the same.
 Variants: ``ours`` drives ``Worker.run`` (blocking); ``ours_async`` awaits
 ``Worker.run_async`` under ``asyncio.Runner`` with uvloop when importable;
 ``ours_nested`` is W1 (one empty task per run) through a local L3
-(``benchmarks/nested.py``).
+(``benchmarks/nested.py``); ``ours_calls`` counts W1's Python calls per run
+(``benchmarks/calls.py``).
 """
 
 from __future__ import annotations
@@ -236,6 +237,10 @@ def _w1(eng: Any, p: dict[str, int], repeat: int, profile: Path | None) -> dict[
     except Exception as exc:
         traceback.print_exc()
         out["ours_nested"] = unavailable(_describe(exc))
+    if profile is None:  # Python calls per run (benchmarks/calls.py), untimed, a fresh Worker
+        from benchmarks import calls
+
+        out.update(calls.measure(p, 1))
     return out
 
 

@@ -19,11 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import baseline, calls
 from benchmarks.workloads import (
     LABELS,
     PENDING_TARGETS,
     TARGETS,
     TIMES,
+    UNMEASURED_TARGETS,
     VARIANT_TAGS,
     WORKLOADS,
     Target,
@@ -124,7 +126,9 @@ def finalize(doc: Doc) -> Doc:
     """Add medians (and min/max) across repetitions, ratios and target verdicts."""
     for wid, wl in doc["workloads"].items():
         spec = WORKLOADS[wid]
-        for system, res in wl.get("systems", {}).items():
+        # With --baseline the baseline's results ("before") get their medians too.
+        measured = [*wl.get("systems", {}).items(), *wl.get("baseline_systems", {}).items()]
+        for system, res in measured:
             if not _ok(res):
                 continue
             for key in ("median", "min", "max"):
@@ -141,6 +145,11 @@ def finalize(doc: Doc) -> Doc:
                 res["max"][metric.key] = max(values)
     doc["ratios"] = ratios(doc)
     doc["targets"] = verdicts(doc)
+    doc["unmeasured_targets"] = [
+        {"workload": wid, "target": text, "why": why} for wid, text, why in UNMEASURED_TARGETS
+    ]
+    if "baseline" in doc:
+        doc["before_after"] = baseline.compare(doc)
     if "W7" in doc["workloads"]:
         doc["remote_hop"] = remote_hop(doc)
     if "W1" in doc["workloads"]:
@@ -360,7 +369,10 @@ def markdown(doc: Doc) -> str:
     verdicts_of: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
     for v in doc["targets"]:
         verdicts_of.setdefault((v["workload"], v.get("metric"), v.get("variant")), []).append(v)
-    head = ["workload", "ours", *(LABELS[p] for p in peers), "ratio vs target peer"]
+    before_head, ratio_head = baseline.header(doc)
+    ours_head = "after (ours)" if before_head else "ours"
+    head = ["workload", *before_head, ours_head, *ratio_head, *(LABELS[p] for p in peers)]
+    head += ["ratio vs target peer"]
     head += ["target", "verdict"]
     lines = [
         f"# simpler-daemon benchmarks — {doc['started_utc']}",
@@ -373,7 +385,8 @@ def markdown(doc: Doc) -> str:
     for wid, wl in doc["workloads"].items():
         spec = WORKLOADS[wid]
         if not wl.get("measured"):
-            cells = [f"{wid} {spec.title}", "not yet measured"] + ["not yet measured"] * len(peers)
+            cells = [f"{wid} {spec.title}", *(["—"] * (len(before_head) + len(ratio_head)))]
+            cells += ["not yet measured"] + ["not yet measured"] * len(peers)
             cells += ["—", PENDING_TARGETS.get(wid, "—"), "N/A (not yet measured)"]
             lines.append("| " + " | ".join(cells) + " |")
             continue
@@ -381,9 +394,15 @@ def markdown(doc: Doc) -> str:
             for variant in spec.ours_variants:
                 if not metric.applies(variant):
                     continue
+                ours_cell = _cell(doc, wid, variant, metric.key, notes)
+                if before_head:  # --baseline: before, after, their per-round ratio
+                    before, ratio_cell = baseline.cells(doc, wid, metric.key, variant, notes.ref)
+                    ours_cells = [before, ours_cell, ratio_cell]
+                else:
+                    ours_cells = [ours_cell]
                 row = [
                     _row_label(wid, metric.label, variant, spec.ours_variants),
-                    _cell(doc, wid, variant, metric.key, notes),
+                    *ours_cells,
                     *(_cell(doc, wid, p, metric.key, notes) for p in peers),
                 ]
                 judged = verdicts_of.get((wid, metric.key, variant)) or [None]
@@ -406,6 +425,13 @@ def markdown(doc: Doc) -> str:
                             verdict += f" {notes.ref(v['why'])}"
                         cells += [ratio, v["target"], verdict]
                     lines.append("| " + " | ".join(cells) + " |")
+    if doc.get("unmeasured_targets"):
+        lines += ["", "Targets of PERFORMANCE.md this harness does not judge:", ""]
+        lines += [
+            f"- {t['workload']}: {t['target']} — {t['why']}" for t in doc["unmeasured_targets"]
+        ]
+    if "baseline" in doc:
+        lines += ["", *baseline.lines(doc)]
     lines += ["", *_ratio_table(doc)]
     if "nested_level" in doc:
         lines += ["", *_nested_lines(doc)]
@@ -454,6 +480,8 @@ def _ratio_table(doc: Doc) -> list[str]:
         if not spec.peers:
             continue
         for metric in spec.metrics:
+            if metric.variants is not None:  # ours only (W1's call count): no peer figure
+                continue
             for variant, row in by_metric.get(metric.key, {}).items():
                 label = _row_label(wid, metric.label, variant, spec.ours_variants)
                 lines.append(f"| {label} | " + " | ".join(num(row[p]) for p in peers) + " |")
@@ -611,8 +639,11 @@ def charts(doc: Doc, out: Path, stamp: str) -> list[Path]:
         ax.legend(fontsize=8)
         save(fig, name)
 
-    if "W1" in doc["workloads"] and _systems(doc, "W1"):
-        series = [(LABELS[s], r) for s, r in _systems(doc, "W1")]
+    # W1's call count (ours_calls) has no samples: no curve.
+    w1 = _systems(doc, "W1") if "W1" in doc["workloads"] else []
+    w1_timed = [(s, r) for s, r in w1 if "samples_us" in r["reps"][0]]
+    if w1_timed:
+        series = [(LABELS[s], r) for s, r in w1_timed]
         cdf(series, "W1 — one empty task per run, latency CDF", "w1_latency")
     if "W7" in doc["workloads"] and _systems(doc, "W7"):
         # Our in-process W1 of the same invocation beside the remote runs: the hop's cost.
@@ -669,7 +700,8 @@ def write(doc: Doc, out: Path) -> tuple[Path, Path, list[Path]]:
     md = markdown(doc)
     json_path, md_path = out / f"{stamp}.json", out / f"{stamp}.md"
     pngs = charts(doc, out, stamp)
-    doc["files"] = [p.name for p in (json_path, md_path, *pngs)]
+    tops = calls.write_top(doc, out, stamp)  # W1's Python calls per function
+    doc["files"] = [p.name for p in (json_path, md_path, *pngs, *tops)]
     _write_atomic(json_path, json.dumps(doc, indent=1, default=str) + "\n")
     _write_atomic(md_path, md)
     shutil.copyfile(json_path, out / "latest.json")
