@@ -61,11 +61,15 @@ test: $(TEST_STAMP) build lint
 test-fast: $(TEST_STAMP) build
 	$(PYTEST) -m "not chaos and not slow" $(PYTEST_ARGS)
 
+# BASELINE=REV (a commit, tag or branch): the same cells of ours on REV too, built in a
+# temporary git worktree and alternated with the working tree; before/after columns.
+BENCH_BASELINE = $(if $(BASELINE),--baseline $(BASELINE))
+
 bench: $(BENCH_STAMP) build
-	$(PY) -m benchmarks $(BENCH_ARGS)
+	$(PY) -m benchmarks $(BENCH_BASELINE) $(BENCH_ARGS)
 
 bench-smoke: $(TEST_STAMP) build
-	$(PY) -m benchmarks --smoke $(BENCH_ARGS)
+	$(PY) -m benchmarks --smoke $(BENCH_BASELINE) $(BENCH_ARGS)
 
 # A bounded soak of a real daemon in phases (child kills, client churn, daemon restarts,
 # remote host blips; not part of `make test`, a 60 s smoke of it is): every run
