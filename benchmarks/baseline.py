@@ -266,6 +266,23 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def before_view(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` as if the baseline were ours (peers unchanged), for the before side's verdicts."""
+    workloads = {
+        wid: {**wl, "systems": {**wl.get("systems", {}), **wl.get("baseline_systems", {})}}
+        for wid, wl in doc["workloads"].items()
+    }
+    return {**doc, "workloads": workloads}
+
+
+def _verdicts(doc: dict[str, Any], key: str, wid: str, metric: str, variant: str) -> list[str]:
+    return [
+        v["verdict"]
+        for v in doc.get(key, [])
+        if (v["workload"], v.get("metric"), v.get("variant")) == (wid, metric, variant)
+    ]
+
+
 def _median(res: Result, key: str) -> float | None:
     return res.get("median", {}).get(key) if res.get("status") == "ok" else None
 
@@ -318,10 +335,11 @@ def lines(doc: dict[str, Any]) -> list[str]:
         f"the working tree (git {(doc['git'].get('revision') or '?')[:12]}"
         f"{', dirty' if doc['git'].get('dirty') else ''}); {b['harness']}; "
         f"{doc['repeat']} round(s), one cell each per round, which one goes first alternating. "
-        "Ratios after ÷ before per round (< 1 is faster for µs and ms, > 1 for tasks/s):",
+        "Ratios after ÷ before per round (< 1 is faster for µs and ms or fewer calls, > 1 is "
+        "faster for tasks/s); verdicts of the same targets on each side:",
         "",
-        "| row | before | after | after ÷ before per round |",
-        "|---|---|---|---|",
+        "| row | before | after | after ÷ before per round | verdict before → after |",
+        "|---|---|---|---|---|",
     ]
     for wid, by_metric in doc.get("before_after", {}).items():
         spec = WORKLOADS[wid]
@@ -333,8 +351,14 @@ def lines(doc: dict[str, Any]) -> list[str]:
                     else ""
                 )
                 per_round = ", ".join(_num(r) for r in entry["round_ratios"]) or "—"
+                pairs = zip(
+                    _verdicts(doc, "targets_before", wid, metric.key, variant),
+                    _verdicts(doc, "targets", wid, metric.key, variant),
+                    strict=False,
+                )
+                judged = "; ".join(f"{b} → {a}" for b, a in pairs) or "—"
                 out.append(
                     f"| {wid} {metric.label}{tag} | {_num(entry['before'])} | "
-                    f"{_num(entry['after'])} | {per_round} |"
+                    f"{_num(entry['after'])} | {per_round} | {judged} |"
                 )
     return out

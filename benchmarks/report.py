@@ -150,6 +150,7 @@ def finalize(doc: Doc) -> Doc:
     ]
     if "baseline" in doc:
         doc["before_after"] = baseline.compare(doc)
+        doc["targets_before"] = verdicts(baseline.before_view(doc))
     if "W7" in doc["workloads"]:
         doc["remote_hop"] = remote_hop(doc)
     if "W1" in doc["workloads"]:

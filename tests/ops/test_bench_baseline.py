@@ -67,8 +67,9 @@ def test_baseline_head_smoke_reports_before_after_and_calls(tmp_path: Path) -> N
     if calls["status"] == "ok":
         assert calls["median"]["c_calls"] > 0
         assert (out / f"{doc['timestamp']}-w1-calls.txt").read_text().count(" call ") > 5
-    verdicts = {(t["workload"], t["metric"], t["variant"]) for t in doc["targets"]}
-    assert ("W1", "py_calls", "ours_calls") in verdicts
+    for side in ("targets", "targets_before"):
+        verdicts = {(t["workload"], t["metric"], t["variant"]) for t in doc[side]}
+        assert ("W1", "py_calls", "ours_calls") in verdicts, side
     md = (out / "latest.md").read_text()
     assert "| workload | before (HEAD) | after (ours) | after ÷ before" in md
     assert "W1 Python calls per run" in md
