@@ -167,14 +167,17 @@ def checkout(rev: str, repo: Path) -> Iterator[Baseline]:
         (path_dir / "simpler_daemon").symlink_to(tree / "simpler_daemon", target_is_directory=True)
         yield Baseline(rev, commit, subject, tree, path_dir)
     finally:
+        removed = False
         if added:
             proc = _git(repo, "worktree", "remove", "--force", str(tree))
-            if proc.returncode != 0:
+            removed = proc.returncode == 0
+            if not removed:
                 print(
                     f"warning: cannot remove worktree {tree}: {_tail(proc.stderr)}", file=sys.stderr
                 )
         shutil.rmtree(root, ignore_errors=True)
-        _git(repo, "worktree", "prune")
+        if not removed:  # an add cut short, or a failed remove: drop its entry (dir gone now)
+            _git(repo, "worktree", "prune")
 
 
 def unsupported(workload: str) -> dict[str, Result] | None:

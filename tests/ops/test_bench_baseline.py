@@ -63,10 +63,14 @@ def test_baseline_head_smoke_reports_before_after_and_calls(tmp_path: Path) -> N
         both = w1["systems"][variant]["status"] == w1["baseline_systems"][variant]["status"] == "ok"
         assert len(entry["round_ratios"]) == (2 if both else 0), entry
         assert all(r > 0 for r in entry["round_ratios"])
-    calls = w1["systems"]["ours_calls"]
-    if calls["status"] == "ok":
-        assert calls["median"]["c_calls"] > 0
-        assert (out / f"{doc['timestamp']}-w1-calls.txt").read_text().count(" call ") > 5
+    for side, suffix in (("systems", ""), ("baseline_systems", "-before")):
+        if w1[side]["ours"]["status"] != "ok":
+            continue  # a broken engine said why above
+        calls = w1[side]["ours_calls"]  # where the engine runs, its calls are counted
+        assert calls["status"] == "ok", calls
+        assert calls["median"]["py_calls"] > 0 and calls["median"]["c_calls"] > 0
+        listing = (out / f"{doc['timestamp']}-w1-calls{suffix}.txt").read_text()
+        assert listing.count(" call ") > 5, listing
     for side in ("targets", "targets_before"):
         verdicts = {(t["workload"], t["metric"], t["variant"]) for t in doc[side]}
         assert ("W1", "py_calls", "ours_calls") in verdicts, side
