@@ -12,6 +12,10 @@ A fresh interpreter per cell keeps the systems from disturbing each other
 (threads a peer leaves behind, imported runtimes, a crash), lets a hung cell be
 killed on a deadline, and after each cell every process still in its session
 is killed and reported, so no process outlives the run.
+
+With ``--baseline REV`` every cell of ours runs once per repetition on the working
+tree and once on REV (checked out and built by ``benchmarks/baseline.py``), the
+two alternating; peers run as without it.
 """
 
 from __future__ import annotations
