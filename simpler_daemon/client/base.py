@@ -14,6 +14,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Final
 
+# First: grpc core reads its process-wide settings at its import (system/grpcsetup.py).
+import simpler_daemon.system.grpcsetup  # noqa: F401
+
+# isort: split
+
 import grpc
 import numpy as np
 

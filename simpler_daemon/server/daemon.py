@@ -425,6 +425,9 @@ class Daemon:
         os._exit(code)
 
     async def _start(self) -> None:
+        from simpler_daemon.system.grpcsetup import prepare_grpc
+
+        prepare_grpc()  # before grpc's first import in the daemon (system/grpcsetup.py)
         import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection

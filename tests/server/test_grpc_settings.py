@@ -1,0 +1,97 @@
+"""grpc core's I/O setting (system/grpcsetup.py) is in effect where it should be.
+
+The client package and the daemon import grpc with the EventEngine client and listener
+experiments off, so that grpc core's iomgr poller carries their calls; a user's
+``GRPC_EXPERIMENTS`` wins; the environment is left as it was. Which poller carried a call
+shows in grpc's ``tcp`` trace: iomgr's endpoint logs from ``tcp_posix.cc``, the
+EventEngine's from ``posix_engine/`` sources. Each case runs in a fresh interpreter
+(grpc reads the setting once, at its first import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simpler_daemon.system.grpcsetup import ENV_EXPERIMENTS, EXPERIMENTS
+from tests.support.daemon_harness import REPO, running_daemon
+
+pytestmark = pytest.mark.timeout(60)
+
+TRACE = {"GRPC_TRACE": "tcp", "GRPC_VERBOSITY": "debug"}
+IOMGR = "tcp_posix.cc"
+EVENT_ENGINE = "posix_engine/"
+
+#: One unary call over a Unix socket to a sync echo server in the same process, after
+#: importing ``FIRST``; prints what grpcsetup reports and what the environment holds.
+PROBE = """
+import json, os, sys
+from concurrent.futures import ThreadPoolExecutor
+{first}
+import grpc
+from simpler_daemon.system import grpcsetup
+
+path = sys.argv[1]
+server = grpc.server(ThreadPoolExecutor(max_workers=1))
+echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+server.add_generic_rpc_handlers(
+    (grpc.method_handlers_generic_handler("probe.Echo", {{"Echo": echo}}),)
+)
+server.add_insecure_port("unix:" + path)
+server.start()
+with grpc.insecure_channel("unix:" + path) as channel:
+    assert channel.unary_unary("/probe.Echo/Echo")(b"ping", timeout=10) == b"ping"
+server.stop(None)
+print(json.dumps({{"read": grpcsetup.grpc_experiments(), "env": os.environ.get("GRPC_EXPERIMENTS")}}))
+"""
+
+
+def _probe(tmp_path: Path, first: str, env: dict[str, str]) -> tuple[dict[str, str | None], str]:
+    """Run :data:`PROBE` in a fresh interpreter: (its report, its stderr)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(first=first), str(tmp_path / "probe.sock")],
+        env={**clean, **TRACE, **env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_the_client_package_imports_grpc_on_iomgr(tmp_path: Path) -> None:
+    report, trace = _probe(tmp_path, "import simpler_daemon.client", {})
+    assert report == {"read": EXPERIMENTS, "env": None}  # applied, and the env restored
+    assert IOMGR in trace, "no iomgr endpoint in grpc's trace: is the setting still honoured?"
+    assert EVENT_ENGINE not in trace
+
+
+def test_a_users_grpc_experiments_wins(tmp_path: Path) -> None:
+    own = "event_engine_client,event_engine_listener"
+    report, trace = _probe(tmp_path, "import simpler_daemon.client", {ENV_EXPERIMENTS: own})
+    assert report == {"read": own, "env": own}
+    assert EVENT_ENGINE in trace
+    assert IOMGR not in trace
+
+
+def test_grpc_imported_first_keeps_its_defaults(tmp_path: Path) -> None:
+    report, trace = _probe(tmp_path, "import grpc; import simpler_daemon.client", {})
+    assert report == {"read": None, "env": None}  # too late: grpcsetup says so
+    assert EVENT_ENGINE in trace  # grpcio 1.85's default
+
+
+def test_the_daemon_serves_on_iomgr(tmp_path: Path) -> None:
+    with running_daemon(tmp_path / "d", env=TRACE) as daemon:
+        with daemon.client(transport="grpc") as client:
+            assert client.get_info().version
+        trace = daemon.stderr()
+    assert "tcp_server_posix.cc" in trace  # iomgr's listener accepted the connection
+    assert IOMGR in trace
+    assert EVENT_ENGINE not in trace
