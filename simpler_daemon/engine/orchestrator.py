@@ -230,6 +230,8 @@ class Orchestrator:
         # Dependencies: producers first (INPUT/INOUT), then become the writer.
         producers: dict[int, TaskSlot] = {}
         tmap = run.tensor_map
+        if tmap is None:
+            tmap = run.tensor_map = TensorMap()
         written = []
         for descs in member_descs:
             for d in descs:

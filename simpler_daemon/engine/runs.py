@@ -51,6 +51,10 @@ class RunBuilder:
         # run submitted and built from inside another) and the tasks of async ones.
         self._orch_threads: dict[int, int] = {}
         self._orch_tasks: set[asyncio.Task[None]] = set()
+        #: The run ``new_run`` is queueing (None otherwise).
+        self._creating: Run | None = None
+        #: What an Orchestrator submits into (a property of the scheduler; read once).
+        self._sink = scheduler.submit_sink
 
     def new_run(
         self,
@@ -75,19 +79,26 @@ class RunBuilder:
                 f"cannot submit a run: client {client!r} is not hashable ({type(client).__name__})"
             ) from None
         run = Run(run_id=run_id)
-        run.priority = check_priority(priority)
+        # The default priority (a plain int 1) needs no check: this runs on every submit.
+        if priority.__class__ is not int or priority != 1:
+            run.priority = check_priority(priority)
         run.client = client
         run.orch = (orch, args, config or DEFAULT_CONFIG)
         run.build_started = False
         run.orch_exception = None
         # Held from now, not from admission: a buffer freed while the run waits in
         # admission must not be handed to a new allocation the run would then write.
-        self._hold_args(run, args)
+        if args is not None:
+            self._hold_args(run, args)
+        # Admitted at once: the caller builds it (``on_admit`` defers no second build).
+        self._creating = run
         try:
             self.scheduler.submit_run(run)
         except BaseException:
             self.scheduler.release_run_memory(run)
             raise
+        finally:
+            self._creating = None
         # Runs not terminal yet: the driver's background thread works while any is.
         self._driver.unfinished_runs += 1
         run.add_done_callback(self._run_ended)
@@ -147,7 +158,10 @@ class RunBuilder:
 
     def on_admit(self, run: Run) -> None:
         # The orchestration function runs on whoever drives: the bound loop or the
-        # blocking caller's thread before its next round.
+        # blocking caller's thread before its next round; a run admitted inside its own
+        # ``new_run`` is built by that caller right after.
+        if run is self._creating:
+            return
         self._driver.call_soon(lambda: self.build(run))
 
     def _build_again(self) -> None:
@@ -162,7 +176,7 @@ class RunBuilder:
             return  # built already (submit builds an admitted run at once) or cancelled
         run.build_started = True
         orch, args, config = run.orch
-        o = Orchestrator(self.scheduler.submit_sink, run)
+        o = Orchestrator(self._sink, run)
         tid = threading.get_ident()
         self._orch_threads[tid] = self._orch_threads.get(tid, 0) + 1
         try:
@@ -179,7 +193,7 @@ class RunBuilder:
                 self._orch_threads[tid] = n
             else:
                 del self._orch_threads[tid]
-        if inspect.isawaitable(res):
+        if res is not None and inspect.isawaitable(res):
             loop = self._driver.loop
             if loop is None:
                 if inspect.iscoroutine(res):

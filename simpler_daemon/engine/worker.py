@@ -549,11 +549,14 @@ class Worker(Lifecycle, RemoteMethods):
     ) -> Run:
         """``submit``'s work, under ``driver.lock``: create the run, build it if admitted."""
         driver = self._driver
-        if self.state is WorkerState.READY:
-            # Notice children that died while idle before dispatching to them.
-            driver.poll_now()
-        driver.run_tasks()
-        self._check_ready("submit a run")
+        # ``_state``, not the ``state`` property: this runs on every submit.
+        if self._state is not WorkerState.READY:
+            driver.run_tasks()
+            self._check_ready("submit a run")
+        else:
+            # Notice children that died while idle before dispatching to them (at most
+            # once per ``SUBMIT_POLL_S``: back-to-back runs are watched by their rounds).
+            driver.before_submit()
         run = self._runs.new_run(orch, args, config, priority, client)
         if run.admitted:
             self._runs.build(run)
@@ -579,14 +582,17 @@ class Worker(Lifecycle, RemoteMethods):
         # created when called from inside a round (a done callback): it could not end.
         driver.check_may_wait()
         with driver.lock:
-            handle = RunHandle(self, self._new_run(orch, args, config, priority, client))
-            run = handle.run
+            run = self._new_run(orch, args, config, priority, client)
             if run.terminal or driver.rounds(lambda: run.terminal, handover=True) is not None:
-                handle.wait()
+                # No RunHandle on this path: what ``handle.wait()`` raises, without it.
+                if run.orch_exception is not None:
+                    raise run.orch_exception
+                if run.error is not None:
+                    raise run.error
                 return
         # Another thread wants the lock (a submit, a cancel): it gets it, this thread
         # waits as any other (``drive_until`` drives again once the lock is free).
-        handle.wait()
+        RunHandle(self, run).wait()
 
     async def submit_async(
         self,

@@ -36,9 +36,10 @@
  * more (the Python path handles that head).  Published slots are appended to
  * `published` in order; completed ones to their lane's `done` list, as the slot (no
  * value) or as (slot, bytes) (a value of at most SUBPUMP_MAX_RESULT bytes), in
- * completion order.  The caller claims
- * and completes them.  The GIL is held throughout (Python objects are touched between
- * polls); `spin_ns` and `max_publish` bound the call. */
+ * completion order.  The caller claims and completes them.  The GIL is held while
+ * Python objects are touched; once a pass made no progress (every lane busy, or nothing
+ * more to publish) the call waits for a completion with the GIL released, yielding the
+ * core every 64 polls.  `spin_ns` and `max_publish` bound the call. */
 
 
 /* The TaskSlot fields read here, the contract with the Python side: state (only the
@@ -287,6 +288,37 @@ out:
     return rc;
 }
 
+/* Spin until a frame in flight (slot set, no stop) leaves TASK_READY or `deadline`
+ * (monotonic ns) passes, with the GIL released and a sched_yield every 64 polls. Only
+ * the frames' shared memory is read: the lanes' buffer views stay held by the caller. */
+static void
+pump_wait_unlocked(pump_lane *ln, Py_ssize_t nl, int64_t deadline)
+{
+    Py_BEGIN_ALLOW_THREADS
+    for (uint64_t it = 1;; it++) {
+        int moved = 0;
+        for (Py_ssize_t i = 0; i < nl; i++) {
+            if (ln[i].slot != NULL && !ln[i].stop &&
+                __atomic_load_n(I32_AT(ln[i].f, OFF_STATE), __ATOMIC_ACQUIRE) !=
+                    STATE_TASK_READY) {
+                moved = 1;
+                break;
+            }
+        }
+        if (moved) {
+            break;
+        }
+        cpu_relax();
+        if ((it & 63) == 0) {
+            if (monotonic_ns() >= deadline) {
+                break;
+            }
+            sched_yield();
+        }
+    }
+    Py_END_ALLOW_THREADS
+}
+
 PyObject *
 mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -430,7 +462,12 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
                 break;
             }
             else {
-                cpu_relax();
+                /* A pass without progress: every lane that can run is busy (an idle
+                 * one would have published, or closed the queue), so only a completion
+                 * can move this call on. Wait for one without the GIL (no Python object
+                 * is touched) and with a yield every few polls, so that a child woken
+                 * onto this core runs at once; the next pass completes it. */
+                pump_wait_unlocked(ln, nl, last + (int64_t)spin_ns);
             }
         }
     }

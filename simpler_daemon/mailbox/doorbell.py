@@ -21,8 +21,10 @@ of re-polling each mailbox.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
+from collections.abc import Callable
 
 from simpler_daemon.mailbox import _mailbox as _mb
 
@@ -31,12 +33,16 @@ OFF_COMPLETED = 8
 
 
 class Doorbell:
-    __slots__ = ("buf", "closed", "fd")
+    __slots__ = ("buf", "closed", "completed", "fd")
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.buf = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
         self.closed = False
+        #: ``completed()``: how many terminal publications children have announced
+        #: (wraps). A C partial, not a method: the Scheduler reads it several times per
+        #: task, and a Python frame per read cost more than the load.
+        self.completed: Callable[[], int] = functools.partial(_mb.load32, self.buf, OFF_COMPLETED)
 
     # parent side
     def park(self) -> None:
@@ -44,10 +50,6 @@ class Doorbell:
 
     def unpark(self) -> None:
         _mb.store32(self.buf, OFF_PARKED, 0)
-
-    def completed(self) -> int:
-        """How many terminal publications children have announced (wraps)."""
-        return _mb.load32(self.buf, OFF_COMPLETED)
 
     def spin(self, seen: int, spins: int) -> bool:
         """Spin in C (GIL released) until ``completed`` moves past ``seen``; False on budget."""

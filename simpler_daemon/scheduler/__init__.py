@@ -28,6 +28,7 @@ subpump.py     the C pump's per-lane records and its spin hit rate
 spingate.py    the spin-or-park decision of the coroutine and of waiting callers
 driver.py      who runs rounds (the caller's thread, the background thread, or
                one bound event loop) and the lock that keeps it one at a time
+auxloop.py     the blocking API's auxiliary loop and the tasks left on it
 sink.py        no state: the narrow interfaces the engine sees
 ============== =================================================================
 

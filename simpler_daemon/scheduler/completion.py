@@ -66,9 +66,10 @@ class RunCompletion(SchedulerState, SubmitSink):
     def finish_building(self, run: Run) -> None:
         """The orchestration function returned: the run can complete once its slots retire."""
         run.building = False
-        if run.state == RunState.BUILDING:
+        if run.state is RunState.BUILDING:
             run.state = RunState.PREPARED
-        self.finish_if_done(run)
+        if not run.remaining:
+            self.finish_if_done(run)
         self.wake()
 
     def fail_building(self, run: Run, exc: BaseException) -> None:
@@ -176,11 +177,15 @@ class RunCompletion(SchedulerState, SubmitSink):
     def finish_if_done(self, run: Run) -> None:
         if run.remaining or run.building or run.terminal:
             return
-        run.state = RunState.FAILED if run.error is not None else RunState.COMPLETED
+        run.end(RunState.FAILED if run.error is not None else RunState.COMPLETED)
         self._drop_partitions(run.run_id)
         self._promoted(self.admission.release(run))
-        self.release_run_memory(run)
-        run.emit("run")
+        if run.pins or run.scopes != [[]]:
+            self.release_run_memory(run)
+        else:
+            run.orch = None  # what release_run_memory does for a run that held nothing
+        if run.listeners:
+            run.emit("run")
         run.fire_done()
         # Break the run <-> slot cycle so a finished run is freed by reference
         # counting: cyclic garbage per run would trigger the cyclic GC every few
@@ -192,7 +197,7 @@ class RunCompletion(SchedulerState, SubmitSink):
         """A run cancelled before admission: it never ran and is FAILED now."""
         self.admission.release(run)
         run.building = False
-        run.state = RunState.FAILED
+        run.end(RunState.FAILED)
         self.release_run_memory(run)
         run.fire_done()
 

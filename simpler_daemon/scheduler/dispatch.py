@@ -173,12 +173,22 @@ class Scheduler(ProgressLoop):
                     finally:
                         self._pump_spin = True
                 self._unrounded += 1
-        self.wake()
+        # ``wake()``, inline (once per submit).
+        self._poked = True
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _sub_idle(self) -> bool:
-        # A loop, not any(<generator>): this runs on every SUB submit.
-        for lane in self.manager.sub:  # noqa: SIM110
-            if lane.active is None and lane.idle():
+        # A loop, not any(<generator>): this runs on every SUB submit. ``lane.idle()``
+        # inline, but for the endpoint's ``poisoned`` (its own rule per endpoint).
+        for lane in self.manager.sub:
+            if (
+                lane.active is None
+                and not lane.deliveries
+                and not lane.stopping
+                and not lane.endpoint.poisoned
+            ):
                 return True
         return False
 
@@ -209,64 +219,70 @@ class Scheduler(ProgressLoop):
     # -- one round -----------------------------------------------------------------------------------
 
     def round(self) -> bool:
-        """Progress, drain, dispatch. True when anything happened."""
+        """Progress, drain, dispatch. True when anything happened.
+
+        The SUB lanes go through the pump (``subpump.py``) whenever one SUB queue may
+        dispatch (``_pump_queue``, possibly empty) or the pump has tasks in flight: the
+        C loop then also completes what it published, so a plain SUB task never takes
+        the Python completion path (``lane.progress``, ``_handle_completion``)."""
         if self.in_round:
             return False
         self.in_round = True
         try:
-            return self._round()
+            self.stats["rounds"] += 1
+            self._unrounded = 0
+            self._round_seen = self.doorbell.completed()
+            self._round_at = time.monotonic()
+            pump = self._pump
+            q = None if self._held else self._pump_queue()
+            if q is not None and self.manager.sub:
+                for lane in self._lanes:
+                    if lane.inflight and not pump.owns(lane):
+                        lane.progress()
+                pump.select(self.manager.sub)
+                progressed = pump.round(self, q, self._pump_spin)
+            else:
+                progressed = False
+                for lane in self._lanes:
+                    if lane.inflight:
+                        lane.progress()
+            if self.completions:
+                progressed = True
+                comps, self.completions = self.completions, []
+                for c in comps:
+                    self._handle_completion(c)
+            if self.fair is not None:
+                if self._dispatch_fair(self.fair):
+                    progressed = True
+            else:
+                head = self.admission.head
+                if head is not None and self._dispatch(head):
+                    progressed = True
+            if self._suspect:
+                self._check_dead_lanes()
+            return progressed
         finally:
             self.in_round = False
-
-    def _round(self) -> bool:
-        self.stats["rounds"] += 1
-        self._unrounded = 0
-        self._round_seen = self.doorbell.completed()
-        self._round_at = time.monotonic()
-        q = self._pump_queue() if self.subs and not self._held else None
-        if q:
-            pump = self._pump
-            for lane in self._lanes:
-                if lane.inflight and not pump.owns(lane):
-                    lane.progress()
-            pump.select(self.manager.sub)
-            progressed = pump.round(self, q, self._pump_spin)
-        else:
-            progressed = False
-            for lane in self._lanes:
-                if lane.inflight:
-                    lane.progress()
-        if self.completions:
-            progressed = True
-            comps, self.completions = self.completions, []
-            for c in comps:
-                self._handle_completion(c)
-        if self.fair is not None:
-            if self._dispatch_fair(self.fair):
-                progressed = True
-        else:
-            head = self.admission.head
-            if head is not None and self._dispatch(head):
-                progressed = True
-        if self._suspect:
-            self._check_dead_lanes()
-        return progressed
 
     # -- the SUB fast loop (subpump.py) ------------------------------------------------------
 
     def _pump_queue(self) -> deque[TaskSlot] | None:
         """The one SUB queue that may dispatch now: the fifo head's; under fair, that of
-        the only run with SUB work (several compete in fair.py's order, in Python)."""
+        the only run with SUB work (several compete in fair.py's order, in Python).
+        ``_NO_QUEUE`` (empty) when no queue has work but the pump may still have tasks
+        in flight; None when the Python path dispatches (several fair queues)."""
+        subs = self.subs
         if self.fair is None:
             head = self.admission.head
-            return None if head is None else self.subs.get(head.run_id)
+            q = None if head is None else subs.get(head.run_id)
+            return _NO_QUEUE if q is None else q
         found = None
-        for q in self.subs.values():
+        for q in subs.values():
             if q:
                 if found is not None:
                     return None
                 found = q
-        return found
+        return _NO_QUEUE if found is None else found
 
     def _claim(self, slot: TaskSlot) -> bool:
         if slot.state != SlotState.READY:
@@ -766,6 +782,10 @@ class Scheduler(ProgressLoop):
                 now - self._stall_since,
             )
 
+
+#: The queue the pump is given when no SUB queue may dispatch: it stays empty (the pump
+#: only pops), so the call polls and completes what is in flight and publishes nothing.
+_NO_QUEUE: deque[TaskSlot] = deque()
 
 #: Sorts after every pass.
 _NO_PASS = (float("inf"), float("inf"))

@@ -24,7 +24,8 @@ without blocking, and a parked round wakes at least every ``AUX_POLL_S`` for the
 timers; such tasks count as work for the background thread like an unfinished run,
 so they progress when nobody calls the Worker. ``keeps_tasks(loop)`` tells a
 coroutine whether its loop goes on after it returned. ``bind`` first finishes them
-(the bound loop cannot step another loop); ``close_aux`` cancels what is left.
+(the bound loop cannot step another loop); ``close_aux`` cancels what is left (the
+auxiliary loop's part of the Driver is ``auxloop.py``).
 
 ``watch(fd, callback)`` / ``unwatch(fd)`` add a readable fd to whichever wait is
 active, so a caller (child pidfds, remote sockets) never needs to know the mode;
@@ -70,6 +71,7 @@ from typing import Any, Final
 
 from simpler_daemon.errors import StartupError, WorkerClosedError, WorkerStateError
 from simpler_daemon.mailbox.doorbell import Doorbell
+from simpler_daemon.scheduler.auxloop import AuxLoop
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.driverlock import DriverLock
 
@@ -88,6 +90,9 @@ MAX_NAP_S: Final = 0.1
 #: Pause instructions per look at the doorbell word while spinning (a few µs), between
 #: two ``sched_yield`` calls.
 SPIN_CHUNK: Final = 64
+
+#: A blocking submit polls the watched fds at most this often (``before_submit``).
+SUBMIT_POLL_S: Final = 0.001
 
 #: A waiter that handed the lock over looks again at least this often (its run's end
 #: and a released lock also wake it at once): a lost wake-up costs this much, no more.
@@ -118,10 +123,12 @@ def retire_background_threads(what: str) -> None:
         )
 
 
-class Driver:
-    """Drives one Scheduler from blocking code, or binds it to one event loop."""
+class Driver(AuxLoop):
+    """Drives one Scheduler from blocking code, or binds it to one event loop (the
+    auxiliary loop of the blocking API's coroutines: ``auxloop.py``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         #: Held by whoever runs rounds on a thread (and by the facade around submissions).
         self.lock = DriverLock(self)
         #: How many runs are not terminal (kept by the RunBuilder): the background
@@ -151,14 +158,11 @@ class Driver:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scheduler: Scheduler | None = None
         self._doorbell: Doorbell | None = None
-        self._aux_loop: asyncio.AbstractEventLoop | None = None
-        #: Tasks are left on ``_aux_loop`` (``drive`` returned before them): rounds step
-        #: it and the background thread drives until they ended.
-        self.aux_pending = False
         # poll(2) keeps no kernel state: the set is only the fds passed to each call.
         self._poll = select.poll()
         self._watches: dict[int, Callable[[], None]] = {}
         self._soon: list[Callable[[], None]] = []
+        self._poll_due = 0.0  # when ``before_submit`` polls next (``time.monotonic()``)
         self._tasks: list[Callable[[], Awaitable[Any]]] = []
         # Calls handed over by other threads (a session reopened in the background).
         self._foreign: list[Callable[[], None]] = []
@@ -182,23 +186,6 @@ class Driver:
             self._stopped = True
             self._foreign.clear()
         self._join_background()
-
-    def close_aux(self) -> None:
-        loop = self._aux_loop
-        if loop is not None:
-            # What is left (a control queued behind a child the close stopped) is
-            # cancelled and run to its end: no task is destroyed pending.
-            left = asyncio.all_tasks(loop)
-            for task in left:
-                task.cancel()
-            if left:
-                loop.run_until_complete(_wait_all(left))
-            self.aux_pending = False
-            # Join the loop's executor threads too: a thread left behind would make the
-            # next fork in this process (a new Worker's init) refuse to run.
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-            self._aux_loop = None
 
     # -- fd sources ------------------------------------------------------------------------------
 
@@ -230,6 +217,16 @@ class Driver:
             callback()
         if self._scheduler is not None:
             self._scheduler.wake()
+
+    def before_submit(self) -> None:
+        """A blocking submit: the deferred tasks, then ``poll_now`` (a child that died while
+        idle) at most every ``SUBMIT_POLL_S``: the rounds of a run watch the same fds."""
+        if self._tasks:
+            self.run_tasks()
+        now = time.monotonic()
+        if now >= self._poll_due or self._foreign:
+            self._poll_due = now + SUBMIT_POLL_S
+            self.poll_now()
 
     def poll_now(self) -> None:
         """Handle whatever is readable right now, without waiting."""
@@ -564,46 +561,6 @@ class Driver:
             finally:
                 self.aux_pending = bool(asyncio.all_tasks(loop))
 
-    def keeps_tasks(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Whether a task on ``loop`` goes on once the coroutine that started it returned:
-        on the bound loop, and (unbound) on the auxiliary loop ``drive`` runs, which the
-        rounds step from then on."""
-        if self.loop is not None:
-            return loop is self.loop
-        return loop is self._aux_loop
-
-    def _step_aux(self) -> None:
-        """Under ``lock``: run the auxiliary loop's ready callbacks (and due timers) once,
-        without blocking, and note whether tasks are left on it."""
-        loop = self._aux_loop
-        if loop is None:
-            self.aux_pending = False
-            return
-        if loop.is_running() or asyncio._get_running_loop() is not None:
-            # Inside ``drive`` (it runs the loop already), or a blocking call from a
-            # coroutine of another loop on this thread: the next round elsewhere steps it.
-            return
-        loop.call_soon(loop.stop)
-        loop.run_forever()
-        self.aux_pending = bool(asyncio.all_tasks(loop))
-
-    def _finish_aux(self) -> None:
-        """Under ``lock``: run the auxiliary loop until no task is left on it."""
-        loop = self._aux_loop
-        if loop is None or not self.aux_pending or loop.is_running():
-            return
-        left = asyncio.all_tasks(loop)
-        if left:
-            # ``bind`` runs on the loop being bound, where another loop cannot run: a
-            # helper thread runs this one while this thread waits (never both at once).
-            log.info("binding: finishing %d control(s) queued by the blocking API", len(left))
-            helper = threading.Thread(
-                target=loop.run_until_complete, args=(_wait_all(left),), name="simpler-aux"
-            )
-            helper.start()
-            helper.join()
-        self.aux_pending = bool(asyncio.all_tasks(loop))
-
     def drive_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """Unbound mode: wait until ``done()`` or the timeout, running Scheduler rounds on
         this thread while nobody else needs the lock.
@@ -716,7 +673,8 @@ class Driver:
         wanting: list[None] | None,
     ) -> bool | None:
         now = time.monotonic()
-        spin_s = sched.spin_budget()
+        gate = sched.spin_gate  # ``sched.spin_budget()``, without its frame
+        spin_s = gate.budget(now)
         spin_until = now + spin_s
         while True:
             # Dekker with DriverLock.acquire: it joins ``wanting`` and then looks at
@@ -739,7 +697,7 @@ class Driver:
                 return True
             now = time.monotonic()
             if progressed:
-                spin_s = sched.spin_budget()
+                spin_s = gate.budget(now)
                 spin_until = now + spin_s
             # A round dispatches all it can and drains every completion that was
             # published before `seen` was read: until the word moves again, another
@@ -786,7 +744,3 @@ class Driver:
 
 async def _as_coro(aw: Awaitable[Any]) -> Any:
     return await aw
-
-
-async def _wait_all(tasks: set[asyncio.Task[Any]]) -> None:
-    await asyncio.wait(tasks)

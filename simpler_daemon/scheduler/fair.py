@@ -107,6 +107,7 @@ class FairAdmission(Admission):
                 run.state = RunState.EXECUTING
             active.append(run)
             admitted.append(run)
+        self._top()
         return admitted
 
     def _next_waiting(self) -> Run:

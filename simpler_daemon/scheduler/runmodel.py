@@ -145,7 +145,7 @@ class TaskSlot:
         self.hashid = handle.hashid
         self.digest = handle.digest
         self.config = config
-        self.config_bytes = config.encode()
+        self.config_bytes = config.encoded
         self.blobs = blobs
         self.targets = targets
         self.group_size = len(blobs)
@@ -209,14 +209,18 @@ class Run:
     ) -> None:
         #: ``run_id``: one taken earlier with :meth:`reserve_id` (a daemon's queued run).
         self.run_id = next(Run._ids) if run_id is None else run_id
-        #: COMPLETED or FAILED; kept in step by the ``state`` setter (read on every task).
+        #: COMPLETED or FAILED (read on every task). ``state`` and ``terminal`` are plain
+        #: attributes (read several times per task): a terminal state is set with
+        #: :meth:`end`, which sets both; the other states are assigned directly.
         self.terminal = False
         self.state = RunState.BUILDING
         self.admitted = False
         self.building = True
         self.slots: list[TaskSlot] = []
         self.remaining = 0
-        self.tensor_map = TensorMap()
+        #: The run's dependency map, created by the first task with tensors (None until
+        #: then: most SUB-only runs never need one).
+        self.tensor_map: TensorMap | None = None
         self.error: TaskError | None = None
         self.lease_slot = 0
         self.lease_generation = 0
@@ -259,14 +263,10 @@ class Run:
         self.task_count = 0
         self.kept_slots: dict[int, TaskSlot] = {}
 
-    @property
-    def state(self) -> RunState:
-        return self._state
-
-    @state.setter
-    def state(self, value: RunState) -> None:
-        self._state = value
-        self.terminal = value in (RunState.COMPLETED, RunState.FAILED)
+    def end(self, state: RunState) -> None:
+        """Make the run terminal: ``state`` is COMPLETED or FAILED."""
+        self.state = state
+        self.terminal = True
 
     def add_done_callback(self, fn: Callable[[Run], None]) -> None:
         if self.terminal:
@@ -350,7 +350,7 @@ class Run:
         self.task_count = len(self.slots)
         self.kept_slots = kept
         self.slots = []
-        self.tensor_map = TensorMap()
+        self.tensor_map = None
         self.listeners = []
         self.orch = None
         self.released = True
@@ -410,7 +410,7 @@ class Run:
 
 #: What a slot's ``run`` points at once its run retired (see Scheduler.finish_if_done).
 RETIRED_RUN = Run()
-RETIRED_RUN.state = RunState.COMPLETED
+RETIRED_RUN.end(RunState.COMPLETED)
 RETIRED_RUN.building = False
 # The sentinel is run 0 and takes no id: the first real run of a process is run 1.
 RETIRED_RUN.run_id = 0
@@ -482,14 +482,17 @@ class Admission:
         self._free_leases = list(range(depth - 1, -1, -1))
         self._generation = 0
         self.closed = False
+        #: ``active[0]`` and ``active[1]`` (None when there is none): plain attributes,
+        #: read several times per task, kept in step by ``_admit``, which every change
+        #: of ``active`` ends with.
+        self.head: Run | None = None
+        self.successor: Run | None = None
 
-    @property
-    def head(self) -> Run | None:
-        return self.active[0] if self.active else None
-
-    @property
-    def successor(self) -> Run | None:
-        return self.active[1] if len(self.active) > 1 else None
+    def _top(self) -> None:
+        active = self.active
+        n = len(active)
+        self.head = active[0] if n else None
+        self.successor = active[1] if n > 1 else None
 
     def enqueue(self, run: Run) -> list[Run]:
         """Queue a run; returns the runs that became admitted (lease granted)."""
@@ -508,8 +511,10 @@ class Admission:
             run.admitted = True
             self.active.append(run)
             admitted.append(run)
-        if self.active and self.active[0].state in (RunState.BUILDING, RunState.PREPARED):
-            self.active[0].state = RunState.EXECUTING
+        self._top()
+        head = self.head
+        if head is not None and head.state in (RunState.BUILDING, RunState.PREPARED):
+            head.state = RunState.EXECUTING
         return admitted
 
     def release(self, run: Run) -> list[Run]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from simpler_daemon.endpoints.base import EndpointEvent, WorkerDispatch
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.mailbox import _mailbox as _mb
-from simpler_daemon.mailbox.layout import TASK_FRAMES
+from simpler_daemon.mailbox.layout import OFF_STATE, TASK_FRAMES, MailboxState
 from simpler_daemon.scheduler.runmodel import SlotState
 
 if TYPE_CHECKING:
@@ -66,6 +66,9 @@ _DONE: Final = 7
 assert _mb.SUBPUMP_FIELDS == 8
 
 _READY: Final = SlotState.READY
+#: Task frame 0's state word, and its value while the child runs the task.
+_OFF0: Final = TASK_FRAMES[0] + OFF_STATE
+_RUNNING: Final = int(MailboxState.TASK_READY)
 
 
 class PumpSink(Protocol):
@@ -94,31 +97,25 @@ class _Lane:
     def __init__(self, lane: WorkerThread, endpoint: LocalMailboxEndpoint) -> None:
         self.lane = lane
         self.endpoint = endpoint
-        #: [buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns, stop, done]
+        #: [buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns, stop, done];
+        #: ``stop`` set: the last call left this lane's frame to the Python path
+        #: (``progress``); ``done``: what it completed, in order (a slot, or (slot, bytes)
+        #: for a returned value), emptied by ``round``.
         self.state: list[Any] = [endpoint.buf, TASK_FRAMES[0], None, 0, 1, 0, 0, []]
         #: The lane's active dispatch while it runs a task the pump published.
         self.dispatch: WorkerDispatch | None = None
         #: ``issued_at`` of the dispatch in flight before the last call when that call
-        #: completed it (the first of ``take_done``), else 0.0: the rest of the done list
+        #: completed it (the first of the done list), else 0.0: the rest of the done list
         #: was published and completed within the call (the spin gate's samples).
         self.done_issued_at = 0.0
 
-    def take_done(self) -> list[Any]:
-        """What the last call completed on this lane, in order (a slot, or (slot, bytes)
-        for a returned value); the lane's list is emptied for the next call."""
-        done: list[Any] = self.state[_DONE]
-        out = done[:]
-        done.clear()
-        return out
-
-    @property
-    def needs_python(self) -> bool:
-        """The last call left this lane's frame to the Python path (``progress``)."""
-        return bool(self.state[_STOP])
-
 
 class SubPump:
-    """Runs ``_mailbox.sub_pump`` over the SUB lanes and mirrors its effect on them."""
+    """Runs ``_mailbox.sub_pump`` over the SUB lanes and mirrors its effect on them.
+
+    The per-lane steps (the eligibility test, the sync after the call, taking the done
+    list) are written inline in ``select``, ``pump`` and ``round``: they run for every
+    lane on every round, and a Python call each cost more than the step."""
 
     __slots__ = ("_calls", "_events", "_lanes", "_published", "_states", "_work", "hit_rate")
 
@@ -140,25 +137,19 @@ class SubPump:
         SUB lane running a task the pump published. The round polls every other busy
         lane on the Python path first, so a lane that frees up there joins the pump."""
         rec = self._lanes.get(id(lane))
-        return (
-            rec is not None
-            and rec.dispatch is not None
-            and rec.dispatch is lane.active
-            and rec.endpoint is lane.endpoint
-            and self._eligible(lane)
-        )
-
-    @staticmethod
-    def _eligible(lane: WorkerThread) -> bool:
+        if rec is None or rec.dispatch is None or rec.dispatch is not lane.active:
+            return False
         ep = lane.endpoint
+        # Eligible (the same test as ``select``): a live single-frame local SUB lane that
+        # takes tasks; not one waiting for a registration control or missing a callable
+        # (the Python dispatch checks what it has installed).
         return (
-            type(ep) is LocalMailboxEndpoint
+            rec.endpoint is ep
+            and type(ep) is LocalMailboxEndpoint
             and ep.poison_reason is None
             and not ep.stopping
             and not lane.stopping
             and lane.staged is None
-            # A lane waiting for a registration control, or missing a callable, takes
-            # its tasks from the Python dispatch (which checks what it has installed).
             and not lane.deliveries
             and not lane.missing
         )
@@ -167,14 +158,22 @@ class SubPump:
         """Pick the lanes the next ``pump`` drives: those ``owns`` says, and the idle ones."""
         work = self._work
         work.clear()
+        recs = self._lanes
         for lane in lanes:
-            if not self._eligible(lane):
-                continue
             ep = lane.endpoint
-            assert isinstance(ep, LocalMailboxEndpoint)
-            rec = self._lanes.get(id(lane))
+            if not (
+                type(ep) is LocalMailboxEndpoint
+                and ep.poison_reason is None
+                and not ep.stopping
+                and not lane.stopping
+                and lane.staged is None
+                and not lane.deliveries
+                and not lane.missing
+            ):
+                continue
+            rec = recs.get(id(lane))
             if rec is None or rec.lane is not lane or rec.endpoint is not ep:
-                rec = self._lanes[id(lane)] = _Lane(lane, ep)
+                rec = recs[id(lane)] = _Lane(lane, ep)
             active = lane.active
             if active is not None and active is not rec.dispatch:
                 continue  # published by the Python path: its progress completes it
@@ -202,23 +201,59 @@ class SubPump:
         if not states:
             return work
         spin_ns = 0
+        running: list[_Lane] | None = None
         if spin:
             self._calls += 1
             if self.hit_rate >= PUMP_MIN_HIT_RATE or self._calls % PUMP_PROBE_EVERY == 0:
                 spin_ns = PUMP_SPIN_NS
+                # The tasks still running as the call starts: one of them ending within
+                # the call is a hit (one that had ended before says nothing of the spin).
+                for rec in work:
+                    if rec.dispatch is not None and _mb.load32(rec.endpoint.buf, _OFF0) == _RUNNING:
+                        if running is None:
+                            running = []
+                        running.append(rec)
         _mb.sub_pump(states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH)
         finished = waiting = False
         for rec in work:
             st = rec.state
-            n = len(st[_DONE])
+            slot = st[_SLOT]
+            did = st[_DID]
+            done = st[_DONE]
+            n = len(done)
             d = rec.dispatch
-            if d is not None and (st[_SLOT] is not d.task_slot or st[_DID] != d.dispatch_id):
-                n -= 1  # the task in flight before the call: it may have ended before it
+            lane = rec.lane
+            ep = rec.endpoint
+            # Make the lane, its endpoint and its frame say what the call left in flight.
+            lane._next_dispatch_id = st[_NEXT]
+            if n:
+                ep.tasks_completed += n
+            rec.done_issued_at = 0.0
+            if d is not None and (slot is not d.task_slot or did != d.dispatch_id):
+                # The task in flight before the call completed inside it (it is the first
+                # of the done list; it may have ended before the call).
+                n -= 1
+                if running is not None and rec in running:
+                    finished = True  # it was running as the call started
+                rec.done_issued_at = d.issued_at
+                ep.fast_release(d)
+                lane.active = None
+                lane.inflight -= 1
+                rec.dispatch = d = None
             if n > 0:
                 finished = True  # a task published by this call ended within it
-            if st[_SLOT] is not None and not st[_STOP]:
-                waiting = True
-            self._sync(rec)
+            if slot is not None:
+                if not st[_STOP]:
+                    waiting = True
+                if d is None:
+                    d = WorkerDispatch(slot, 0, did)
+                    d.issued_at = st[_AT] / 1e9
+                    ep.fast_adopt(d, d.issued_at)
+                    lane.active = d
+                    lane.inflight += 1
+                    rec.dispatch = d
+            if st[_STOP] == 2:
+                ep.poison("publication into a non-idle task frame 0 (sub pump)")
         if spin_ns:
             # A miss: the spin ran out with tasks in flight and none it published finished.
             hit = finished or not waiting
@@ -243,43 +278,45 @@ class SubPump:
             did = True
             sched.claim_published(published)
         now = 0.0 if spin else -1.0
+        stuck: list[_Lane] | None = None
         for rec in lanes:
-            done = rec.take_done()
+            st = rec.state
+            done: list[Any] = st[_DONE]
             if done:
                 did = True
+                items = done[:]
+                done.clear()
                 if not now:
                     now = time.monotonic()
                 if now > 0.0:
-                    self._observe(sched.spin_gate, rec.done_issued_at, len(done), now)
-                sched.complete_pumped(rec.lane, done)
-        stuck: list[_Lane] = []
-        for rec in lanes:
-            lane = rec.lane
-            if lane.inflight:
-                if rec.needs_python:
+                    # Feed the spin gate (spingate.py): the task in flight before the call
+                    # (dispatched at ``done_issued_at``) took until ``now``; the others were
+                    # published and completed within the call, while the pump spun (a
+                    # hit). Without these samples the gate never learns that pumped SUB
+                    # tasks are long (500 µs tasks would keep it spinning).
+                    gate = sched.spin_gate
+                    k = len(items)
+                    if rec.done_issued_at:
+                        gate.observe(rec.done_issued_at, now)
+                        k -= 1
+                    for _ in range(k):
+                        gate.observe(now, now)
+                sched.complete_pumped(rec.lane, items)
+            if rec.lane.inflight:
+                if st[_STOP]:
+                    if stuck is None:
+                        stuck = []
                     stuck.append(rec)
                 else:
-                    self.watch(lane)
-        if len(stuck) > 1:
-            # Frames that did not end plainly (failures) reach the run in the order their
-            # tasks were dispatched, so the first failure is the one the run reports.
-            stuck.sort(key=_issued_at)
-        for rec in stuck:
-            rec.lane.progress()
+                    self.watch(rec.lane)
+        if stuck is not None:
+            if len(stuck) > 1:
+                # Frames that did not end plainly (failures) reach the run in the order
+                # their tasks were dispatched, so the first failure is the one it reports.
+                stuck.sort(key=_issued_at)
+            for rec in stuck:
+                rec.lane.progress()
         return did
-
-    @staticmethod
-    def _observe(gate: SpinGate, issued_at: float, n: int, now: float) -> None:
-        """Feed the spin gate (spingate.py) the ``n`` completions one lane's pump call made:
-        the task in flight before the call (dispatched at ``issued_at``, 0.0: none) took
-        until ``now``; the others were published and completed within the call, i.e.
-        while the pump spun (latency ~0, a hit). Without these samples the gate never
-        learns that pumped SUB tasks are long (500 µs tasks would keep it spinning)."""
-        if issued_at:
-            gate.observe(issued_at, now)
-            n -= 1
-        for _ in range(n):
-            gate.observe(now, now)
 
     def watch(self, lane: WorkerThread) -> None:
         """The rest of ``lane.progress`` for a lane the pump polled: the child's watch.
@@ -290,37 +327,6 @@ class SubPump:
         ep.watch_progress(events)
         if events:
             lane.forward(events)
-
-    @staticmethod
-    def _sync(rec: _Lane) -> None:
-        """Make the lane, its endpoint and its frame say what the C call left in flight."""
-        st = rec.state
-        lane = rec.lane
-        ep = rec.endpoint
-        lane._next_dispatch_id = st[_NEXT]
-        slot = st[_SLOT]
-        did = st[_DID]
-        d = rec.dispatch
-        done = st[_DONE]
-        if done:
-            ep.tasks_completed += len(done)
-        rec.done_issued_at = 0.0
-        if d is not None and (slot is not d.task_slot or did != d.dispatch_id):
-            # Its task completed inside the call (it is in the lane's done list).
-            rec.done_issued_at = d.issued_at
-            ep.fast_release(d)
-            lane.active = None
-            lane.inflight -= 1
-            rec.dispatch = d = None
-        if slot is not None and d is None:
-            d = WorkerDispatch(slot, 0, did)
-            d.issued_at = st[_AT] / 1e9
-            ep.fast_adopt(d, d.issued_at)
-            lane.active = d
-            lane.inflight += 1
-            rec.dispatch = d
-        if st[_STOP] == 2:
-            ep.poison("publication into a non-idle task frame 0 (sub pump)")
 
     def forget(self) -> None:
         """Drop every lane record (the lanes were replaced or stopped)."""

@@ -1134,6 +1134,39 @@ def test_sub_pump_spins_through_a_real_child(boxes: list[mmap.mmap]) -> None:
         os.waitpid(pid, 0)
 
 
+def test_sub_pump_waits_for_a_completion_without_the_gil(boxes: list[mmap.mmap]) -> None:
+    """With nothing left to publish, a spinning call waits for the task in flight with
+    the GIL released: a Python thread of this process can end the task meanwhile, and
+    the same call completes it (holding the GIL, it would spin its whole budget)."""
+    import threading
+    from collections import deque
+
+    slot = FakeSlot(1)
+    q: deque[FakeSlot] = deque([slot])
+    lanes = [lane(boxes[0])]
+    published: list[object] = []
+    assert mb.sub_pump(lanes, q, READY, published, 0, 100) == 1
+    r, w = os.pipe()
+
+    def finish() -> None:
+        os.read(r, 1)  # blocks without the GIL; to go on it needs the GIL back
+        child_done(boxes[0])
+
+    t = threading.Thread(target=finish)
+    t.start()
+    try:
+        os.write(w, b"x")
+        # Empty queue, 60 s budget: only the thread's completion can end the call early.
+        assert mb.sub_pump(lanes, q, READY, published, 60 * 10**9, 100) == 0
+    finally:
+        os.write(w, b"x")  # the thread never blocks for good, whatever failed
+        t.join(10)
+        os.close(r)
+        os.close(w)
+    assert lanes[0][7] == [slot] and lanes[0][2] is None and lanes[0][6] == 0
+    assert mb.load32(boxes[0], TASK0) == mb.STATE_IDLE
+
+
 def test_the_pumps_slot_fields_are_listed_at_both_ends() -> None:
     """The C pump reads TaskSlot attributes by name: the names in ``mb_pump_init``
     (``_mailbox_pump.c``) are ``runmodel.PUMP_SLOT_FIELDS``, and a real slot has each."""

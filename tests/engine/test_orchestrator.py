@@ -426,7 +426,7 @@ def test_run_done_callbacks_fire_once_and_immediately_when_terminal() -> None:
     run = Run()
     seen: list[int] = []
     run.add_done_callback(lambda r: seen.append(1))
-    run.state = RunState.COMPLETED
+    run.end(RunState.COMPLETED)
     run.fire_done()
     run.fire_done()
     run.add_done_callback(lambda r: seen.append(2))
@@ -455,7 +455,7 @@ def test_admission_depth_two_head_executes_successor_waits_prepared_third_waits(
     assert adm.runs() == [r1, r2, r3]
     assert {r1.lease_slot, r2.lease_slot} == {0, 1}
 
-    r1.state = RunState.COMPLETED
+    r1.end(RunState.COMPLETED)
     assert adm.release(r1) == [r3]  # release promotes
     assert adm.head is r2 and r2.state is RunState.EXECUTING
     assert adm.successor is r3 and r3.admitted and not adm.waiting
