@@ -7,14 +7,17 @@ over several rounds of one invocation::
     floor   client process --unix--> bare echo server process (bytes in, bytes out)
     daemon  client process --unix--> simpler-daemon serve (its relay, then grpc.aio)
 
-* **floor**: a minimal echo server with no servicer, no interceptor, no serializer:
-  ``grpc.aio`` on uvloop (as the daemon runs it), the sync ``grpc.server`` with a thread
+* **floor**: a minimal echo server with no servicer, no interceptor, no serializer, and a
+  client that imports nothing of ours (grpcio's defaults): ``grpc.aio`` on uvloop (as the
+  daemon runs it), the sync ``grpc.server`` with a thread
   pool, and the sync server whose handler hands each call to an asyncio loop thread and
   waits for it (what the daemon's asyncio service would need under a sync server);
   then the event-engine settings, server and channel options and client call styles on it.
 * **daemon**: a real ``simpler-daemon serve`` subprocess: ``GetInfo`` and W6's gRPC W1 (one
   empty SUB task per ``SubmitRun`` with ``wait_seconds``), through the product ``Client``
-  unless the variant names another call style.
+  unless the variant names another call style. Both import grpc through
+  ``simpler_daemon.system.grpcsetup`` (iomgr poller); ``daemon/env-ee*`` set
+  ``GRPC_EXPERIMENTS`` back to grpcio's default EventEngine on one side or both.
 
 Each server and each client is its own process, started with the variant's environment
 (``GRPC_POLL_STRATEGY`` and ``GRPC_EXPERIMENTS`` are read once, when grpc starts) and kept
