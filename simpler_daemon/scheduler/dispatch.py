@@ -222,9 +222,8 @@ class Scheduler(ProgressLoop):
         """Progress, drain, dispatch. True when anything happened.
 
         The SUB lanes go through the pump (``subpump.py``) whenever one SUB queue may
-        dispatch (``_pump_queue``, possibly empty) or the pump has tasks in flight: the
-        C loop then also completes what it published, so a plain SUB task never takes
-        the Python completion path (``lane.progress``, ``_handle_completion``)."""
+        dispatch (``_pump_queue``, possibly empty): it also completes what it published,
+        so a plain SUB task never takes the Python path (``lane.progress``)."""
         if self.in_round:
             return False
         self.in_round = True
@@ -235,12 +234,15 @@ class Scheduler(ProgressLoop):
             self._round_at = time.monotonic()
             pump = self._pump
             q = None if self._held else self._pump_queue()
-            if q is not None and self.manager.sub:
+            pumping = q is not None and bool(self.manager.sub)
+            # Under fair another run's queue may get work meanwhile: one call only.
+            chain = self.fair is None
+            if pumping:
                 for lane in self._lanes:
                     if lane.inflight and not pump.owns(lane):
                         lane.progress()
-                pump.select(self.manager.sub)
-                progressed = pump.round(self, q, self._pump_spin)
+                assert q is not None
+                progressed = pump.drive(self, q, self.manager.sub, self._pump_spin, chain=chain)
             else:
                 progressed = False
                 for lane in self._lanes:
@@ -251,6 +253,11 @@ class Scheduler(ProgressLoop):
                 comps, self.completions = self.completions, []
                 for c in comps:
                     self._handle_completion(c)
+                # What they made ready goes through the pump too: a chain one of whose
+                # tasks took the Python path (a completion left to Python) gets back.
+                q = self._pump_queue() if pumping and not self._held else None
+                if q:
+                    pump.drive(self, q, self.manager.sub, self._pump_spin, chain=chain)
             if self.fair is not None:
                 if self._dispatch_fair(self.fair):
                     progressed = True
@@ -398,14 +405,7 @@ class Scheduler(ProgressLoop):
                 capacity = self._sub_capacity()
                 if capacity < n:
                     sq.popleft()
-                    self._fail_slot(
-                        slot,
-                        FailureInfo(
-                            Outcome.SKIPPED,
-                            f"SUB group of {n} members needs {n} distinct SUB workers, "
-                            f"the pool has {capacity} that can run",
-                        ),
-                    )
+                    self._fail_slot(slot, self._group_too_big(n, capacity))
                     self.finish_if_done(slot.run)
                     continue
                 if len(idle) < n:

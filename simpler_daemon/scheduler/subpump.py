@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from simpler_daemon.scheduler.runmodel import TaskSlot
     from simpler_daemon.scheduler.spingate import SpinGate
 
-__all__ = ["PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump"]
+__all__ = ["PUMP_CHAIN_S", "PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump"]
 
 #: How long one pump call waits for a child to finish with nothing else to do (ns):
 #: an empty task's round trip fits, a longer task returns to the Scheduler (which
@@ -48,6 +48,10 @@ __all__ = ["PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump"]
 PUMP_SPIN_NS: Final = 50_000
 #: Most slots one call publishes: bounds how long a round keeps the GIL.
 PUMP_MAX_PUBLISH: Final = 128
+#: How long one round goes on calling the pump while its completions ready the head of
+#: the queue (``SubPump.drive``: a dependency chain, or a queue longer than one call
+#: publishes): the driver looks at other threads and the other lanes between rounds.
+PUMP_CHAIN_S: Final = 0.0005
 #: The pump spins while at least this share of its spinning calls saw a task finish
 #: (smoothed): for tasks longer than the spin, spinning would only take a core from the
 #: children (tasks of 500 µs of CPU, say). A hit *rate*, not a mean latency: the rare slow
@@ -77,6 +81,8 @@ class PumpSink(Protocol):
 
     #: Fed the dispatch-to-completion latency of the tasks the pump completed.
     spin_gate: SpinGate
+    #: Completions waiting for the Python path (a frame the pump left to ``progress``).
+    completions: list[Any]
 
     def claim_published(self, published: list[TaskSlot]) -> None:
         """The slots the pump just published (one run) are RUNNING: counts, the fair
@@ -259,6 +265,34 @@ class SubPump:
             hit = finished or not waiting
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         return work
+
+    def drive(
+        self,
+        sched: PumpSink,
+        q: deque[TaskSlot],
+        lanes: list[WorkerThread],
+        spin: bool,
+        *,
+        chain: bool,
+    ) -> bool:
+        """The Scheduler round's pump part: ``select`` among ``lanes``, then ``round``.
+
+        With ``spin`` (a waiting driver) and ``chain`` (fifo: no other run's queue can
+        get work meanwhile), again while what the call completed made
+        the head of ``q`` ready (a dependency chain: the next task takes the C path too,
+        not the Python dispatch of the round after) or the call stopped at
+        ``PUMP_MAX_PUBLISH``, for at most ``PUMP_CHAIN_S``; never past a completion left
+        to the Python path (a failure is seen before later tasks start)."""
+        self.select(lanes)
+        did = self.round(sched, q, spin)
+        if not (did and spin and chain and q):
+            return did
+        until = time.monotonic() + PUMP_CHAIN_S
+        while q and q[0].state is _READY and not sched.completions:
+            self.select(lanes)
+            if not self.round(sched, q, True) or time.monotonic() >= until:
+                break
+        return did
 
     def round(self, sched: PumpSink, q: deque[TaskSlot], spin: bool) -> bool:
         """The Scheduler round's part for the lanes ``select`` picked: run the C loop over
