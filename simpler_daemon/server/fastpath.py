@@ -63,7 +63,7 @@ from simpler_daemon.server.decoding import tolerant
 from simpler_daemon.server.peers import PeerCredentials, peer_credentials
 from simpler_daemon.system.localtrust import bind_private_listener
 
-__all__ = ["FastAbort", "FastContext", "FastServer"]
+__all__ = ["Deferred", "FastAbort", "FastContext", "FastServer"]
 
 log = logging.getLogger("simpler_daemon.daemon")
 
@@ -137,14 +137,37 @@ class FastContext:
         return {}
 
 
+class Deferred:
+    """What a unary handler returns on the fast path for an answer owed later: when
+    ``rec``'s run ends, or after ``timeout`` seconds (None: no limit), whichever is
+    first. The connection then writes ``finish()``'s response from that very turn (the
+    run's completion callback, or the timer), without a handler woken for it; when
+    ``finish`` raises, ``refuse(exc)`` names the status: ``(code, details, field)``."""
+
+    __slots__ = ("finish", "rec", "refuse", "timeout")
+
+    def __init__(
+        self,
+        rec: Any,
+        timeout: float | None,
+        finish: Callable[[], Any],
+        refuse: Callable[[Exception], tuple[grpc.StatusCode, str, str]],
+    ) -> None:
+        self.rec = rec
+        self.timeout = timeout
+        self.finish = finish
+        self.refuse = refuse
+
+
 class _Call:
-    """One call in flight on a connection."""
+    """One call in flight on a connection (``task``: its handler's task, or the future
+    standing for a :class:`Deferred` answer: cancelling either stops the call)."""
 
     __slots__ = ("deadline", "expired", "id", "inbound", "rejected", "task")
 
     def __init__(self, call_id: int) -> None:
         self.id = call_id
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Future[None] | None = None
         self.deadline: float | None = None  # loop.time() past which the call is expired
         self.expired = False
         #: Cancelled for an oversize request message: answered when the task is done.
@@ -383,7 +406,7 @@ class _Connection(asyncio.Protocol):
     def has_deadlines(self) -> bool:
         return any(call.deadline is not None for call in self._calls.values())
 
-    def calls(self) -> list[asyncio.Task[None]]:
+    def calls(self) -> list[asyncio.Future[None]]:
         return [c.task for c in self._calls.values() if c.task is not None]
 
     def _wake_writer(self) -> None:
@@ -442,7 +465,7 @@ class _Connection(asyncio.Protocol):
             self._send(reply)
             return
 
-        def answer(_: asyncio.Task[None]) -> None:
+        def answer(_: asyncio.Future[None]) -> None:
             self._finish(call)
             self._send(reply)
 
@@ -537,8 +560,13 @@ class _Connection(asyncio.Protocol):
             self._loop.call_soon(self._release)
 
     async def _run_unary(self, call: _Call, name: str, handler: Any, request: Any) -> None:
+        deferred = False
         try:
             response = await handler(request, self._ctx)
+            if type(response) is Deferred:
+                deferred = True
+                self._defer(call, name, response)
+                return
         except FastAbort as exc:
             reply = Reply(call.id, _CODE_NUMBER[exc.code], exc.details, exc.field)
         except asyncio.CancelledError:
@@ -553,20 +581,80 @@ class _Connection(asyncio.Protocol):
                 f"internal error in {name} ({type(exc).__name__}); see the daemon log",
             )
         else:
-            data = response.SerializeToString()
-            limit = self._server.max_message_bytes
-            if len(data) > limit:
-                reply = Reply(
-                    call.id,
-                    _CODE_NUMBER[Code.RESOURCE_EXHAUSTED],
-                    f"cannot send the {name} response: {len(data)} bytes exceed "
-                    f"limits.max_message_bytes = {limit}",
-                )
-            else:
-                reply = Reply(call.id, 0, "", "", data)
+            reply = self._answer(call.id, name, response)
         finally:
-            self._finish(call)
+            if not deferred:
+                self._finish(call)
         self._send(encode(reply))
+
+    def _answer(self, call_id: int, name: str, response: Any) -> Reply:
+        """The Reply carrying ``response`` (RESOURCE_EXHAUSTED when it is too large)."""
+        data = response.SerializeToString()
+        limit = self._server.max_message_bytes
+        if len(data) > limit:
+            return Reply(
+                call_id,
+                _CODE_NUMBER[Code.RESOURCE_EXHAUSTED],
+                f"cannot send the {name} response: {len(data)} bytes exceed "
+                f"limits.max_message_bytes = {limit}",
+            )
+        return Reply(call_id, 0, "", "", data)
+
+    def _defer(self, call: _Call, name: str, deferred: Deferred) -> None:
+        """Answer ``call`` when ``deferred``'s run ends or its wait expires, from that
+        turn. A future stands for the call meanwhile (``call.task``): a Cancel, the
+        client going away or the daemon closing cancels it; its deadline (``expire``)
+        answers DEADLINE_EXCEEDED as a handler's would."""
+        loop = self._loop
+        waiting: asyncio.Future[None] = loop.create_future()
+        timer: asyncio.TimerHandle | None = None
+
+        def answer() -> None:  # the run ended, or the wait's time is up
+            if waiting.done():
+                return
+            waiting.remove_done_callback(stopped)
+            waiting.set_result(None)
+            remove()
+            if timer is not None:
+                timer.cancel()
+            self._finish(call)
+            try:
+                reply = self._answer(call.id, name, deferred.finish())
+            except Exception as exc:  # refused as the handler would have (include_results)
+                try:
+                    code, details, field = deferred.refuse(exc)
+                except Exception as bug:  # the mapping itself failed: still answer
+                    log.error("fast path: %s failed: %s", name, bug, exc_info=bug)
+                    code, details, field = (
+                        Code.INTERNAL,
+                        f"internal error in {name} ({type(bug).__name__}); see the daemon log",
+                        "",
+                    )
+                reply = Reply(call.id, _CODE_NUMBER[code], details, field)
+            self._send(encode(reply))
+
+        def stopped(_: asyncio.Future[None]) -> None:  # cancelled before the answer
+            remove()
+            if timer is not None:
+                timer.cancel()
+            self._finish(call)
+            if call.expired:
+                self._send(
+                    encode(
+                        Reply(call.id, _CODE_NUMBER[Code.DEADLINE_EXCEEDED], "Deadline Exceeded")
+                    )
+                )
+
+        rec = deferred.rec
+        call.task = waiting
+        if rec.terminal:  # cannot happen (the handler checked, nothing ran since): be safe
+            remove: Callable[[], None] = _nothing
+            answer()
+            return
+        remove = rec.when_finished(answer)
+        if deferred.timeout is not None:
+            timer = loop.call_later(deferred.timeout, answer)
+        waiting.add_done_callback(stopped)
 
     async def _run_stream(self, call: _Call, handler: Any, request: Any) -> None:
         end = End(call.id)
@@ -593,6 +681,10 @@ class _Connection(asyncio.Protocol):
         finally:
             self._finish(call)
         self._send(encode(end))
+
+
+def _nothing() -> None:
+    pass
 
 
 class FastServer:

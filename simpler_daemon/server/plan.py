@@ -76,6 +76,8 @@ MAX_KEY: Final = 256
 SLICE_S: Final = 0.002
 #: Well-formed hashids a Planner remembers (then it starts over).
 _WELL_FORMED_KEPT: Final = 4096
+#: Plain tasks whose plan is kept for later requests (one per callable; cleared when full).
+_PLANNED_KEPT: Final = 256
 #: Longest wait (seconds) a request may ask for; more means "until it ends" (as the client
 #: library's MAX_WAIT_S): an event loop deadline further out overflows.
 MAX_WAIT_S: Final = 1e8
@@ -118,15 +120,18 @@ class Slicer:
     """Yields to the event loop once ``SLICE_S`` has passed since the last yield, so a
     long loop over a request lets other clients' calls and the Scheduler run."""
 
-    __slots__ = ("_since",)
+    __slots__ = ("_since", "paused")
 
     def __init__(self) -> None:
         self._since = time.perf_counter()
+        #: Whether it yielded at least once (the loop ran other calls meanwhile).
+        self.paused = False
 
     def due(self) -> bool:
         return time.perf_counter() - self._since > SLICE_S
 
     async def pause(self) -> None:
+        self.paused = True
         await asyncio.sleep(0)
         self._since = time.perf_counter()
 
@@ -191,12 +196,48 @@ class Planner:
         # Hashids already found well-formed (a pure check of the string, a regex costing
         # microseconds on every submitted run); bounded by _WELL_FORMED_KEPT.
         self._well_formed: set[str] = set()
+        # Plain tasks planned before (one SUB call without arguments or config, the usual
+        # small run), by hashid: (the task, its registration, the limits, the Planned).
+        # Reused while the registration is the same one and still active and the limits
+        # are unchanged (see _known); bounded by _PLANNED_KEPT.
+        self._planned: dict[str, tuple[Any, Any, LimitsConfig, Planned]] = {}
 
     def reconfigure(self, limits: LimitsConfig, callables: CallablesConfig) -> None:
         """New limits and allow-list (SIGHUP) for requests planned from now on."""
         self._limits = limits
         self._callables = callables
         self._default_config = None  # it may carry the old limits.max_task_seconds
+        self._planned.clear()
+
+    def _known(self, task: Any) -> Planned | None:
+        """The Planned of a plain task planned before, if it still holds: the same task,
+        its callable's registration the same one and active (an unregister, a reload or
+        the end of the registering session tombstones or replaces it), the same limits.
+        A plain task pins nothing, so its plan depends on nothing else."""
+        cached = self._planned.get(task.hashid)
+        if cached is None:
+            return None
+        known, entry, limits, planned = cached
+        if (
+            limits is not self._limits
+            or entry.state != "active"
+            or entry.spec.handle is not planned.handle
+            or self._worker.registry.lookup(task.hashid) is not entry
+            or task != known
+        ):
+            del self._planned[task.hashid]
+            return None
+        return planned
+
+    def _remember(self, task: Any, planned: Planned) -> None:
+        entry = self._worker.registry.lookup(task.hashid)
+        if entry is None or entry.spec.handle is not planned.handle:
+            return
+        if len(self._planned) >= _PLANNED_KEPT:
+            self._planned.clear()
+        known = pb.Task()
+        known.CopyFrom(task)
+        self._planned[task.hashid] = (known, entry, self._limits, planned)
 
     # -- single fields -------------------------------------------------------------------
 
@@ -500,17 +541,23 @@ class Planner:
             )
         return real
 
-    async def plan_run(self, request: Any, pins: set[int]) -> tuple[list[Planned], int]:
+    async def plan_run(
+        self, request: Any, pins: set[int], slicer: Slicer | None = None
+    ) -> tuple[list[Planned], int]:
         """Validate every task of a SubmitRun; returns the plan and the call count.
 
-        Yields to the loop every ``SLICE_S`` (see :class:`Slicer`). Buffers are pinned
+        Yields to the loop every ``SLICE_S`` (see :class:`Slicer`; ``slicer.paused``
+        then tells the caller that the loop ran meanwhile). Buffers are pinned
         as they are checked (``pins``, see :meth:`task_args`); the caller unpins them
         when the run ends or when planning raises.
 
         A task equal to the one before it (``[sub_task(f)] * n``, the usual big run) is
         not validated again: it gets the same :class:`Planned` (its args are encoded
         per slot at submit), so such a run costs one validation and one comparison per
-        task. Equal tasks pass or fail alike, and the first one names its index."""
+        task. Equal tasks pass or fail alike, and the first one names its index. A
+        plain task (one SUB call without arguments or config) planned by an earlier
+        request is not validated again either while its callable's registration and
+        the limits are unchanged (see :meth:`_known`)."""
         tasks = request.tasks
         limits = self._limits
         if not tasks:
@@ -526,7 +573,8 @@ class Planner:
         plan: list[Planned] = []
         total = 0
         empty = TaskArgs()
-        slicer = Slicer()
+        if slicer is None:
+            slicer = Slicer()
         prev: Any = None
         prev_planned: Planned | None = None
         for i, task in enumerate(tasks):
@@ -535,6 +583,12 @@ class Planner:
             if prev_planned is not None and task == prev:
                 plan.append(prev_planned)
                 total += len(prev_planned.members)
+                continue
+            known = self._known(task)
+            if known is not None:
+                prev, prev_planned = task, known
+                plan.append(known)
+                total += 1
                 continue
             where = f"tasks[{i}]"
             kind = task.kind
@@ -605,16 +659,20 @@ class Planner:
                 else self.default_config()
             )
             args_list: list[TaskArgs] = []
+            plain = kind == pb.TASK_KIND_SUB and not task.HasField("config")
             for m, member in enumerate(members):
                 if slicer.due():
                     await slicer.pause()
                 if not member.tensors and not member.scalars:
                     args_list.append(empty)
                 else:
+                    plain = False
                     args_list.append(self.task_args(member, f"{where}.members[{m}]", pins))
             total += len(args_list)
             prev, prev_planned = task, Planned(kind, handle, args_list, config, workers)
             plan.append(prev_planned)
+            if plain:
+                self._remember(task, prev_planned)
         return plan, total
 
 

@@ -34,7 +34,7 @@ from simpler_daemon.protocol.metadata import FIELD_METADATA, RETRY_AFTER_METADAT
 from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.decoding import BadRequest
-from simpler_daemon.server.fastpath import FastContext
+from simpler_daemon.server.fastpath import Deferred, FastContext
 from simpler_daemon.server.history import History
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.owed import OwedOutputs
@@ -69,7 +69,8 @@ def unary(fn: F) -> F:
             raise
         except Exception as exc:
             await self._abort(context, name, exc)
-        self._count(name, Code.OK)
+        if type(response) is not Deferred:  # a Deferred counts its outcome when answered
+            self._count(name, Code.OK)
         return response
 
     return wrapper  # type: ignore[return-value]
@@ -194,6 +195,15 @@ class ServiceBase:
             self._metrics.grpc_request(method, code.name)
 
     async def _abort(self, context: Any, method: str, exc: Exception) -> NoReturn:
+        code, details, trailer = self._refusal(method, exc)
+        await context.abort(code, details, trailing_metadata=trailer)
+        raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+
+    def _refusal(
+        self, method: str, exc: Exception
+    ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+        """How ``method`` refuses ``exc`` (counted, logged): its status code, details and
+        trailing metadata (the field named, a retry-after hint)."""
         code = status_of(exc)
         if code is Code.INTERNAL:
             log.error("%s failed: %s: %s", method, type(exc).__name__, exc, exc_info=exc)
@@ -215,8 +225,26 @@ class ServiceBase:
         retry_after = getattr(exc, "retry_after_ms", 0)  # runs.Backpressure: a limit for now
         if retry_after:
             trailer += ((RETRY_AFTER_METADATA, str(retry_after)),)
-        await context.abort(code, details, trailing_metadata=trailer)
-        raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+        return code, details, trailer
+
+    def _defer(
+        self, rec: Any, timeout: float | None, method: str, answer: Callable[[], Any]
+    ) -> Deferred:
+        """A fast-path call's answer owed when ``rec``'s run ends or after ``timeout``
+        seconds: ``answer()`` builds the response then (server/fastpath.py writes it from
+        the run's completion instead of waking a waiting handler). Counted as the
+        decorators count a handler's outcome."""
+
+        def finish() -> Any:
+            response = answer()
+            self._count(method, Code.OK)
+            return response
+
+        def refuse(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
+            code, details, trailer = self._refusal(method, exc)
+            return code, details, dict(trailer).get(FIELD_METADATA, "")
+
+        return Deferred(rec, timeout, finish, refuse)
 
     def _who(self, context: Any) -> Identity:
         """Who the call comes from, for ownership and quotas: what the kernel or the

@@ -13,6 +13,7 @@ costs the daemon about :data:`STATUS_BYTES` whatever its size.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -67,16 +68,25 @@ STATUS_BYTES: Final = 2048
 
 async def fingerprint(method: str, request: Any) -> bytes:
     """What an idempotency key stands for: a digest of the method and the request
-    (the caller clears fields that only say how to answer, such as ``wait_seconds``)."""
+    (the caller clears fields that only say how to answer, such as ``wait_seconds``);
+    a big request's on a thread."""
+    small = fingerprint_now(method, request)
+    if small is not None:
+        return small
+    return await asyncio.to_thread(_digest, method, request)
 
-    def digest() -> bytes:
-        h = hashlib.sha256(method.encode())
-        h.update(request.SerializeToString(deterministic=True))
-        return h.digest()
 
+def fingerprint_now(method: str, request: Any) -> bytes | None:
+    """:func:`fingerprint` of a small request, computed here (None: a big one)."""
     if request.ByteSize() > _BIG_REQUEST:
-        return await asyncio.to_thread(digest)
-    return digest()
+        return None
+    return _digest(method, request)
+
+
+def _digest(method: str, request: Any) -> bytes:
+    h = hashlib.sha256(method.encode())
+    h.update(request.SerializeToString(deterministic=True))
+    return h.digest()
 
 
 def _time_up(waiter: asyncio.Future[None]) -> None:
@@ -124,6 +134,7 @@ class RunRecord:
         "_error_pb",
         "_final",
         "_metrics",
+        "_on_end",
         "_results",
         "_slots_seen",
         "_static_total",
@@ -202,6 +213,9 @@ class RunRecord:
         self.finished = asyncio.Event()
         # Futures of wait_finished() calls (None while nobody waits): resolved at terminal.
         self._waiters: list[asyncio.Future[None]] | None = None
+        # Callbacks of when_finished() (None while there are none): called at terminal,
+        # after the table's own bookkeeping (on_finished).
+        self._on_end: list[Callable[[], None]] | None = None
         self.on_finished: Callable[[RunRecord], None] | None = None
         self.on_bind: Callable[[RunRecord], None] | None = None
         self._metrics = metrics
@@ -362,6 +376,23 @@ class RunRecord:
             waiters = self._waiters
             if waiters is not None:  # timed out or cancelled before the run ended
                 waiters.remove(waiter)
+
+    def when_finished(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` once the run is terminal (after the run table's own
+        bookkeeping), from the loop's turn that ends the run: the fast path writes a
+        waiting call's reply from there, without waking a handler. The run must not be
+        terminal yet. Returns what removes the callback (a call cancelled or expired)."""
+        assert not self._final, "when_finished on a terminal run"
+        if self._on_end is None:
+            self._on_end = []
+        callbacks = self._on_end
+        callbacks.append(callback)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                callbacks.remove(callback)
+
+        return remove
 
     # -- state -----------------------------------------------------------------------
 
@@ -743,6 +774,12 @@ class RunRecord:
             self._metrics.run_finished(name)
         if self.on_finished is not None:
             self.on_finished(self)
+        callbacks, self._on_end = self._on_end, None
+        for callback in callbacks or ():
+            try:
+                callback()
+            except Exception:  # one waiter's bug must not stop the others' replies
+                log.exception("run %d: a finish callback failed", self.run_id)
 
     def _on_done(self, run: Run) -> None:
         if self._final:

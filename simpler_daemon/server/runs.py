@@ -304,6 +304,33 @@ class RunTable:
             del self._pending_keys[key]
             done.set_result(None)
 
+    def claim_now(self, owner: str, key: str, key_print: bytes) -> int | Callable[[], None] | None:
+        """:meth:`claim_key` without a context manager or a wait (the caller has
+        checked the key with :meth:`check_key`).
+
+        Returns the run ``owner``'s ``key`` already names (a retry: answer with it), or
+        what releases the claim of a new key (the caller starts the run, then calls it
+        whatever happened), or None when another request holds the key now (the caller
+        then waits in :meth:`claim_key`). ``Precondition`` as :meth:`claim_key`.
+        """
+        shown, scoped = key, self._scoped(owner, key)
+        if scoped in self._pending_keys:
+            return None
+        run_id = self._keys.get(scoped)
+        if run_id is not None and run_id in self._runs:
+            if self._key_prints.get(scoped) != key_print:
+                raise self._reused(shown, f"run {run_id}")
+            return run_id
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        pending = self._pending_keys
+        pending[scoped] = (key_print, done)
+
+        def release() -> None:
+            del pending[scoped]
+            done.set_result(None)
+
+        return release
+
     def _must_queue(self, client: str) -> bool:
         """Whether a new run of ``client`` waits: it is at limits.per_client_runs or has
         runs waiting already (a new run never overtakes them)."""
@@ -620,6 +647,11 @@ class RunTable:
         results when asked for and the run is terminal)."""
         if not rec.terminal and timeout != 0:
             await rec.wait_finished(timeout)
+        return self.status(rec, include_results)
+
+    def status(self, rec: RunRecord, include_results: bool = False) -> Any:
+        """The run's status now (with the task results when asked for and the run is
+        terminal; ``LimitExceeded`` when they would not fit in limits.max_message_bytes)."""
         return rec.status(include_results, self._limits.max_message_bytes)
 
     def abort_drain(self) -> bool:

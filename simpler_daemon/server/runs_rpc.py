@@ -24,11 +24,13 @@ from typing import Any
 from simpler_daemon.callables import parse_import_path, resolve_import
 from simpler_daemon.errors import AccessDenied, InvalidField, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.server.fastpath import FastContext
 from simpler_daemon.server.history import UnrecordedRun
 from simpler_daemon.server.offloop import run_off_loop
 from simpler_daemon.server.owed import output_buffers
 from simpler_daemon.server.peers import Identity, client_label
 from simpler_daemon.server.plan import (
+    Slicer,
     check_label,
     check_reason,
     declarative,
@@ -36,11 +38,13 @@ from simpler_daemon.server.plan import (
     timeout_field,
 )
 from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary
-from simpler_daemon.server.runs import fingerprint
+from simpler_daemon.server.run_record import fingerprint, fingerprint_now
 
 __all__ = ["RunsRpc"]
 
 log = logging.getLogger("simpler_daemon.service")
+
+_NONE: frozenset[int] = frozenset()
 
 
 class RunsRpc(ServiceBase):
@@ -58,24 +62,57 @@ class RunsRpc(ServiceBase):
             # How to answer, not what to run: a retry may wait or ask for results or not.
             request.ClearField("wait_seconds")
             request.ClearField("include_results")
-            key_print = await fingerprint("SubmitRun", request)
+            key_print = fingerprint_now("SubmitRun", request) or await fingerprint(
+                "SubmitRun", request
+            )
         who = self._who(context)
-        if key:
+        if not key:  # nothing to claim
+            rec = await self._submit_run(request, who, key_print)
+        elif callable(claim := runs.claim_now(who.owner, key, key_print)):
+            try:  # a new key, claimed without a context manager (every client submit's path)
+                rec = await self._submit_run(request, who, key_print)
+            finally:
+                claim()
+        elif claim is not None:  # a retry: the run this key names already
+            return await self._deduplicated(claim, wait, results, context)
+        else:  # another request holds the key now: wait for it
             async with runs.claim_key(who.owner, key, key_print) as run_id:
                 if run_id is not None:
-                    response = pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
-                    if wait is not None:
-                        status = await runs.wait(runs.record(run_id), wait, include_results=results)
-                        response.status.CopyFrom(status)
-                    return response
+                    return await self._deduplicated(run_id, wait, results, context)
                 rec = await self._submit_run(request, who, key_print)
-        else:  # nothing to claim: skip the context manager (the one-task run's hot path)
-            rec = await self._submit_run(request, who, key_print)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("run %d is from client %r", rec.run_id, client_label(context))
-        response = pb.SubmitRunResponse(run_id=rec.run_id)
-        if wait is not None:
-            response.status.CopyFrom(await runs.wait(rec, wait, include_results=results))
+        if wait is None:
+            return pb.SubmitRunResponse(run_id=rec.run_id)
+        if type(context) is FastContext and wait != 0 and not rec.terminal:
+            # The reply is written from the run's completion (no handler woken for it).
+            return self._defer(rec, wait, "SubmitRun", lambda: self._submitted(rec, results))
+        await runs.wait(rec, wait)
+        return self._submitted(rec, results)
+
+    async def _deduplicated(
+        self, run_id: int, wait: float | None, results: bool, context: Any
+    ) -> Any:
+        """The answer to a retry of a submit: the run its key names (its status too when
+        the retry waits)."""
+        if wait is None:
+            return pb.SubmitRunResponse(run_id=run_id, deduplicated=True)
+        rec = self._runs.record(run_id)
+        if type(context) is FastContext and wait != 0 and not rec.terminal:
+            return self._defer(
+                rec, wait, "SubmitRun", lambda: self._submitted(rec, results, deduplicated=True)
+            )
+        await self._runs.wait(rec, wait)
+        return self._submitted(rec, results, deduplicated=True)
+
+    def _submitted(self, rec: Any, results: bool, *, deduplicated: bool = False) -> Any:
+        """The SubmitRunResponse of a waiting submit: the run's status now. Its own
+        submitter's final status is then no longer owed (a deduplicated retry's is not
+        taken: the status went to whoever submitted first as well)."""
+        response = pb.SubmitRunResponse(
+            run_id=rec.run_id, deduplicated=deduplicated, status=self._runs.status(rec, results)
+        )
+        if not deduplicated:
             self._took_status(rec)
         return response
 
@@ -96,10 +133,15 @@ class RunsRpc(ServiceBase):
             self._hold_until_done(rec, pins)
 
         try:
-            plan, total = await self._plan.plan_run(request, pins)
-            self._check_pins(who, pins, "submit a run with")
-            # Planning yielded to the loop: the daemon may have begun stopping meanwhile.
-            self._admission_checks(client, "submit a run")
+            slicer = Slicer()
+            plan, total = await self._plan.plan_run(request, pins, slicer)
+            # Every buffer a task names is pinned, an output's too (the launch hands the
+            # pins over to the run: look now).
+            buffers = bool(pins)
+            if buffers:
+                self._check_pins(who, pins, "submit a run with")
+            if slicer.paused:  # the loop ran meanwhile: the daemon may have begun stopping
+                self._admission_checks(client, "submit a run")
             rec = runs.new_record(
                 label=request.label,
                 client=client,
@@ -112,7 +154,8 @@ class RunsRpc(ServiceBase):
         except BaseException:
             self._unpin(pins)
             raise
-        self._owed.note(rec, output_buffers(m for task in request.tasks for m in task.members))
+        outputs = output_buffers(m for t in request.tasks for m in t.members) if buffers else _NONE
+        self._owed.note(rec, outputs)
         return rec
 
     @unary
@@ -204,7 +247,14 @@ class RunsRpc(ServiceBase):
             if request.HasField("timeout_seconds")
             else None
         )
-        status = await self._runs.wait(rec, timeout, include_results=request.include_results)
+        include = request.include_results
+        if type(context) is FastContext and timeout != 0 and not rec.terminal:
+            return self._defer(rec, timeout, "WaitRun", lambda: self._waited(rec, include))
+        await self._runs.wait(rec, timeout)
+        return self._waited(rec, include)
+
+    def _waited(self, rec: Any, include_results: bool) -> Any:
+        status = self._runs.status(rec, include_results)
         self._took_status(rec)
         return status
 
