@@ -13,8 +13,9 @@ Bring-up, in this order (REMOTE.md section 3)::
 
     parent                       runner (this process)                  inner children
       |-- TASK/CONTROL/SHUTDOWN -->| CommandProtocol -> frames, in order
-      |                            |   TASK -> inner.run_async(fn, args) --> SUB / chip
-      |<-- COMPLETION / REPLY -----|   CONTROL -> SessionControls.handle()
+      |                            |   TASK -> inner.submit_async(fn, args) --> SUB / chip
+      |<-- COMPLETION -------------|     written by the run's done callback (tasks.py)
+      |<-- CONTROL_REPLY ----------|   CONTROL -> SessionControls.handle()
       |<-- HEALTH every 0.2 s -----| HealthLane thread (never runs user code)
 
 The session ends (inner worker closed, nothing left behind) on command EOF,
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import faulthandler
 import hmac
+import ipaddress
 import logging
 import os
 import select
@@ -47,22 +49,16 @@ from typing import Any
 
 import msgspec
 
-from simpler_daemon.args import CallConfig
-from simpler_daemon.callables import hashid_of_digest, restrict_imports
+from simpler_daemon.callables import restrict_imports
 from simpler_daemon.children.process import set_process_title, set_title_prefix
-from simpler_daemon.engine.handle import RunHandle
 from simpler_daemon.engine.worker import Worker
-from simpler_daemon.errors import ProtocolError, TaskError
+from simpler_daemon.errors import ProtocolError
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.remote.manifest import HandshakeReply, RunnerSpec, format_host_port
 from simpler_daemon.remote.wire import (
     CONTROL_BODIES,
-    E_BAD_ARGS,
     E_CONTROL_FAILED,
-    E_DEADLINE,
     E_OK,
-    E_TASK_FAILED,
-    E_UNKNOWN_CALLABLE,
     PROTOCOL_VERSION,
     Completion,
     Control,
@@ -76,12 +72,10 @@ from simpler_daemon.remote.wire import (
 )
 from simpler_daemon.remote_worker.controls import (
     IMMEDIATE_CONTROLS,
-    BadTaskArgs,
     ControlFailure,
     InstallError,
     SessionControls,
     check_target,
-    format_exception,
 )
 from simpler_daemon.remote_worker.lanes import (
     ATTACH_BYTES,
@@ -95,14 +89,13 @@ from simpler_daemon.remote_worker.lanes import (
     server_tls,
     tune_socket,
 )
+from simpler_daemon.remote_worker.tasks import Started, TaskRunner
 
 log = logging.getLogger("simpler_daemon.remote.session")
 
-#: After a reply, spin this long for the parent's next request before the loop parks.
+#: After a reply, spin this long for the parent's next request before the loop parks
+#: (a parent on another host only: see ``parent_on_this_host``).
 LINGER_S = 0.0002
-#: A run past its deadline gets this long to stop (its children are SIGKILLed) before the
-#: runner answers anyway: well inside the parent's margin, so the session survives.
-DEADLINE_STOP_S = 0.5
 
 
 class StartFailure(Exception):
@@ -138,7 +131,8 @@ class SessionRunner:
         self.health: HealthLane | None = None
         self.candidates: dict[CommandProtocol, None] = {}
         self.stop_seen = threading.Event()
-        #: Seconds to spin for the next request after a reply (see ``_linger``).
+        #: Seconds to spin for the next request after a reply (see ``_linger``); 0 once
+        #: the parent turns out to share this host's CPUs.
         self.linger_s = LINGER_S
         self._linger_poll: select.poll | None = None
         self.command: CommandProtocol | None = None
@@ -149,7 +143,13 @@ class SessionRunner:
         self._command_ready: asyncio.Future[None] | None = None
         self._queue: deque[Frame] = deque()
         self._busy = False
+        #: The coroutine of the request in flight: a control, a TASK's submission or the
+        #: stop of a late run (None while a TASK's run goes on by itself).
         self._current: asyncio.Task[None] | None = None
+        self.tasks: TaskRunner | None = None
+        #: The TASK whose inner run is in flight (its done callback replies).
+        self._started: Started | None = None
+        self._loop_thread = 0
         self._next_seq = 1
 
     # -- bring-up (synchronous, single-threaded until the health thread starts) -------------------
@@ -198,6 +198,7 @@ class SessionRunner:
             allowed_modules=allowed,
             session_generation=m.session_generation,
         )
+        self.tasks = TaskRunner(inner, self.controls, self.worker_id, self.host)
         for i, c in enumerate(m.callables):
             try:
                 self.controls.install(c.hashid, c.kind, c.target)
@@ -277,6 +278,7 @@ class SessionRunner:
         """Attach, HELLO, serve until a stop reason; returns the exit code."""
         loop = asyncio.get_running_loop()
         self.loop = loop
+        self._loop_thread = threading.get_ident()
         self._stopped = loop.create_future()
         self._health_ready = loop.create_future()
         self._command_ready = loop.create_future()
@@ -303,6 +305,8 @@ class SessionRunner:
                 # Attached: nobody may connect any more, and a late candidate must be
                 # refused by the kernel, not left waiting in a listen backlog.
                 self._close_listeners()
+                if parent_on_this_host(self.command):
+                    self.linger_s = 0.0
                 self._send_hello()
                 assert self.health is not None
                 self.health.beat_event.set()
@@ -452,36 +456,116 @@ class SessionRunner:
                 continue
             self._busy = True
             assert self.loop is not None
-            self._current = self.loop.create_task(self._handle(frame))
-
-    async def _handle(self, frame: Frame) -> None:
-        try:
             if frame.type is FrameType.TASK:
-                assert isinstance(frame.payload, Task)
-                reply = await self._run_task(frame.sequence, frame.payload)
-                data = encode_frame(
-                    FrameType.COMPLETION, self.session_id, self.worker_id, frame.sequence, reply
-                )
+                assert isinstance(payload, Task)
+                self._current = self.loop.create_task(self._start_task(frame.sequence, payload))
             else:
-                assert isinstance(frame.payload, Control)
-                data = await self._control(frame.sequence, frame.payload)
-            self._write(data)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a runner bug: end the session rather than hang the parent
-            log.exception("worker %d: request %d failed", self.worker_id, frame.sequence)
-            self.stop(1, f"internal error handling sequence {frame.sequence}: {exc!r}")
-        finally:
-            self._busy = False
-            self._current = None
+                self._current = self.loop.create_task(self._handle_control(frame))
+
+    def _reply(self, seq: int, data: bytes) -> None:
+        """Write a request's reply and go on with the next one (the request is over)."""
+        self._write(data)
+        self._busy = False
+        self._current = None
         self._pump()
         if not self._busy and not self._queue:
             self._linger()
 
+    def _internal_error(self, seq: int, exc: BaseException) -> None:
+        """A runner bug: end the session rather than hang the parent."""
+        log.error("worker %d: request %d failed", self.worker_id, seq, exc_info=exc)
+        self.stop(1, f"internal error handling sequence {seq}: {exc!r}")
+
+    def _complete(self, seq: int, reply: Completion) -> None:
+        self._reply(
+            seq, encode_frame(FrameType.COMPLETION, self.session_id, self.worker_id, seq, reply)
+        )
+
+    async def _start_task(self, seq: int, task: Task) -> None:
+        """Prepare and submit a TASK's inner run; its done callback replies (``_task_ended``)."""
+        tasks = self.tasks
+        assert tasks is not None and self.loop is not None
+        try:
+            prepared = tasks.prepare(seq, task)
+            if isinstance(prepared, Completion):
+                self._complete(seq, prepared)
+                return
+            started_at = self.loop.time()
+            started = await tasks.submit(seq, task, *prepared)
+            if isinstance(started, Completion):
+                self._complete(seq, started)
+                return
+            self._current = None  # nothing to cancel: the run ends on its own
+            self._started = started
+            if started.deadline_ms:
+                started.timer = self.loop.call_at(
+                    started_at + started.deadline_ms / 1000.0, self._task_late, started
+                )
+            started.handle.add_done_callback(lambda _: self._task_ended(started))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._internal_error(seq, exc)
+
+    def _task_ended(self, started: Started) -> None:
+        """The inner run of ``started`` is terminal: write its COMPLETION now (no task hop)."""
+        if threading.get_ident() != self._loop_thread:
+            self.call_threadsafe(self._task_ended, started)
+            return
+        if started.late or self._started is not started:
+            return  # the deadline's coroutine answers (or the session is ending)
+        self._started = None
+        if started.timer is not None:
+            started.timer.cancel()
+        assert self.tasks is not None
+        try:
+            reply = self.tasks.completion(started)
+        except Exception as exc:
+            self._internal_error(started.sequence, exc)
+            return
+        self._complete(started.sequence, reply)
+
+    def _task_late(self, started: Started) -> None:
+        """``deadline_ms`` passed before the run ended: stop it, then answer E_DEADLINE."""
+        if self._started is not started or started.handle.done():
+            return  # its done callback is on its way
+        started.late = True
+        started.timer = None
+        assert self.loop is not None
+        self._current = self.loop.create_task(self._answer_late(started))
+
+    async def _answer_late(self, started: Started) -> None:
+        assert self.tasks is not None
+        try:
+            reply = await self.tasks.stop_late(started)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._internal_error(started.sequence, exc)
+            return
+        self._started = None
+        self._complete(started.sequence, reply)
+
+    async def _handle_control(self, frame: Frame) -> None:
+        try:
+            assert isinstance(frame.payload, Control)
+            data = await self._control(frame.sequence, frame.payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._internal_error(frame.sequence, exc)
+            return
+        self._reply(frame.sequence, data)
+
     def _linger(self) -> None:
         """Spin briefly on the command socket after a reply: a parent that sends its next
         request at once then finds this loop awake instead of paying the wake-up of a
-        parked process (the same spin-then-park as the mailbox children)."""
+        parked process (the same spin-then-park as the mailbox children).
+
+        Not for a parent on this host: there the spin holds the CPU the parent needs to
+        read the reply and send that next request (with the SUB child's own spin, both
+        cores of a 2-core host), so it delays what it waits for; W7 on loopback measured
+        0.72 x the round trip without it (docs/remote.md, "Latency of one remote task")."""
         proto = self.command
         transport = proto.transport if proto is not None else None
         sock = transport.get_extra_info("socket") if transport is not None else None
@@ -537,96 +621,10 @@ class SessionRunner:
                 FrameType.CONTROL_REPLY, self.session_id, self.worker_id, seq, reply
             )
 
-    async def _run_task(self, seq: int, task: Task) -> Completion:
-        controls = self.controls
-        inner = self.inner
-        assert controls is not None and inner is not None
-        controls.counters.tasks += 1
-        hashid = hashid_of_digest(task.digest)
-        where = f"remote worker {self.worker_id} (host {self.host})"
-        fn = controls.resolve(task.digest)
-        if fn is None:
-            controls.counters.tasks_failed += 1
-            return Completion(
-                error_code=E_UNKNOWN_CALLABLE,
-                error_text=clip_text(
-                    f"callable hash {hashid} not registered on worker {self.worker_id} "
-                    f"(host {self.host})"
-                ),
-            )
-        ident = f"hashid={hashid}, sequence={seq}"
-        try:
-            c = task.config
-            config = CallConfig(
-                c.deadline_ms, c.threads, c.enable_profile, c.enable_dump_args, c.output_prefix
-            )
-            args = controls.task_args(task.tensors, task.scalars)
-        except (BadTaskArgs, ValueError) as exc:
-            controls.counters.tasks_failed += 1
-            return Completion(
-                error_code=E_BAD_ARGS,
-                error_text=clip_text(f"{where} cannot run {ident}: {exc}"),
-            )
-        started = time.monotonic()
-        try:
-            handle = await inner.submit_async(fn, args, config)
-            timeout = None
-            if config.deadline_ms:
-                timeout = max(0.0, started + config.deadline_ms / 1000.0 - time.monotonic())
-            try:
-                await handle.wait_async(timeout)
-            except TimeoutError:
-                if handle.done():
-                    raise  # the orchestration itself raised TimeoutError
-                state = await self._stop_run(handle, config.deadline_ms)
-                controls.counters.tasks_failed += 1
-                return Completion(
-                    error_code=E_DEADLINE,
-                    error_text=clip_text(
-                        f"{where} run failed: {ident}: deadline exceeded "
-                        f"({config.deadline_ms} ms); {state}"
-                    ),
-                )
-        except TaskError as exc:
-            controls.counters.tasks_failed += 1
-            first = str(exc).split("\n", 1)[0]
-            return Completion(
-                error_code=E_TASK_FAILED,
-                error_text=clip_text(f"{where} run failed: {ident}: {first}"),
-                traceback=clip_text(exc.remote_text or format_exception(exc)),
-            )
-        except Exception as exc:
-            controls.counters.tasks_failed += 1
-            return Completion(
-                error_code=E_TASK_FAILED,
-                error_text=clip_text(f"{where} run failed: {ident}: {type(exc).__name__}: {exc}"),
-                traceback=clip_text(format_exception(exc)),
-            )
-        finally:
-            controls.task_done()
-        return Completion(error_code=E_OK, error_text="")
-
-    async def _stop_run(self, handle: RunHandle, deadline_ms: int) -> str:
-        """Stop a run past its deadline as the local engine does: its running tasks'
-        children are killed (and replaced by the inner worker), the rest never starts.
-        Waits at most ``DEADLINE_STOP_S``, so the parent has the reply well inside its
-        own margin (``TASK_DEADLINE_GRACE_S``) and keeps the session. Returns what
-        became of the run, for the error text."""
-        assert self.inner is not None
-        self.inner.cancel(handle, terminate=True, reason=f"deadline exceeded ({deadline_ms} ms)")
-        with contextlib.suppress(Exception):
-            await handle.wait_async(DEADLINE_STOP_S)
-        if handle.done():
-            return "the run was stopped (its running tasks killed, their workers replaced)"
-        log.warning(
-            "worker %d: a run past its deadline of %d ms is still stopping after %.1f s",
-            self.worker_id,
-            deadline_ms,
-            DEADLINE_STOP_S,
-        )
-        return "the run was cancelled and is still stopping"
-
     async def _shutdown(self) -> None:
+        started, self._started = self._started, None  # its done callback answers no more
+        if started is not None and started.timer is not None:
+            started.timer.cancel()
         current = self._current
         if current is not None:
             current.cancel()
@@ -655,6 +653,24 @@ class SessionRunner:
             if sock is not None:
                 sock.close()
         self.command_listener = self.health_listener = None
+
+
+def parent_on_this_host(proto: CommandProtocol | None) -> bool:
+    """True when the command connection comes from this host: a loopback peer, or a peer
+    with the connection's own local address (both ends share this host's CPUs)."""
+    transport = proto.transport if proto is not None else None
+    if transport is None:
+        return False
+    peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not peer or not local:
+        return False
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or peer[0] == local[0]
 
 
 def _write_ready(fd: int, reply: HandshakeReply) -> None:

@@ -63,6 +63,7 @@ from simpler_daemon.remote.wire import (
     encode_payload,
 )
 from simpler_daemon.remote_worker.controls import BadTaskArgs, ControlFailure, SessionControls
+from simpler_daemon.remote_worker.session import parent_on_this_host
 from simpler_daemon.testing import child_pids, descendants, poll_for, self_signed_cert
 
 pytestmark = pytest.mark.timeout(60)
@@ -588,6 +589,97 @@ def test_task_deadline(runner: Runner) -> None:
     # Answered within the runner's stop bound, far inside the parent's grace of 2 s.
     assert time.monotonic() - start < 1.5 + 10
     assert runner.task("tests.support.l3_jobs:sleep_sub_remote", scalars=[1]).error_code == E_OK
+
+
+def test_requests_sent_back_to_back_are_answered_in_order(runner: Runner) -> None:
+    """The parent may write a TASK and what follows it at once: the runner answers the
+    TASK from its run's end (a done callback, no coroutine waiting), then the next ones,
+    in order, each after the side effects of the one before."""
+    buf = runner.alloc([4], "int64")
+    fill = Task(
+        digest=digest("tests.support.l3_jobs:fill_remote"),
+        config=WireConfig(),
+        tensors=[tensor(buf, [4], "int64")],
+        scalars=[5],
+    )
+    slow = Task(
+        digest=digest("tests.support.l3_jobs:sleep_sub_remote"),
+        config=WireConfig(),
+        tensors=[],
+        scalars=[100],
+    )
+    raw = CopyFrom(buffer_id=buf.buffer_id, generation=buf.generation, offset=0, nbytes=32)
+    read = Control(name="copy_from", version=1, body=encode_payload(raw))
+    seqs = [
+        runner.send(FrameType.TASK, slow),
+        runner.send(FrameType.TASK, fill),
+        runner.send(FrameType.CONTROL, read),
+        runner.send(FrameType.TASK, slow),
+    ]
+    frames = [runner.read_frame() for _ in seqs]
+    assert [(f.type, f.sequence) for f in frames] == [
+        (FrameType.COMPLETION, seqs[0]),
+        (FrameType.COMPLETION, seqs[1]),
+        (FrameType.CONTROL_REPLY, seqs[2]),
+        (FrameType.COMPLETION, seqs[3]),
+    ]
+    for f in frames[:2] + frames[3:]:
+        assert isinstance(f.payload, Completion) and f.payload.error_code == E_OK, f.payload
+    reply = frames[2].payload
+    assert isinstance(reply, ControlReply) and reply.error_code == E_OK, reply
+    assert np.frombuffer(reply.result, dtype=np.int64).tolist() == [5] * 4
+
+
+def test_a_run_that_fails_after_a_deadline_config_was_cached(runner: Runner) -> None:
+    """One CallConfig per wire config is kept: a deadline still applies to the second
+    task that carries it, and a failure after a success is still reported."""
+    config = WireConfig(deadline_ms=5000)
+    first = runner.task("tests.support.l3_jobs:sleep_sub_remote", scalars=[1], config=config)
+    assert first.error_code == E_OK, first
+    failed = runner.task("tests.support.l3_jobs:fail_remote", config=config)
+    assert failed.error_code == E_TASK_FAILED, failed
+    late = runner.task(
+        "tests.support.l3_jobs:sleep_sub_remote", scalars=[3000], config=WireConfig(deadline_ms=200)
+    )
+    assert late.error_code == E_DEADLINE and "deadline exceeded (200 ms)" in late.error_text, late
+    again = runner.task(
+        "tests.support.l3_jobs:sleep_sub_remote", scalars=[3000], config=WireConfig(deadline_ms=200)
+    )
+    assert again.error_code == E_DEADLINE, again
+    assert runner.task("tests.support.l3_jobs:sleep_sub_remote", scalars=[1]).error_code == E_OK
+
+
+class _Transport:
+    def __init__(self, peer: tuple[Any, ...] | None, local: tuple[Any, ...] | None) -> None:
+        self.extra = {"peername": peer, "sockname": local}
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.extra[name]
+
+
+class _Proto:
+    def __init__(self, peer: tuple[Any, ...] | None, local: tuple[Any, ...] | None) -> None:
+        self.transport = _Transport(peer, local)
+
+
+@pytest.mark.parametrize(
+    ("peer", "local", "expected"),
+    [
+        (("127.0.0.1", 5000), ("127.0.0.1", 19000), True),
+        (("127.8.9.10", 5000), ("127.0.0.1", 19000), True),
+        (("::1", 5000, 0, 0), ("::1", 19000, 0, 0), True),
+        (("::ffff:127.0.0.1", 5000, 0, 0), ("::ffff:127.0.0.1", 19000, 0, 0), True),
+        (("10.0.0.2", 5000), ("10.0.0.2", 19000), True),
+        (("10.0.0.1", 5000), ("10.0.0.2", 19000), False),
+        (("fd00::1", 5000, 0, 0), ("fd00::2", 19000, 0, 0), False),
+        (None, ("10.0.0.2", 19000), False),
+    ],
+)
+def test_the_runner_lingers_only_for_a_parent_on_another_host(
+    peer: tuple[Any, ...] | None, local: tuple[Any, ...] | None, expected: bool
+) -> None:
+    assert parent_on_this_host(_Proto(peer, local)) is expected  # type: ignore[arg-type]
+    assert parent_on_this_host(None) is False
 
 
 def test_health_beats_while_orchestration_blocks_the_loop(runner: Runner) -> None:
