@@ -164,6 +164,8 @@ class RemoteL3Endpoint:
         self._health_fd = self._health.fileno()
         self._watched: list[int] = [self._cmd_fd, self._health_fd]
         self._unwatch: Callable[[int], object] | None = None
+        #: True once a watcher reads the sockets for us (see ``set_fd_watcher``).
+        self._watcher_reads = False
         self._lock = threading.RLock()
         sid, wid = session.session_id, worker_id
         self._cmd_dec = FrameDecoder(session_id=sid, worker_id=wid, allowed=_COMMAND_TYPES)
@@ -240,20 +242,49 @@ class RemoteL3Endpoint:
         return list(self._watched)
 
     def set_fd_watcher(self, unwatch: Callable[[int], object]) -> None:
-        """``unwatch(fd)`` is called before the endpoint stops reading ``fd``."""
+        """``unwatch(fd)`` is called before the endpoint stops reading ``fd``.
+
+        From now on the watcher calls :meth:`on_readable` whenever a socket is
+        readable, so ``submit_progress`` and ``poll_progress`` no longer read the
+        sockets themselves (four ``recv`` calls that would block, per task); with TLS
+        they still do, as decrypted bytes may wait where ``poll(2)`` cannot see them.
+        """
         self._unwatch = unwatch
+        self._watcher_reads = not (self._cmd_ssl or self._health_ssl)
 
-    def on_readable(self) -> None:
-        """Drain both sockets without blocking; never raises (the loop's reader callback)."""
+    def on_readable(self, fd: int | None = None) -> None:
+        """Drain the socket ``fd`` (both when None) without blocking; never raises (the
+        loop's reader callback: naming the fd that is readable spares a ``recv`` of the
+        other lane that would block, once per task)."""
         with self._lock:
-            self._safe_pump()
+            if fd is None or self.failure is not None or self.closed:
+                self._safe_pump()
+                return
+            try:
+                if self._out is not None:
+                    self._flush()
+                if self.failure is None:
+                    if fd == self._cmd_fd:
+                        self._read_command()
+                    elif fd == self._health_fd:
+                        self._read_health()
+                    else:
+                        self._pump()  # not one of ours: read both, as without a name
+                        return
+                if self.failure is None and self._queue:
+                    self._check_clocks(time.monotonic())
+            except Exception as exc:
+                log.exception("%s: progress failed", self.label)
+                self._fail(f"internal error: {type(exc).__name__}: {exc}")
 
-    def _safe_pump(self) -> None:
-        """``_pump`` when healthy; a bug in it fails this endpoint instead of its caller."""
+    def _safe_pump(self, read: bool = True) -> None:
+        """``_pump`` when healthy; a bug in it fails this endpoint instead of its caller.
+
+        ``read=False``: only the pending write and the clocks, when the watcher reads."""
         if self.failure is not None or self.closed:
             return
         try:
-            self._pump()
+            self._pump(read or not self._watcher_reads)
         except Exception as exc:
             log.exception("%s: progress failed", self.label)
             self._fail(f"internal error: {type(exc).__name__}: {exc}")
@@ -263,8 +294,9 @@ class RemoteL3Endpoint:
     def submit_progress(self, d: WorkerDispatch) -> None:
         """Queue ``d`` as a TASK and start writing it; ``EndpointError`` on refusal."""
         with self._lock:
-            # Drain first: an idle endpoint judges a closed health lane only now.
-            self._safe_pump()
+            # Drain first: an idle endpoint judges a closed health lane only now (unless
+            # the watcher reads: then it already did, on the poll before this dispatch).
+            self._safe_pump(read=False)
             if self.failure is not None:
                 raise EndpointError(
                     f"cannot submit to {self.label}: endpoint failed ({self.failure})"
@@ -298,7 +330,7 @@ class RemoteL3Endpoint:
     def poll_progress(self, out: list[EndpointEvent]) -> None:
         """Append ACCEPTED / COMPLETED events; never blocks."""
         with self._lock:
-            self._safe_pump()
+            self._safe_pump(read=False)
             events = self._events
             if events:
                 for ev in events:
@@ -347,13 +379,14 @@ class RemoteL3Endpoint:
             else:
                 head.deadline = now + head.timeout
 
-    def _pump(self) -> None:
-        """Write what is pending, read both lanes, check the clocks (lock held, healthy)."""
+    def _pump(self, read: bool = True) -> None:
+        """Write what is pending, read both lanes (``read``), check the clocks (lock held,
+        healthy)."""
         if self._out is not None:
             self._flush()
-        if self.failure is None:
+        if read and self.failure is None:
             self._read_command()
-        if self.failure is None:
+        if read and self.failure is None:
             self._read_health()
         if self.failure is None and self._queue:
             self._check_clocks(time.monotonic())

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -340,14 +340,17 @@ class RemoteFleet(RemoteBuffers):
         driver = self._driver
         assert driver is not None
 
-        def readable() -> None:
-            ep.on_readable()
-            if ep.poisoned:
-                self._failed_idle(ep)
+        def readable(fd: int) -> Callable[[], None]:
+            def read() -> None:
+                ep.on_readable(fd)  # that lane only: the other one has nothing to read
+                if ep.poisoned:
+                    self._failed_idle(ep)
+
+            return read
 
         ep.set_fd_watcher(driver.unwatch)
         for fd in ep.wake_fds():
-            driver.watch(fd, readable)
+            driver.watch(fd, readable(fd))
 
     def _unwatch(self, ep: Any) -> None:
         if self._driver is not None:
