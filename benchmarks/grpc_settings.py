@@ -22,8 +22,11 @@ over several rounds of one invocation::
 Each server and each client is its own process, started with the variant's environment
 (``GRPC_POLL_STRATEGY`` and ``GRPC_EXPERIMENTS`` are read once, when grpc starts) and kept
 for all rounds; the driver asks each client in turn for one round of ``n`` calls. Figures:
-the median of the per-round medians, and each round's ratio to its family's baseline
-(``floor/aio`` and ``daemon/base``) measured in the same round.
+the median of the per-round medians, each round's ratio to its family's baseline
+(``floor/aio`` and ``daemon/base``) measured in the same round, and the CPU time per call
+of the server process (every thread of it; a daemon's SUB workers are not counted) and of
+the client process, from ``/proc/<pid>/task/*/schedstat`` around each round: less
+disturbed by a busy machine than the wall time.
 
 ``--old-tree PATH`` adds the variant ``daemon/old-tree``: the daemon and its client from
 another checkout (``git worktree add``; build its extension in place first), for a
@@ -398,38 +401,34 @@ def _client(spec: dict[str, Any]) -> None:
 
             calls["w1"] = w1
 
-    async def round_async(n: int) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for name, fn in calls.items():
-            samples = []
-            for _ in range(n):
-                t0 = clock()
-                await fn()
-                samples.append(clock() - t0)
-            out[name] = samples
-        return out
+    async def round_async(fn: Any, n: int) -> list[int]:
+        samples = []
+        for _ in range(n):
+            t0 = clock()
+            await fn()
+            samples.append(clock() - t0)
+        return samples
 
-    def round_sync(n: int) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for name, fn in calls.items():
-            samples = []
-            for _ in range(n):
-                t0 = clock()
-                fn()
-                samples.append(clock() - t0)
-            out[name] = samples
-        return out
+    def round_sync(fn: Any, n: int) -> list[int]:
+        samples = []
+        for _ in range(n):
+            t0 = clock()
+            fn()
+            samples.append(clock() - t0)
+        return samples
 
-    def one_round(n: int) -> dict[str, list[int]]:
+    def one_round(call: str, n: int) -> list[int]:
         if loop is not None:
-            return loop.run_until_complete(round_async(n))
-        return round_sync(n)
+            return loop.run_until_complete(round_async(calls[call], n))
+        return round_sync(calls[call], n)
 
-    one_round(WARM_UP_CALLS)
-    sys.stdout.write("READY\n")
+    for call in calls:
+        one_round(call, WARM_UP_CALLS)
+    sys.stdout.write("READY " + ",".join(calls) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:
-        sys.stdout.write(json.dumps(one_round(int(line))) + "\n")
+        call, n = line.split()
+        sys.stdout.write(json.dumps(one_round(call, int(n))) + "\n")
         sys.stdout.flush()
     for closer in closers:
         closer.close()
@@ -438,12 +437,24 @@ def _client(spec: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- the driver
 
 
-def _wait_ready(proc: subprocess.Popen[str], what: str) -> None:
+def _wait_ready(proc: subprocess.Popen[str], what: str) -> list[str]:
+    """Wait for the child's ``READY [call,...]`` line: its call names."""
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if line.strip() != "READY":
+    words = proc.stdout.readline().split()
+    if words[:1] != ["READY"]:
         proc.wait(STOP_TIMEOUT)
         raise RuntimeError(f"{what} did not start (exit {proc.returncode}); see its stderr above")
+    return words[1].split(",") if len(words) > 1 else []
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time so far of every live thread of ``pid`` (``/proc/<pid>/task/*/schedstat``)."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+    return total
 
 
 def _spawn(mode: str, spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -473,8 +484,9 @@ heap_bytes = 16777216
 
 
 @contextlib.contextmanager
-def _daemon(directory: Path, env: dict[str, str]) -> Iterator[tuple[str, str]]:
-    """A ``simpler-daemon serve`` subprocess; yields its (public, private) socket paths."""
+def _daemon(directory: Path, env: dict[str, str]) -> Iterator[tuple[str, str, int]]:
+    """A ``simpler-daemon serve`` subprocess; yields its (public, private) socket paths
+    and its pid."""
     directory.mkdir()
     config = directory / "daemon.toml"
     config.write_text(_daemon_config(directory))
@@ -506,7 +518,7 @@ def _daemon(directory: Path, env: dict[str, str]) -> Iterator[tuple[str, str]]:
                     break
         run = directory / "run"
         private = [p for p in run.iterdir() if p.is_socket() and "priv" in p.name]
-        yield str(run / "daemon.sock"), str(private[0]) if private else ""
+        yield str(run / "daemon.sock"), str(private[0]) if private else "", proc.pid
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -525,6 +537,8 @@ def _daemon(directory: Path, env: dict[str, str]) -> Iterator[tuple[str, str]]:
 class _Cell:
     variant: Variant
     client: subprocess.Popen[str]
+    server_pid: int
+    calls: list[str]
     rounds: list[dict[str, dict[str, float]]] = field(default_factory=list)
 
 
@@ -553,15 +567,15 @@ def measure(variants: list[Variant], rounds: int, n: int) -> dict[str, Any]:
     cells: list[_Cell] = []
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-grpcset-")))
-        servers: dict[tuple[Any, ...], dict[str, str]] = {}
+        servers: dict[tuple[Any, ...], dict[str, Any]] = {}
         for i, v in enumerate(variants):
             key = v.server_key()
             if key in servers:
                 continue
             env = _env(v.server_env(), v.tree)
             if v.family == "daemon":
-                public, private = stack.enter_context(_daemon(tmp / f"d{i}", env))
-                servers[key] = {"socket": public, "private_socket": private}
+                public, private, pid = stack.enter_context(_daemon(tmp / f"d{i}", env))
+                servers[key] = {"socket": public, "private_socket": private, "pid": pid}
                 continue
             path = str(tmp / f"echo{i}.sock")
             spec = {
@@ -572,7 +586,7 @@ def measure(variants: list[Variant], rounds: int, n: int) -> dict[str, Any]:
             proc = _spawn("--serve-echo", spec, env)
             stack.callback(_stop, proc)
             _wait_ready(proc, f"echo server for {v.name}")
-            servers[key] = {"socket": path, "private_socket": ""}
+            servers[key] = {"socket": path, "private_socket": "", "pid": proc.pid}
         for v in variants:
             where = servers[v.server_key()]
             if v.private and not where["private_socket"]:
@@ -590,20 +604,31 @@ def measure(variants: list[Variant], rounds: int, n: int) -> dict[str, Any]:
             }
             client = _spawn("--client", spec, _env(v.client_env(), v.tree))
             stack.callback(_stop, client)
-            _wait_ready(client, f"client of {v.name}")
-            cells.append(_Cell(v, client))
+            calls = _wait_ready(client, f"client of {v.name}")
+            cells.append(_Cell(v, client, where["pid"], calls))
         for r in range(rounds):
             order = cells if r % 2 == 0 else cells[::-1]
             for cell in order:
-                assert cell.client.stdin is not None and cell.client.stdout is not None
-                cell.client.stdin.write(f"{n}\n")
-                cell.client.stdin.flush()
-                line = cell.client.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"the client of {cell.variant.name} exited mid-round")
-                got = json.loads(line)
-                cell.rounds.append({call: _figures(s) for call, s in got.items()})
+                cell.rounds.append({call: _one_round(cell, call, n) for call in cell.calls})
     return _summary(cells)
+
+
+def _one_round(cell: _Cell, call: str, n: int) -> dict[str, float]:
+    """``n`` calls of ``call`` by the cell's client: their figures, with the CPU the
+    server process (all its threads; not a daemon's workers) and the client spent."""
+    client = cell.client
+    assert client.stdin is not None and client.stdout is not None
+    server0, client0 = _cpu_ns(cell.server_pid), _cpu_ns(client.pid)
+    client.stdin.write(f"{call} {n}\n")
+    client.stdin.flush()
+    line = client.stdout.readline()
+    server1, client1 = _cpu_ns(cell.server_pid), _cpu_ns(client.pid)
+    if not line:
+        raise RuntimeError(f"the client of {cell.variant.name} exited mid-round")
+    figures = _figures(json.loads(line))
+    figures["server_cpu_us"] = (server1 - server0) / n / 1000.0
+    figures["client_cpu_us"] = (client1 - client0) / n / 1000.0
+    return figures
 
 
 def _summary(cells: list[_Cell]) -> dict[str, Any]:
@@ -630,6 +655,12 @@ def _summary(cells: list[_Cell]) -> dict[str, Any]:
             figures: dict[str, Any] = {
                 "median_us": statistics.median(medians),
                 "p90_us": statistics.median(rnd[call]["p90_us"] for rnd in cell.rounds),
+                "server_cpu_us": statistics.median(
+                    rnd[call]["server_cpu_us"] for rnd in cell.rounds
+                ),
+                "client_cpu_us": statistics.median(
+                    rnd[call]["client_cpu_us"] for rnd in cell.rounds
+                ),
                 "round_medians_us": [round(m, 1) for m in medians],
             }
             if ref is not None and call in ref.rounds[0]:
@@ -645,8 +676,9 @@ def _summary(cells: list[_Cell]) -> dict[str, Any]:
 
 def _table(summary: dict[str, Any]) -> str:
     lines = [
-        "| variant | call | median µs | p90 µs | x baseline (median, range) | note |",
-        "| --- | --- | ---: | ---: | --- | --- |",
+        "| variant | call | median µs | p90 µs | x baseline (median, range) "
+        "| server CPU µs/call | client CPU µs/call | note |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | --- |",
     ]
     for name, entry in summary.items():
         for call, f in entry["calls"].items():
@@ -657,7 +689,7 @@ def _table(summary: dict[str, Any]) -> str:
             )
             lines.append(
                 f"| {name} | {call} | {f['median_us']:.0f} | {f['p90_us']:.0f} | {ratio} "
-                f"| {entry['note']} |"
+                f"| {f['server_cpu_us']:.0f} | {f['client_cpu_us']:.0f} | {entry['note']} |"
             )
     return "\n".join(lines)
 

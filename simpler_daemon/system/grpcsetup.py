@@ -4,9 +4,10 @@ grpcio 1.85 runs a channel's and a server's I/O on grpc core's EventEngine, whos
 threads poll the sockets and hand each event to the thread waiting on the completion
 queue. With the ``event_engine_client`` and ``event_engine_listener`` experiments off,
 grpc core uses its iomgr poller (epoll1), which the thread waiting for a call polls
-itself instead of being handed each event. On a Unix socket, both sides set alike, a bare unary echo
-takes about 0.7 times the EventEngine's round trip (``python -m benchmarks.grpc_settings``);
-the API and what a call does (deadlines, cancellation, streaming, TLS, grpc.aio) do not
+itself instead of being handed each event. On a Unix socket, both sides set alike, a
+bare unary echo took 0.67-0.78 times the EventEngine's round trip, with about 0.7 times
+the CPU on each side (``python -m benchmarks.grpc_settings``, a busy 2-core machine).
+The API and what a call does (deadlines, cancellation, streaming, TLS, grpc.aio) do not
 depend on the poller, which was grpc core's only one before the EventEngine.
 
 grpc core reads ``GRPC_EXPERIMENTS`` once, when its C extension is imported, so
