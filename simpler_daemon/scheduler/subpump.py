@@ -57,6 +57,8 @@ PUMP_CHAIN_S: Final = 0.0005
 #: children (tasks of 500 µs of CPU, say). A hit *rate*, not a mean latency: the rare slow
 #: completion of a loaded machine does not turn spinning off.
 PUMP_MIN_HIT_RATE: Final = 0.5
+#: A spinning call is a hit when it spun at most this long (s) per completion it caught.
+PUMP_HIT_S: Final = PUMP_SPIN_NS / 1e9
 #: While the pump does not spin, every this many calls spin once (a probe), so spinning
 #: comes back when tasks get short again: long tasks lose one spin per this many tasks.
 PUMP_PROBE_EVERY: Final = 32
@@ -207,20 +209,24 @@ class SubPump:
         if not states:
             return work
         spin_ns = 0
+        #: Lanes whose task was still running as a spinning call started: its end within
+        #: the call is one the spin caught (one that had ended before is not).
         running: list[_Lane] | None = None
+        started = 0.0
         if spin:
             self._calls += 1
             if self.hit_rate >= PUMP_MIN_HIT_RATE or self._calls % PUMP_PROBE_EVERY == 0:
                 spin_ns = PUMP_SPIN_NS
-                # The tasks still running as the call starts: one of them ending within
-                # the call is a hit (one that had ended before says nothing of the spin).
                 for rec in work:
                     if rec.dispatch is not None and _mb.load32(rec.endpoint.buf, _OFF0) == _RUNNING:
                         if running is None:
                             running = []
                         running.append(rec)
+                started = time.monotonic()
         _mb.sub_pump(states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH)
-        finished = waiting = False
+        spent = time.monotonic() - started if spin_ns else 0.0
+        caught = 0  # completions a spinning call waited for
+        busy = False  # tasks in flight at the start or the end of the call
         for rec in work:
             st = rec.state
             slot = st[_SLOT]
@@ -240,17 +246,16 @@ class SubPump:
                 # of the done list; it may have ended before the call).
                 n -= 1
                 if running is not None and rec in running:
-                    finished = True  # it was running as the call started
+                    caught += 1
                 rec.done_issued_at = d.issued_at
                 ep.fast_release(d)
                 lane.active = None
                 lane.inflight -= 1
                 rec.dispatch = d = None
-            if n > 0:
-                finished = True  # a task published by this call ended within it
+            caught += n  # published by this call, ended within it
             if slot is not None:
                 if not st[_STOP]:
-                    waiting = True
+                    busy = True
                 if d is None:
                     d = WorkerDispatch(slot, 0, did)
                     d.issued_at = st[_AT] / 1e9
@@ -260,9 +265,12 @@ class SubPump:
                     rec.dispatch = d
             if st[_STOP] == 2:
                 ep.poison("publication into a non-idle task frame 0 (sub pump)")
-        if spin_ns:
-            # A miss: the spin ran out with tasks in flight and none it published finished.
-            hit = finished or not waiting
+        if spin_ns and (caught or busy or running):
+            # A hit: the call spun at most PUMP_HIT_S per completion it caught (short
+            # tasks); a miss: it caught none, or long tasks that only happened to end while
+            # it spun (500 µs tasks would otherwise keep it spinning, taking a core from
+            # the children). A call that had nothing to wait for says nothing.
+            hit = caught > 0 and spent <= caught * PUMP_HIT_S
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         return work
 

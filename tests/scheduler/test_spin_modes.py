@@ -21,6 +21,7 @@ import pytest
 
 from simpler_daemon import TaskArgs, Worker
 from simpler_daemon.errors import ConfigError
+from simpler_daemon.scheduler import subpump
 from simpler_daemon.scheduler.spingate import PROBE_MAX_S, PROBE_MIN_S, SpinGate
 from simpler_daemon.server import config as cfg
 from simpler_daemon.server.daemon import Daemon
@@ -170,7 +171,12 @@ def test_the_parents_spin_yields_its_core_between_looks(monkeypatch: pytest.Monk
     must run during that spin, not after it, so the spin gives the core up between its
     short looks at the completion word (the old spin never did: a child sharing the
     core waited it out and the run cost 200+ µs). Counted, not timed: the task (2 ms)
-    is well inside the spin (5 ms), so the parent spins through it."""
+    is well inside the spin (5 ms), so the parent spins through it.
+
+    The driver's spin, in Python between looks in C: the SUB pump's own wait (in C, a
+    ``sched_yield`` every 64 polls, ``pump_wait_unlocked``) is turned off here, because
+    no Python counter sees a yield made in C."""
+    monkeypatch.setattr(subpump, "PUMP_SPIN_NS", 0)
     yields = 0
     real_yield = os.sched_yield
 
