@@ -22,7 +22,12 @@ for its completion. Variants (one result each):
   (repetition i against repetition i of this cell).
 
 All sessions go to one service process, as several parents' sessions share one
-``simpler-remote-worker`` per host in a deployment. The peers have no remote
+``simpler-remote-worker`` per host in a deployment. Its runners run this checkout's code:
+the service execs them isolated (``python -I``), which would import the installed
+package (the editable install of the main checkout) and make a comparison against an
+old worktree (``PYTHONPATH=<worktree>``) measure the new runner on both sides; the
+service's runner command (``SIMPLER_REMOTE_RUNNER_ARGV``) is set to an isolated
+interpreter with this checkout first on ``sys.path``. The peers have no remote
 counterpart: the report puts our in-process W1 of the same invocation beside W7.
 
 Every process started here is stopped at the end, also on error: the Workers
@@ -34,6 +39,17 @@ the suite's per-cell session sweep would not see them.
 Run inside the suite (``python -m benchmarks --only W1,W7``) or standalone::
 
     python -m benchmarks.w7 [--smoke] [--repeat N]
+
+Before and after in one invocation: ``--compare OLD_CHECKOUT`` (a worktree of the
+old commit with its extension built) keeps one session per side up and runs
+``ours`` and ``ours_bare`` in alternating batches (``--rounds``, ``--runs``); it
+reports, per variant, the median over the rounds of each side's batch median, p99
+and CPU per run (this process, the runner and its children), and the per-round
+ratios new / old::
+
+    git worktree add -f /tmp/w7-old <rev>
+    (cd /tmp/w7-old && /work/main/.venv/bin/python setup.py build_ext --inplace -q)
+    python -m benchmarks.w7 --compare /tmp/w7-old [--rounds 30] [--runs 300]
 """
 
 from __future__ import annotations
@@ -44,12 +60,13 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +103,18 @@ ALLOWED_MODULES = 'callables.allowed_modules=["simpler_daemon.examples."]'
 TRANSPORT = "TCP over 127.0.0.1, no TLS, no token"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"listening on (\S+)")
+#: The service's runner command (its test hook; ``--spec F --ready-fd N`` are appended).
+RUNNER_ARGV_ENV = "SIMPLER_REMOTE_RUNNER_ARGV"
+
+
+def runner_argv(root: Path = REPO_ROOT) -> list[str]:
+    """``python -I`` running the session runner of the checkout ``root`` (not the
+    installed one)."""
+    boot = (
+        f"import sys; sys.path.insert(0, {str(root)!r}); "
+        "from simpler_daemon.remote_worker.session import main; main()"
+    )
+    return [sys.executable, "-I", "-c", boot]
 
 
 def _start_time(pid: int) -> int | None:
@@ -192,13 +221,15 @@ class Service:
 
 
 @contextlib.contextmanager
-def remote_worker_service() -> Iterator[Service]:
-    """``simpler-remote-worker serve`` on 127.0.0.1, any port; stopped (and swept) after."""
+def remote_worker_service(root: Path = REPO_ROOT) -> Iterator[Service]:
+    """``simpler-remote-worker serve`` on 127.0.0.1, any port, its runners running the code of
+    the checkout ``root``; stopped (and swept) after."""
     with tempfile.TemporaryDirectory(prefix="bench-w7-") as tmp:
         log_path = Path(tmp) / "service.log"
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # never talk to a systemd that started the suite
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
+        env[RUNNER_ARGV_ENV] = json.dumps(runner_argv(root))
         cmd = [sys.executable, "-m", "simpler_daemon.remote_worker.service", "serve"]
         cmd += ["--listen", "127.0.0.1:0", "--set", ALLOWED_MODULES]
         # Its output goes to a file, never a pipe nobody reads (a full pipe blocks it).
@@ -352,13 +383,141 @@ def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
     return out
 
 
+# -- before and after in one invocation -------------------------------------------------------
+
+#: The variants ``--compare`` alternates (one level-4 Worker with one remote worker each side).
+COMPARE_VARIANTS = ("ours", "ours_bare")
+
+
+def _cpu_ns(pids: Iterable[int]) -> int:
+    """CPU time of every thread of ``pids`` so far (``/proc/<pid>/task/*/schedstat``)."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    total += int(fh.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
+
+
+def serve_batches(root: Path) -> int:
+    """The measuring side of ``--compare``: W7's session with the code of ``root`` (this
+    interpreter's ``PYTHONPATH``), one batch per stdin line ``<variant> <runs>``, one JSON
+    line per batch: median and p99 round trip, and the CPU per run of this process, the
+    runner and its children. Ends (and stops everything it started) at EOF."""
+    with remote_worker_service(root) as service, level4(service, 1) as s:
+        orchs = {"ours": s.orch(s.one), "ours_bare": s.orch(s.nothing)}
+        for orch in orchs.values():
+            _time_runs(s.w.run, orch, WARM_UP_RUNS)
+        service.track()
+        pids = [os.getpid(), *service.seen]
+        print("ready", flush=True)
+        for line in sys.stdin:
+            name, count = line.split()
+            cpu = _cpu_ns(pids)
+            rep = latency_rep(_time_runs(s.w.run, orchs[name], int(count)))
+            cpu_us = (_cpu_ns(pids) - cpu) / 1e3 / int(count)
+            print(
+                json.dumps(
+                    {"median_us": rep["median_us"], "p99_us": rep["p99_us"], "cpu_us": cpu_us}
+                ),
+                flush=True,
+            )
+    return 0
+
+
+def _ratios(old: list[float], new: list[float]) -> Result:
+    ratios = [b / a for a, b in zip(old, new, strict=True)]
+    return {
+        "old": statistics.median(old),
+        "new": statistics.median(new),
+        "ratio_median": statistics.median(ratios),
+        "ratios": [round(r, 3) for r in ratios],
+    }
+
+
+def compare(old_root: Path, rounds: int, runs: int) -> Result:
+    """``ours`` and ``ours_bare`` of the checkout ``old_root`` against this one, in lockstep:
+    both sessions stay up, and each round runs one batch of ``runs`` on each side in turn
+    (the first side alternating), so both see the same machine. Figures: the median over
+    the rounds of each side's batch median (p99, CPU per run), and the per-round ratios
+    new / old."""
+    sides = {"old": old_root.resolve(), "new": REPO_ROOT}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for side, root in sides.items():
+            env = dict(os.environ, PYTHONPATH=str(root))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-batches", str(root)]
+            procs[side] = subprocess.Popen(
+                cmd, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+        for side, proc in procs.items():
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"cannot compare: the {side} side ({sides[side]}) did not start")
+        got: dict[str, dict[str, list[Result]]] = {
+            v: {side: [] for side in sides} for v in COMPARE_VARIANTS
+        }
+        for r in range(rounds):
+            order = ("old", "new") if r % 2 == 0 else ("new", "old")
+            for variant in COMPARE_VARIANTS:
+                for side in order:
+                    proc = procs[side]
+                    assert proc.stdin is not None and proc.stdout is not None
+                    proc.stdin.write(f"{variant} {runs}\n")
+                    proc.stdin.flush()
+                    line = proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"cannot compare: the {side} side ended early")
+                    got[variant][side].append(json.loads(line))
+    finally:
+        for proc in procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in procs.values():
+            try:
+                proc.wait(STOP_TIMEOUT + GONE_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    out: Result = {"old": str(sides["old"]), "new": str(sides["new"]), "rounds": rounds}
+    out["runs_per_batch"] = runs
+    for variant, by_side in got.items():
+        out[variant] = {
+            key: _ratios([b[key] for b in by_side["old"]], [b[key] for b in by_side["new"]])
+            for key in ("median_us", "p99_us", "cpu_us")
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.w7", description=__doc__.splitlines()[0]
     )
     ap.add_argument("--smoke", action="store_true", help="small counts")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument(
+        "--compare",
+        metavar="OLD_CHECKOUT",
+        type=Path,
+        help="ours and ours_bare of OLD_CHECKOUT (a worktree with its extension built) against "
+        "this checkout, alternating batches in one invocation",
+    )
+    ap.add_argument("--rounds", type=int, default=30, help="--compare: batches per side")
+    ap.add_argument("--runs", type=int, default=300, help="--compare: runs per batch")
+    ap.add_argument("--serve-batches", metavar="ROOT", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_batches is not None:
+        return serve_batches(args.serve_batches)
+    if args.compare is not None:
+        print(json.dumps(compare(args.compare, args.rounds, args.runs), indent=1))
+        return 0
     params = WORKLOADS["W7"].params(args.smoke)
     result = measure(params, args.repeat)
     for res in result.values():
