@@ -155,18 +155,27 @@ class Scheduler(ProgressLoop):
             # SUB tasks: while a SUB worker is idle, else once per SUBMIT_BATCH submits (a
             # round per submit cost more than the task); the rest goes once the orch yields.
             if not self.in_round and (slot.run is self.admission.head or self.fair is not None):
-                if (
-                    slot.kind is not TaskKind.SUB
-                    or self._unrounded >= SUBMIT_BATCH
-                    or self._sub_idle()
-                    # a child finished since the last round (its lane is free for the
-                    # next task only once a round has seen that), and the last round is
-                    # not so recent that fast submits would pay one round each again
-                    or (
-                        self.doorbell.completed() != self._round_seen
-                        and time.monotonic() - self._round_at > ROUND_GAP_S
-                    )
-                ):
+                go = slot.kind is not TaskKind.SUB or self._unrounded >= SUBMIT_BATCH
+                if not go:
+                    # A SUB worker is idle (``lane.idle()``, inline: this runs per submit).
+                    for lane in self.manager.sub:
+                        if (
+                            lane.active is None
+                            and not lane.deliveries
+                            and not lane.stopping
+                            and not lane.endpoint.poisoned
+                        ):
+                            go = True
+                            break
+                    else:
+                        # a child finished since the last round (its lane is free for the
+                        # next task only once a round has seen that), and the last round
+                        # is not so recent that fast submits would pay one round each
+                        go = (
+                            self.doorbell.completed() != self._round_seen
+                            and time.monotonic() - self._round_at > ROUND_GAP_S
+                        )
+                if go:
                     self._pump_spin = False
                     try:
                         self.round()
@@ -178,19 +187,6 @@ class Scheduler(ProgressLoop):
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)
-
-    def _sub_idle(self) -> bool:
-        # A loop, not any(<generator>): this runs on every SUB submit. ``lane.idle()``
-        # inline, but for the endpoint's ``poisoned`` (its own rule per endpoint).
-        for lane in self.manager.sub:
-            if (
-                lane.active is None
-                and not lane.deliveries
-                and not lane.stopping
-                and not lane.endpoint.poisoned
-            ):
-                return True
-        return False
 
     # -- lane callbacks -----------------------------------------------------------------------------
 

@@ -107,6 +107,19 @@ class SpinGate:
             if self._probing:
                 self._probe_failed(now)
 
+    def observe_caught(self, k: int, now: float) -> None:
+        """``k`` completions observed at ``now`` of tasks dispatched at ``now``: what
+        ``observe(now, now)`` k times does, in one call (the SUB pump's bulk, W2)."""
+        if self.spin_s <= 0:  # no latency is below a zero spin: each is a miss
+            for _ in range(k):
+                self.observe(now, now)
+            return
+        if k > 0:
+            self.hit_rate = 1.0 - (1.0 - self.hit_rate) * (1.0 - RATE_ALPHA) ** k
+            self._probe_gap = PROBE_MIN_S
+            if self.hit_rate >= MIN_HIT_RATE:
+                self._probing = False  # spin mode is back
+
     def _probe_failed(self, now: float) -> None:
         self._probing = False
         self._probe_at = now + self._probe_gap

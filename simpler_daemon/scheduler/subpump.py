@@ -341,8 +341,7 @@ class SubPump:
                     if rec.done_issued_at:
                         gate.observe(rec.done_issued_at, now)
                         k -= 1
-                    for _ in range(k):
-                        gate.observe(now, now)
+                    gate.observe_caught(k, now)
                 sched.complete_pumped(rec.lane, items)
             if rec.lane.inflight:
                 if st[_STOP]:

@@ -277,3 +277,20 @@ def test_daemon_passes_its_spins_to_the_worker(short_dir: Path) -> None:
     finally:
         if daemon.worker is not None:
             daemon.worker.close()
+
+
+@pytest.mark.parametrize("spin_s", [SPIN, 0.0])
+def test_observe_caught_is_observe_now_now_k_times(spin_s: float) -> None:
+    """The SUB pump's bulk sample of k completions caught while it spun (``observe_caught``)
+    moves the gate as k ``observe(now, now)`` calls do, also out of park mode and with a
+    zero spin (every latency is a miss then)."""
+    for k in (0, 1, 3, 40):
+        bulk, one_by_one = _gate_into_park_mode(), _gate_into_park_mode()
+        bulk.spin_s = one_by_one.spin_s = spin_s
+        now = 2.0
+        bulk.observe_caught(k, now)
+        for _ in range(k):
+            one_by_one.observe(now, now)
+        assert bulk.hit_rate == pytest.approx(one_by_one.hit_rate)
+        assert bulk.parking_mode == one_by_one.parking_mode
+        assert bulk.budget(now) == one_by_one.budget(now)
