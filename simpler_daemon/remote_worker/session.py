@@ -462,7 +462,7 @@ class SessionRunner:
             else:
                 self._current = self.loop.create_task(self._handle_control(frame))
 
-    def _reply(self, seq: int, data: bytes) -> None:
+    def _reply(self, data: bytes) -> None:
         """Write a request's reply and go on with the next one (the request is over)."""
         self._write(data)
         self._busy = False
@@ -477,9 +477,8 @@ class SessionRunner:
         self.stop(1, f"internal error handling sequence {seq}: {exc!r}")
 
     def _complete(self, seq: int, reply: Completion) -> None:
-        self._reply(
-            seq, encode_frame(FrameType.COMPLETION, self.session_id, self.worker_id, seq, reply)
-        )
+        """Write the COMPLETION of TASK ``seq`` and go on with the next request."""
+        self._reply(encode_frame(FrameType.COMPLETION, self.session_id, self.worker_id, seq, reply))
 
     async def _start_task(self, seq: int, task: Task) -> None:
         """Prepare and submit a TASK's inner run; its done callback replies (``_task_ended``)."""
@@ -555,7 +554,7 @@ class SessionRunner:
         except Exception as exc:
             self._internal_error(frame.sequence, exc)
             return
-        self._reply(frame.sequence, data)
+        self._reply(data)
 
     def _linger(self) -> None:
         """Spin briefly on the command socket after a reply: a parent that sends its next
