@@ -158,11 +158,21 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, request: Any, timeout: float | EllipsisType | None = ...) -> Any:
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | EllipsisType | None = ...,
+        tasks: Sequence[pb.Task] | None = None,
+    ) -> Any:
         """One unary (or client-streaming) call of RPC ``method``; ``timeout`` ``...`` =
-        the client's default, None = no deadline. Retried per :attr:`retry` when safe."""
+        the client's default, None = no deadline. Retried per :attr:`retry` when safe.
+        ``tasks``: a SubmitRun's tasks as given (the fast path reads them, not the
+        request's copies)."""
         deadline = self.timeout if timeout is ... else timeout
-        return self._retried(method, request, lambda: self._call_once(method, request, deadline))
+        return self._retried(
+            method, request, lambda: self._call_once(method, request, deadline, tasks)
+        )
 
     def _retried(self, method: str, request: Any, attempt: Callable[[], T]) -> T:
         """``attempt()``, retried per :attr:`retry` when ``method`` is safe to repeat."""
@@ -170,9 +180,11 @@ class Client(_Base):
             return attempt()
         return self.retry.call(attempt)
 
-    def _call_once(self, method: str, request: Any, deadline: float | None) -> Any:
+    def _call_once(
+        self, method: str, request: Any, deadline: float | None, tasks: Any = None
+    ) -> Any:
         if self._fast is not None:
-            return self._fast.unary(method, request, deadline)
+            return self._fast.unary(method, request, deadline, tasks)
         with mapped_errors():
             return getattr(self.stub, method)(request, timeout=deadline, metadata=self.metadata)
 
@@ -339,7 +351,8 @@ class Client(_Base):
         key = idempotency_key or (new_key() if self.retry is not None else "")
         request = submit_request(tasks, key, label, wait, priority, include_results)
         timeout = self.timeout if wait is None else call_deadline(wait, DEFAULT_TIMEOUT)
-        return self._call("SubmitRun", request, timeout)  # type: ignore[no-any-return]
+        given = tasks if isinstance(tasks, (list, tuple)) else None  # not an iterator spent
+        return self._call("SubmitRun", request, timeout, given)  # type: ignore[no-any-return]
 
     def run(
         self,

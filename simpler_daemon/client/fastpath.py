@@ -12,6 +12,13 @@ answers exactly what gRPC would; a refusal is the same
   stream left before its end, closes its connection (its handler is then cancelled
   by the daemon).
   A forked child that uses its parent's transport gets a pool of its own.
+  It offers protocol version 2 in its Hello: once the daemon's Welcome arrived on a
+  connection (before the first reply), SubmitRun and WaitRun go out on it as the
+  msgspec ``Submit`` and ``Wait`` frames (no protobuf request to build, encode or
+  parse), answered with the same Reply; a daemon of version 1 never welcomes, and
+  every call stays a ``Call``. A submit of more than ``_NATIVE_TASKS`` tasks or
+  ``_NATIVE_BYTES`` bytes also stays a ``Call`` (whose oversize reply the daemon
+  answers per call, as gRPC does).
 * :class:`AsyncFastTransport`: one connection multiplexed by call id, read by one
   task; a cancelled or timed-out call sends ``Cancel`` for its handler. Not usable
   after fork() (like grpc.aio): a call in a child raises ``Unavailable``.
@@ -34,10 +41,12 @@ import grpc
 
 from simpler_daemon.client.errors import DaemonError, DeadlineExceeded, Unavailable, daemon_error
 from simpler_daemon.errors import ProtocolError
+from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.fastwire import (
     CLIENT_FRAMES,
     MAX_LABEL,
     METHODS,
+    NATIVE_VERSION,
     PROTOCOL_VERSION,
     Call,
     Cancel,
@@ -45,7 +54,11 @@ from simpler_daemon.protocol.fastwire import (
     FrameDecoder,
     Hello,
     Item,
+    NativeTask,
     Reply,
+    Submit,
+    Wait,
+    Welcome,
     encode,
 )
 from simpler_daemon.protocol.metadata import FIELD_METADATA
@@ -78,6 +91,10 @@ _TIMEVAL: Final = struct.Struct("@ll")
 #: Share of the time left a kernel timeout is set to: the next calls with the same
 #: timeout reuse it (a wake-up before the deadline re-arms with the exact time left).
 _EARLY: Final = 0.9
+#: The largest submit sent as a Submit frame (tasks, encoded bytes); a bigger one is a
+#: Call, so the daemon's per-call RESOURCE_EXHAUSTED applies to it as over gRPC.
+_NATIVE_TASKS: Final = 64
+_NATIVE_BYTES: Final = 64 << 10
 
 
 class _Aborted(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
@@ -173,8 +190,76 @@ def _listening(path: str) -> bool:
 # --------------------------------------------------------------------------- blocking
 
 
+#: NativeTask by the bytes of its Task message (a client submits the same few tasks
+#: again and again: one serialization and a lookup instead of reading the message).
+_NATIVE: dict[bytes, NativeTask] = {}
+_NATIVE_KEPT: Final = 256
+
+
+def _native_task(task: Any) -> NativeTask:
+    key = task.SerializeToString()
+    native = _NATIVE.get(key)
+    if native is not None:
+        return native
+    members = task.members
+    config = task.HasField("config")
+    if (
+        task.kind == pb.TASK_KIND_SUB
+        and len(members) == 1
+        and not task.workers
+        and not config
+        and not members[0].ByteSize()
+    ):
+        native = NativeTask(task.kind, task.hashid)  # a plain task
+    else:
+        native = NativeTask(
+            task.kind,
+            task.hashid,
+            tuple(m.SerializeToString() for m in members),
+            tuple(task.workers),
+            task.config.SerializeToString() if config else None,
+        )
+    if len(_NATIVE) >= _NATIVE_KEPT:
+        _NATIVE.clear()
+    _NATIVE[key] = native
+    return native
+
+
+def native_frame(
+    call_id: int, name: str, request: Any, timeout: float | None, tasks: Any = None
+) -> bytes | None:
+    """Call ``call_id`` of ``name`` as an encoded version-2 frame (None: ``name`` has
+    none, or the request is too big for one, see ``_NATIVE_TASKS``). ``tasks``: the
+    Task messages ``request`` was built from, if the caller has them (read faster than
+    the request's repeated field)."""
+    if name == "WaitRun":
+        wait = request.timeout_seconds if request.HasField("timeout_seconds") else None
+        return encode(Wait(call_id, request.run_id, wait, request.include_results, timeout))
+    if name != "SubmitRun":
+        return None
+    if tasks is None:
+        tasks = request.tasks
+    if len(tasks) > _NATIVE_TASKS:
+        return None
+    native = [_native_task(task) for task in tasks]
+    frame = encode(
+        Submit(
+            call_id,
+            native,
+            request.idempotency_key,
+            request.label,
+            request.wait_seconds if request.HasField("wait_seconds") else None,
+            request.priority,
+            request.include_results,
+            timeout,
+        )
+    )
+    return frame if len(frame) <= _NATIVE_BYTES else None
+
+
 class _Conn:
-    """One blocking connection; used by one call at a time."""
+    """One blocking connection; used by one call at a time. ``version``: the protocol
+    version the daemon welcomed it to (1 until a Welcome arrives)."""
 
     __slots__ = (
         "_buf",
@@ -186,6 +271,7 @@ class _Conn:
         "idle_since",
         "path",
         "sock",
+        "version",
     )
 
     def __init__(self, path: str, label: str) -> None:
@@ -193,7 +279,7 @@ class _Conn:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(path)
-            sock.sendall(encode(Hello(PROTOCOL_VERSION, label[:MAX_LABEL])))
+            sock.sendall(encode(Hello(PROTOCOL_VERSION, label[:MAX_LABEL], NATIVE_VERSION)))
         except OSError as exc:
             sock.close()
             raise Unavailable(
@@ -201,6 +287,7 @@ class _Conn:
                 f"cannot connect to the daemon's fast socket {path}: {exc.strerror or exc}",
             ) from exc
         self.sock = sock
+        self.version = PROTOCOL_VERSION
         self._decoder = FrameDecoder(CLIENT_FRAMES, _MAX_FRAME)
         self._frames: list[Any] = []
         self._ids = itertools.count(1)
@@ -282,6 +369,8 @@ class _Conn:
                 frames.extend(self._decoder.feed(self._view[:size]))
             except ProtocolError as exc:
                 raise self._lost(exc) from exc
+            if frames and type(frames[0]) is Welcome:  # the daemon's first frame, once
+                self.version = min(frames.pop(0).version, NATIVE_VERSION)
         return frames.pop(0)
 
     def _lost(self, exc: BaseException | None) -> DaemonError:
@@ -378,9 +467,10 @@ class FastTransport:
         for conn in conns:
             conn.close()
 
-    def unary(self, name: str, request: Any, timeout: float | None) -> Any:
+    def unary(self, name: str, request: Any, timeout: float | None, tasks: Any = None) -> Any:
         """One unary call (``request`` a message) or client-streaming call (``request``
-        an iterable of messages); the response message."""
+        an iterable of messages); the response message. ``tasks``: a SubmitRun's Task
+        messages as the caller passed them (see :func:`native_frame`)."""
         method = _method(name)
         deadline = None if timeout is None else _now() + timeout
         conn = self._take()
@@ -394,9 +484,12 @@ class FastTransport:
                     conn.send(encode(Item(call_id, message.SerializeToString())), deadline)
                 conn.send(encode(End(call_id)), deadline)
             else:
-                conn.send(
-                    encode(Call(call_id, name, request.SerializeToString(), timeout)), deadline
-                )
+                data = None
+                if conn.version >= NATIVE_VERSION:
+                    data = native_frame(call_id, name, request, timeout, tasks)
+                if data is None:
+                    data = encode(Call(call_id, name, request.SerializeToString(), timeout))
+                conn.send(data, deadline)
             frame = conn.frame(deadline, armed=not method.client_stream)
             while type(frame) is not Reply or frame.id != call_id:
                 frame = conn.frame(deadline)  # a late frame of an abandoned call

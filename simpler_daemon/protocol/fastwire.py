@@ -11,7 +11,8 @@ encoded as an array whose first element is the frame's tag::
     +----------------+--------------------------------------------------+
 
     client                                            daemon
-      | -- Hello(version, label) ------------------->   |  once, first
+      | -- Hello(version, label, upto) ------------->   |  once, first
+      | <- Welcome(2) ------------------------------   |  only when upto >= 2 (see below)
       | -- Call(id, "SubmitRun", request pb bytes) ->   |  a unary call ...
       | <- Reply(id, code 0, "", "", response bytes) -  |  ... its answer (or a status)
       | -- Call(id, "WatchRun", request) ----------->   |  a server stream ...
@@ -25,6 +26,23 @@ The payloads are the protobuf messages of the gRPC API (``simpler.daemon.v1``),
 carried as bytes: both transports run the same handlers on the same messages, so
 their semantics cannot drift. Status codes are ``grpc.StatusCode`` numbers;
 ``field`` is what gRPC carries in the ``x-simpler-field`` trailer.
+
+Version 2 (negotiated; nothing changes for a version-1 peer): a client that speaks it
+says so in its Hello (``upto = 2``; a version-1 daemon ignores the extra element) and
+a daemon that speaks it answers ``Welcome(2)`` before anything else. From then on the
+client may send the run path's two calls as msgspec frames of their own instead of
+protobuf bytes inside a Call: ``Submit`` (a SubmitRun: its fields by name, each task a
+:class:`NativeTask` whose arguments stay ``Args`` bytes, ``b""`` for none) and
+``Wait`` (a WaitRun). The daemon answers them with the same Reply frames (the response
+message's bytes) as the Calls they stand for, so both forms share the handler's
+semantics, errors and metrics; a version-1 connection that sends one is closed, as
+is one sending a Submit longer than the decoder's ``max_frame`` (it carries no call
+bytes to skip: the client sends a big submit as a Call)::
+
+      | -- Submit(id, tasks, key, ..., wait_seconds) ->  |  a SubmitRun without protobuf
+      | <- Reply(id, code, ..., SubmitRunResponse) ----  |
+      | -- Wait(id, run_id, timeout_seconds, ...) ---->  |  a WaitRun
+      | <- Reply(id, code, ..., RunStatus) ------------  |
 
 Every bound is checked before bytes are buffered: a frame longer than the decoder's
 ``max_frame`` is never buffered. When the first bytes of its body name a call (a
@@ -54,6 +72,7 @@ __all__ = [
     "MAX_DETAILS",
     "MAX_LABEL",
     "METHODS",
+    "NATIVE_VERSION",
     "PROTOCOL_VERSION",
     "SERVER_FRAMES",
     "Call",
@@ -63,13 +82,20 @@ __all__ = [
     "Hello",
     "Item",
     "Method",
+    "NativeTask",
     "Oversize",
     "Reply",
+    "Submit",
+    "Wait",
+    "Welcome",
     "encode",
     "frame_limit",
 ]
 
+#: The version a Hello names: every daemon serves it.
 PROTOCOL_VERSION: Final = 1
+#: The version with the Welcome, Submit and Wait frames, negotiated (``Hello.upto``).
+NATIVE_VERSION: Final = 2
 #: The length prefix: u32, big-endian (network order).
 LENGTH: Final = struct.Struct(">I")
 #: Room for the envelope around a protobuf message of ``limits.max_message_bytes``.
@@ -84,10 +110,13 @@ Code: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=16)]
 
 
 class Hello(msgspec.Struct, array_like=True, tag=0, frozen=True):
-    """Client -> daemon, first: the protocol version and the client's display label."""
+    """Client -> daemon, first: the protocol version, the client's display label and
+    the highest version the client speaks (a version-1 daemon ignores ``upto``: msgspec
+    drops an array's trailing elements beyond a struct's fields)."""
 
     version: Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
     label: Annotated[str, msgspec.Meta(max_length=MAX_LABEL)] = ""
+    upto: Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)] = PROTOCOL_VERSION
 
 
 class Call(msgspec.Struct, array_like=True, tag=1, frozen=True):
@@ -135,6 +164,52 @@ class Cancel(msgspec.Struct, array_like=True, tag=5, frozen=True):
     id: CallId
 
 
+class Welcome(msgspec.Struct, array_like=True, tag=6, frozen=True):
+    """Daemon -> client, first, only to a Hello with ``upto >= 2``: the version both
+    speak from now on (the client may send Submit and Wait frames)."""
+
+    version: Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
+
+
+class NativeTask(msgspec.Struct, array_like=True, frozen=True):
+    """One task of a Submit: ``simpler.daemon.v1.Task``'s fields. ``members``: each
+    call's ``Args`` message bytes (``b""``: no arguments; the default is one call
+    without arguments, a plain task); ``config``: ``CallConfig`` bytes (None: unset).
+    Numbers are range-checked by the daemon, which names the field as for a Task."""
+
+    kind: int
+    hashid: str
+    members: tuple[bytes, ...] = (b"",)
+    workers: tuple[int, ...] = ()
+    config: bytes | None = None
+
+
+class Submit(msgspec.Struct, array_like=True, tag=7, frozen=True):
+    """Client -> daemon (version 2): call ``id``, a SubmitRun with
+    ``SubmitRunRequest``'s fields (``wait_seconds`` None: unset); ``timeout`` as a Call's.
+    Answered by a Reply carrying a ``SubmitRunResponse``."""
+
+    id: CallId
+    tasks: list[NativeTask]
+    idempotency_key: str = ""
+    label: str = ""
+    wait_seconds: float | None = None
+    priority: int = 0
+    include_results: bool = False
+    timeout: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class Wait(msgspec.Struct, array_like=True, tag=8, frozen=True):
+    """Client -> daemon (version 2): call ``id``, a WaitRun with ``WaitRunRequest``'s
+    fields (``timeout_seconds`` None: unset). Answered by a Reply carrying a ``RunStatus``."""
+
+    id: CallId
+    run_id: int
+    timeout_seconds: float | None = None
+    include_results: bool = False
+    timeout: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
 class Oversize(NamedTuple):
     """Not a frame: what the decoder yields for a frame of call ``id`` whose length
     exceeds its ``max_frame`` (``tag``: the frame's kind; ``size``: the length of its
@@ -146,8 +221,8 @@ class Oversize(NamedTuple):
 
 
 #: What the daemon accepts, and what the client accepts.
-SERVER_FRAMES: Final = Hello | Call | Item | End | Cancel
-CLIENT_FRAMES: Final = Reply | Item | End
+SERVER_FRAMES: Final = Hello | Call | Item | End | Cancel | Submit | Wait
+CLIENT_FRAMES: Final = Reply | Item | End | Welcome
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 

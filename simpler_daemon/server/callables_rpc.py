@@ -26,7 +26,7 @@ from simpler_daemon.errors import (
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server import oplog
 from simpler_daemon.server.decoding import BadRequest
-from simpler_daemon.server.fastpath import FastContext
+from simpler_daemon.server.fastcontext import FastContext
 from simpler_daemon.server.peers import Identity
 from simpler_daemon.server.plan import REGISTER_KINDS
 from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary

@@ -38,13 +38,14 @@ import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import grpc
 
 from simpler_daemon.errors import ProtocolError
 from simpler_daemon.protocol.fastwire import (
     METHODS,
+    NATIVE_VERSION,
     PROTOCOL_VERSION,
     SERVER_FRAMES,
     Call,
@@ -55,12 +56,15 @@ from simpler_daemon.protocol.fastwire import (
     Item,
     Oversize,
     Reply,
+    Submit,
+    Wait,
+    Welcome,
     encode,
     frame_limit,
 )
-from simpler_daemon.protocol.metadata import CLIENT_ID_METADATA, FIELD_METADATA
 from simpler_daemon.server.decoding import tolerant
-from simpler_daemon.server.peers import PeerCredentials, peer_credentials
+from simpler_daemon.server.fastcontext import Deferred, FastAbort, FastContext
+from simpler_daemon.server.peers import peer_credentials
 from simpler_daemon.system.localtrust import bind_private_listener
 
 __all__ = ["Deferred", "FastAbort", "FastContext", "FastServer"]
@@ -78,85 +82,16 @@ _READ_HIGH: Final = 8 << 20
 MAX_CALLS: Final = 256
 #: Seconds between checks of the calls' deadlines.
 DEADLINE_TICK: Final = 0.05
+#: The frames that start a call (version 2 adds Submit and Wait).
+_STARTS: Final = (Call, Submit, Wait)
+#: The servicer's handlers of the version-2 frames, and the RPC each stands for.
+_NATIVE: Final = {Submit: ("FastSubmitRun", "SubmitRun"), Wait: ("FastWaitRun", "WaitRun")}
 
 
 def _too_large_details(size: int, limit: int) -> str:
     """gRPC's own words for a request message above its receive limit (so both
     transports refuse it alike)."""
     return f"SERVER: Received message larger than max ({size} vs. {limit})"
-
-
-class FastAbort(grpc.aio.AbortError):  # type: ignore[misc]  # grpc is untyped
-    """``context.abort`` on the fast path: a ``grpc.aio.AbortError`` (the decorators let
-    it through as they do gRPC's) carrying the status for the reply frame."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, field: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.field = field
-
-
-class FastContext:
-    """What the servicer's handlers use of a ``grpc.aio.ServicerContext``, for one fast-path
-    connection: its peer's credentials (read at accept) and the client's label."""
-
-    __slots__ = ("_metadata", "identity", "peer_credentials")
-
-    def __init__(self, creds: PeerCredentials) -> None:
-        #: ``peers.identify`` names the caller from this, as the relay's credentials.
-        self.peer_credentials = creds
-        self._metadata: tuple[tuple[str, str], ...] = ()
-        #: ``(policy, Identity)``: the caller as named under that AdminPolicy, kept for
-        #: the connection (its credentials are the kernel's snapshot at connect).
-        self.identity: tuple[Any, Any] | None = None
-
-    def set_label(self, label: str) -> None:
-        self._metadata = ((CLIENT_ID_METADATA, label),) if label else ()
-
-    async def abort(
-        self,
-        code: grpc.StatusCode,
-        details: str = "",
-        trailing_metadata: tuple[tuple[str, str], ...] = (),
-    ) -> NoReturn:
-        field = ""
-        for key, value in trailing_metadata or ():
-            if key == FIELD_METADATA:
-                field = str(value)
-        raise FastAbort(code, details, field)
-
-    def peer(self) -> str:
-        creds = self.peer_credentials
-        return f"fast:uid {creds.uid} pid {creds.pid}"
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return {}
-
-
-class Deferred:
-    """What a unary handler returns on the fast path for an answer owed later: when
-    ``rec``'s run ends, or after ``timeout`` seconds (None: no limit), whichever is
-    first. The connection then writes ``finish()``'s response from that very turn (the
-    run's completion callback, or the timer), without a handler woken for it; when
-    ``finish`` raises, ``refuse(exc)`` names the status: ``(code, details, field)``."""
-
-    __slots__ = ("finish", "rec", "refuse", "timeout")
-
-    def __init__(
-        self,
-        rec: Any,
-        timeout: float | None,
-        finish: Callable[[], Any],
-        refuse: Callable[[Exception], tuple[grpc.StatusCode, str, str]],
-    ) -> None:
-        self.rec = rec
-        self.timeout = timeout
-        self.finish = finish
-        self.refuse = refuse
 
 
 class _Call:
@@ -247,6 +182,8 @@ class _Connection(asyncio.Protocol):
         self._releasing = False
         #: loop.time() since which a partly received frame is held (None: none).
         self.partial_since: float | None = None
+        #: Whether the client negotiated version 2 (its Hello's ``upto``; Welcome sent).
+        self._native = False
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -285,7 +222,7 @@ class _Connection(asyncio.Protocol):
             self._server.watch_deadlines()
         held = self._held
         for frame in frames:
-            if (held or (type(frame) is Call and self._full())) and not self._now(frame):
+            if (held or (type(frame) in _STARTS and self._full())) and not self._now(frame):
                 held.append(frame)
                 continue
             self._handle(frame)
@@ -302,12 +239,14 @@ class _Connection(asyncio.Protocol):
         """Whether ``frame``, read while Calls are held, is handled now rather than
         after them: frames of calls in flight (their handlers may be waiting for them)."""
         kind = type(frame)
-        return kind is Hello or (kind is not Call and frame.id in self._calls)
+        return kind is Hello or (kind not in _STARTS and frame.id in self._calls)
 
     def _handle(self, frame: Any) -> None:
         kind = type(frame)
         if kind is Call:
             self._start(frame)
+        elif kind is Submit or kind is Wait:
+            self._start_native(frame)
         elif kind is Item:
             call = self._calls.get(frame.id)
             if call is not None and call.inbound is not None and not call.inbound.ended:
@@ -333,6 +272,9 @@ class _Connection(asyncio.Protocol):
                 )
             elif self._ctx is not None:
                 self._ctx.set_label(frame.label)
+                if frame.upto >= NATIVE_VERSION and self._server.native:
+                    self._native = True
+                    self._send(encode(Welcome(NATIVE_VERSION)))
 
     def _check_held(self) -> None:
         """Pause reading while Calls are held, unless a call in flight still waits for
@@ -351,7 +293,7 @@ class _Connection(asyncio.Protocol):
         self._releasing = False
         held = self._held
         while held and not self._closed:
-            if type(held[0]) is Call and self._full():
+            if type(held[0]) in _STARTS and self._full():
                 break
             self._handle(held.popleft())
         if not self._closed:
@@ -518,11 +460,30 @@ class _Connection(asyncio.Protocol):
             coro = self._run_stream(call, handler, request)
         else:
             coro = self._run_unary(call, frame.method, handler, request)
-        self._calls[call_id] = call
+        self._launch(call, coro, frame.timeout)
+
+    def _start_native(self, frame: Submit | Wait) -> None:
+        """A version-2 frame: the SubmitRun or WaitRun it stands for, answered as one."""
+        kind = type(frame).__name__
+        if not self._native:
+            self.drop(
+                f"a {kind} frame on a connection that did not negotiate protocol version "
+                f"{NATIVE_VERSION} (Hello.upto)"
+            )
+            return
+        if frame.id in self._calls:
+            self.drop(f"call id {frame.id} reused while that call is in flight")
+            return
+        name, handler = self._server.native[type(frame)]
+        call = _Call(frame.id)
+        self._launch(call, self._run_unary(call, name, handler, frame), frame.timeout)
+
+    def _launch(self, call: _Call, coro: Any, timeout: float | None) -> None:
+        self._calls[call.id] = call
         loop = self._loop
-        if frame.timeout is not None:
-            call.deadline = loop.time() + frame.timeout
-            server.watch_deadlines()
+        if timeout is not None:
+            call.deadline = loop.time() + timeout
+            self._server.watch_deadlines()
         # A task per call, even for handlers that never wait: they may use what needs
         # a current task (asyncio.timeout, locks), as under grpc.aio.
         call.task = loop.create_task(coro)
@@ -721,6 +682,15 @@ class FastServer:
                 parse = tolerant(method.request.FromString)
                 assert parse is not None
                 self.table[name] = (method, handler, parse)
+        #: The version-2 frames' handlers (none: the service has not both, and no
+        #: client is welcomed to version 2): frame type -> (RPC name, handler).
+        self.native: dict[type, tuple[str, Any]] = {}
+        for kind, (attr, name) in _NATIVE.items():
+            handler = getattr(service, attr, None)
+            if handler is not None:
+                self.native[kind] = (name, handler)
+        if len(self.native) != len(_NATIVE):
+            self.native.clear()
         self.connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None

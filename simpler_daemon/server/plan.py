@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from simpler_daemon.args import (
     MAX_NDIM,
@@ -51,6 +52,7 @@ from simpler_daemon.errors import (
 )
 from simpler_daemon.heap import Buffer
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol.fastwire import NativeTask
 from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.status import error_text
@@ -114,6 +116,21 @@ def timeout_field(request: Any, name: str) -> float:
     if math.isnan(value) or value < 0:
         raise InvalidField(name, f"must be >= 0, got {value}")
     return min(value, MAX_WAIT_S)
+
+
+_ONE_EMPTY: Final = (b"",)
+
+
+def _parse(kind: Any, data: bytes, field: str) -> Any:
+    """``kind.FromString(data)``; ``InvalidField`` naming ``field`` when it does not parse."""
+    try:
+        return kind.FromString(data)
+    except (DecodeError, ValueError, TypeError) as exc:
+        raise InvalidField(
+            field,
+            f"cannot parse {len(data)} bytes as {kind.DESCRIPTOR.full_name} "
+            f"({str(exc) or type(exc).__name__})",
+        ) from exc
 
 
 class Slicer:
@@ -201,6 +218,8 @@ class Planner:
         # Reused while the registration is the same one and still active and the limits
         # are unchanged (see _known); bounded by _PLANNED_KEPT.
         self._planned: dict[str, tuple[Any, Any, LimitsConfig, Planned]] = {}
+        # The Task message standing for a Submit frame's plain task, by hashid.
+        self._plain_tasks: dict[str, Any] = {}
 
     def reconfigure(self, limits: LimitsConfig, callables: CallablesConfig) -> None:
         """New limits and allow-list (SIGHUP) for requests planned from now on."""
@@ -208,6 +227,45 @@ class Planner:
         self._callables = callables
         self._default_config = None  # it may carry the old limits.max_task_seconds
         self._planned.clear()
+
+    def native_tasks(self, tasks: list[NativeTask]) -> list[Any]:
+        """A Submit frame's tasks as the Task messages a SubmitRun carries (checked then
+        by :meth:`plan_run` as any). A plain task (one call without arguments or
+        config) is one shared message per callable, which :meth:`_known` recognises
+        at once; ``InvalidField`` naming the field whose bytes or number is not valid."""
+        out: list[Any] = []
+        plain = self._plain_tasks
+        for i, task in enumerate(tasks):
+            if (
+                task.kind == pb.TASK_KIND_SUB
+                and task.members == _ONE_EMPTY
+                and not task.workers
+                and task.config is None
+            ):
+                msg = plain.get(task.hashid)
+                if msg is None:
+                    if len(plain) >= _PLANNED_KEPT:
+                        plain.clear()
+                    msg = plain[task.hashid] = pb.Task(
+                        kind=pb.TASK_KIND_SUB, hashid=task.hashid, members=[pb.Args()]
+                    )
+                out.append(msg)
+                continue
+            where = f"tasks[{i}]"
+            try:
+                msg = pb.Task(kind=task.kind, hashid=task.hashid)  # type: ignore[arg-type]
+            except (ValueError, TypeError) as exc:
+                raise InvalidField(f"{where}.kind", f"{task.kind} is not a task kind") from exc
+            for j, member in enumerate(task.members):
+                msg.members.append(_parse(pb.Args, member, f"{where}.members[{j}]"))
+            for j, worker in enumerate(task.workers):
+                if not -(1 << 31) <= worker < 1 << 31:
+                    raise InvalidField(f"{where}.workers[{j}]", f"{worker} is not a worker id")
+                msg.workers.append(worker)
+            if task.config is not None:
+                msg.config.CopyFrom(_parse(pb.CallConfig, task.config, f"{where}.config"))
+            out.append(msg)
+        return out
 
     def _known(self, task: Any) -> Planned | None:
         """The Planned of a plain task planned before, if it still holds: the same task,

@@ -34,7 +34,7 @@ from simpler_daemon.protocol.metadata import FIELD_METADATA, RETRY_AFTER_METADAT
 from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.decoding import BadRequest
-from simpler_daemon.server.fastpath import Deferred, FastContext
+from simpler_daemon.server.fastcontext import Deferred, FastContext
 from simpler_daemon.server.history import History
 from simpler_daemon.server.metrics import Metrics
 from simpler_daemon.server.owed import OwedOutputs
@@ -44,7 +44,7 @@ from simpler_daemon.server.runs import RunTable
 from simpler_daemon.server.sessions import Sessions
 from simpler_daemon.server.status import bound_text, error_text, status_of
 
-__all__ = ["ServiceBase", "server_stream", "unary"]
+__all__ = ["ServiceBase", "server_stream", "unary", "unary_as"]
 
 log = logging.getLogger("simpler_daemon.service")
 
@@ -57,7 +57,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def unary(fn: F) -> F:
     """Map exceptions of a unary-response handler to a status via STATUS_TABLE."""
-    name = fn.__name__
+    return _unary(fn, fn.__name__)
+
+
+def unary_as(name: str) -> Callable[[F], F]:
+    """:func:`unary` for a handler that answers RPC ``name`` in another form (the fast
+    path's version-2 frames): its metrics and log lines name that RPC."""
+    return lambda fn: _unary(fn, name)
+
+
+def _unary(fn: F, name: str) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: ServiceBase, request: Any, context: Any) -> Any:

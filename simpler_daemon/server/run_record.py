@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.errors import LimitExceeded, Precondition, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.history import StoredRun
+from simpler_daemon.server.keys import fingerprint
 from simpler_daemon.server.metrics import Metrics
 
 __all__ = [
@@ -50,8 +50,6 @@ _TERMINAL: Final = frozenset(
 )
 #: States whose RunStatus carries the run's error.
 _WITH_ERROR: Final = frozenset({pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST})
-#: Requests larger than this are fingerprinted on a thread (hashing megabytes stalls the loop).
-_BIG_REQUEST: Final = 1 << 16
 #: Room in a response for what surrounds the results (the RunStatus itself).
 _STATUS_OVERHEAD: Final = 4096
 #: Bytes one TaskResult adds to a reply beside its value (indexes, tags, lengths).
@@ -66,38 +64,16 @@ RESULT_KEPT_OVERHEAD: Final = 120
 STATUS_BYTES: Final = 2048
 
 
-async def fingerprint(method: str, request: Any) -> bytes:
-    """What an idempotency key stands for: a digest of the method and the request
-    (the caller clears fields that only say how to answer, such as ``wait_seconds``);
-    a big request's on a thread."""
-    small = fingerprint_now(method, request)
-    if small is not None:
-        return small
-    return await asyncio.to_thread(_digest, method, request)
-
-
-def fingerprint_now(method: str, request: Any) -> bytes | None:
-    """:func:`fingerprint` of a small request, computed here (None: a big one)."""
-    if request.ByteSize() > _BIG_REQUEST:
-        return None
-    return _digest(method, request)
-
-
-def _digest(method: str, request: Any) -> bytes:
-    h = hashlib.sha256(method.encode())
-    h.update(request.SerializeToString(deterministic=True))
-    return h.digest()
-
-
 def _time_up(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
 
 def now_ts(ns: int | None = None) -> Timestamp:
-    out = Timestamp()
-    out.FromNanoseconds(time.time_ns() if ns is None else ns)
-    return out
+    """A Timestamp of ``ns`` (None: now); not ``FromNanoseconds``, Python code that
+    costs several times more."""
+    seconds, nanos = divmod(time.time_ns() if ns is None else ns, 1_000_000_000)
+    return Timestamp(seconds=seconds, nanos=nanos)
 
 
 class Watcher:
@@ -466,26 +442,39 @@ class RunRecord:
             out.task_index = self.error_task_index
         return out
 
-    def status(self, include_results: bool = False, max_bytes: int = 0) -> Any:
-        """The RunStatus; with ``include_results`` and a terminal run, the SUB tasks'
+    def status(self, include_results: bool = False, max_bytes: int = 0, out: Any = None) -> Any:
+        """The RunStatus (filled into ``out``, an empty RunStatus such as a response's
+        field, when given); with ``include_results`` and a terminal run, the SUB tasks'
         return values too (``LimitExceeded`` naming ``include_results`` when they would
-        not fit in ``max_bytes``, the daemon's message limit)."""
-        out = pb.RunStatus(
-            run_id=self.run_id,
-            state=self.proto_state(),
-            counts=self.counts(),
-            label=self.label,
-            submit_time=now_ts(self.submit_ns),
-            client=self.client,
-            priority=self.priority,
-        )
-        if out.state in _WITH_ERROR:
+        not fit in ``max_bytes``, the daemon's message limit).
+
+        Set field by field: on every answered run's path, where building it from
+        messages (a RunCounts and Timestamps, each copied in) cost several times more."""
+        if out is None:
+            out = pb.RunStatus()
+        state = self.proto_state()
+        out.run_id = self.run_id
+        out.state = state
+        self._sync_total()
+        counts = out.counts
+        counts.SetInParent()
+        counts.total = max(self.total, 0)
+        counts.done = max(self.done, 0)
+        counts.failed = max(self.failed, 0)
+        counts.running = max(self.running, 0)
+        out.label = self.label
+        stamp = out.submit_time
+        stamp.seconds, stamp.nanos = divmod(self.submit_ns, 1_000_000_000)
+        out.client = self.client
+        out.priority = self.priority
+        if state in _WITH_ERROR:
             err = self.error_proto()
             if err is not None:
                 out.error.CopyFrom(err)
         if self.finish_ns:
-            out.finish_time.CopyFrom(now_ts(self.finish_ns))
-        if include_results and out.state in _TERMINAL:
+            stamp = out.finish_time
+            stamp.seconds, stamp.nanos = divmod(self.finish_ns, 1_000_000_000)
+        if include_results and state in _TERMINAL:
             self._add_results(out, max_bytes)
         return out
 

@@ -649,10 +649,11 @@ class RunTable:
             await rec.wait_finished(timeout)
         return self.status(rec, include_results)
 
-    def status(self, rec: RunRecord, include_results: bool = False) -> Any:
+    def status(self, rec: RunRecord, include_results: bool = False, out: Any = None) -> Any:
         """The run's status now (with the task results when asked for and the run is
-        terminal; ``LimitExceeded`` when they would not fit in limits.max_message_bytes)."""
-        return rec.status(include_results, self._limits.max_message_bytes)
+        terminal; ``LimitExceeded`` when they would not fit in limits.max_message_bytes),
+        filled into ``out`` when given (see ``RunRecord.status``)."""
+        return rec.status(include_results, self._limits.max_message_bytes, out)
 
     def abort_drain(self) -> bool:
         """Resume: a drain still in its grace period cancels nothing at its end (the

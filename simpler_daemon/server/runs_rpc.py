@@ -19,13 +19,16 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
+from simpler_daemon.args import MAX_PRIORITY
 from simpler_daemon.callables import parse_import_path, resolve_import
 from simpler_daemon.errors import AccessDenied, InvalidField, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.server.fastpath import FastContext
+from simpler_daemon.protocol.fastwire import Submit, Wait
+from simpler_daemon.server.fastcontext import FastContext
 from simpler_daemon.server.history import UnrecordedRun
+from simpler_daemon.server.keys import fingerprint, fingerprint_now, native_fingerprint
 from simpler_daemon.server.offloop import run_off_loop
 from simpler_daemon.server.owed import output_buffers
 from simpler_daemon.server.peers import Identity, client_label
@@ -37,14 +40,25 @@ from simpler_daemon.server.plan import (
     run_priority,
     timeout_field,
 )
-from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary
-from simpler_daemon.server.run_record import fingerprint, fingerprint_now
+from simpler_daemon.server.rpc_base import ServiceBase, server_stream, unary, unary_as
 
 __all__ = ["RunsRpc"]
 
 log = logging.getLogger("simpler_daemon.service")
 
 _NONE: frozenset[int] = frozenset()
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+
+
+class _Request(NamedTuple):
+    """What the submit path reads of a SubmitRunRequest, from a Submit frame (``tasks``:
+    protobuf Task messages, see ``Planner.native_tasks``)."""
+
+    tasks: list[Any]
+    label: str
+    priority: int
+    idempotency_key: str
 
 
 class RunsRpc(ServiceBase):
@@ -52,19 +66,46 @@ class RunsRpc(ServiceBase):
 
     @unary
     async def SubmitRun(self, request: Any, context: Any) -> Any:
-        runs = self._runs
         wait = timeout_field(request, "wait_seconds") if request.HasField("wait_seconds") else None
         key = request.idempotency_key
         key_print = b""
         results = request.include_results
         if key:
-            runs.check_key(key)
+            self._runs.check_key(key)
             # How to answer, not what to run: a retry may wait or ask for results or not.
             request.ClearField("wait_seconds")
             request.ClearField("include_results")
             key_print = fingerprint_now("SubmitRun", request) or await fingerprint(
                 "SubmitRun", request
             )
+        return await self._submit(request, wait, results, key_print, context)
+
+    @unary_as("SubmitRun")
+    async def FastSubmitRun(self, frame: Submit, context: Any) -> Any:
+        """A SubmitRun sent as the fast path's Submit frame (protocol version 2): the
+        same run and answer, from msgspec fields instead of a protobuf message."""
+        wait = timeout_field(frame, "wait_seconds") if frame.wait_seconds is not None else None
+        key = frame.idempotency_key
+        if key:
+            self._runs.check_key(key)
+        label, priority = frame.label, frame.priority
+        if not 0 <= priority <= _U32_MAX:  # a uint32 in a SubmitRunRequest
+            raise InvalidField(
+                "priority", f"priority {priority} is out of range (1 to {MAX_PRIORITY})"
+            )
+        tasks = self._plan.native_tasks(frame.tasks)
+        # The digest of the equal SubmitRunRequest: a retry may come in either form.
+        key_print = native_fingerprint("SubmitRun", key, tasks, label, priority) if key else b""
+        request = _Request(tasks, label, priority, key)
+        return await self._submit(request, wait, frame.include_results, key_print, context)
+
+    async def _submit(
+        self, request: Any, wait: float | None, results: bool, key_print: bytes, context: Any
+    ) -> Any:
+        """Submit ``request``'s run (or find the one its idempotency key names) and answer:
+        at once, or once it ends or ``wait`` seconds passed."""
+        runs = self._runs
+        key = request.idempotency_key
         who = self._who(context)
         if not key:  # nothing to claim
             rec = await self._submit_run(request, who, key_print)
@@ -109,9 +150,8 @@ class RunsRpc(ServiceBase):
         """The SubmitRunResponse of a waiting submit: the run's status now. Its own
         submitter's final status is then no longer owed (a deduplicated retry's is not
         taken: the status went to whoever submitted first as well)."""
-        response = pb.SubmitRunResponse(
-            run_id=rec.run_id, deduplicated=deduplicated, status=self._runs.status(rec, results)
-        )
+        response = pb.SubmitRunResponse(run_id=rec.run_id, deduplicated=deduplicated)
+        self._runs.status(rec, results, response.status)
         if not deduplicated:
             self._took_status(rec)
         return response
@@ -237,17 +277,29 @@ class RunsRpc(ServiceBase):
 
     @unary
     async def WaitRun(self, request: Any, context: Any) -> Any:
-        try:
-            rec = self._runs.record(request.run_id)
-        except UnrecordedRun as lost:  # nothing known of it, not even its owner: LOST
-            return lost.status()
-        self._owners.check_run(self._who(context), rec.client, rec.run_id, "wait for")
         timeout = (
             timeout_field(request, "timeout_seconds")
             if request.HasField("timeout_seconds")
             else None
         )
-        include = request.include_results
+        return await self._wait(request.run_id, timeout, request.include_results, context)
+
+    @unary_as("WaitRun")
+    async def FastWaitRun(self, frame: Wait, context: Any) -> Any:
+        """A WaitRun sent as the fast path's Wait frame (protocol version 2)."""
+        if not 0 <= frame.run_id <= _U64_MAX:
+            raise InvalidField("run_id", f"{frame.run_id} is not a run id")
+        timeout = (
+            timeout_field(frame, "timeout_seconds") if frame.timeout_seconds is not None else None
+        )
+        return await self._wait(frame.run_id, timeout, frame.include_results, context)
+
+    async def _wait(self, run_id: int, timeout: float | None, include: bool, context: Any) -> Any:
+        try:
+            rec = self._runs.record(run_id)
+        except UnrecordedRun as lost:  # nothing known of it, not even its owner: LOST
+            return lost.status()
+        self._owners.check_run(self._who(context), rec.client, rec.run_id, "wait for")
         if type(context) is FastContext and timeout != 0 and not rec.terminal:
             return self._defer(rec, timeout, "WaitRun", lambda: self._waited(rec, include))
         await self._runs.wait(rec, timeout)
