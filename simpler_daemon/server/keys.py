@@ -38,37 +38,43 @@ def fingerprint_now(method: str, request: Any) -> bytes | None:
     return _digest(method, request)
 
 
-def native_fingerprint(method: str, key: str, tasks: list[Any], label: str, priority: int) -> bytes:
-    """:func:`fingerprint` of the SubmitRunRequest with these fields (``tasks``: Task
-    messages), without building it: its deterministic encoding is written here, field by
-    field in number order as protobuf writes it (tests/server/test_fastwire_native.py
-    checks that both agree), so a retry's key matches whichever form it came in."""
-    out = bytearray()
+def native_fingerprint(
+    method: str, key: str, tasks: list[bytes], label: str, priority: int
+) -> bytes:
+    """:func:`fingerprint` of the SubmitRunRequest with these fields (``tasks``: each
+    Task message's deterministic encoding), without building it: the request's
+    encoding is written here, field by field in number order as protobuf writes it
+    (tests/server/test_fastpath_native.py checks that both agree), so a retry's key
+    matches whichever form it came in."""
+    parts: list[bytes] = []
     if key:
-        _field(out, 0x0A, key.encode())
+        _field(parts, b"\x0a", key.encode())
     for task in tasks:
-        _field(out, 0x12, task.SerializeToString(deterministic=True))
+        _field(parts, b"\x12", task)
     if label:
-        _field(out, 0x1A, label.encode())
+        _field(parts, b"\x1a", label.encode())
     if priority:
-        out.append(0x28)
-        _varint(out, priority)
+        parts += (b"\x28", _varint(priority))
     h = hashlib.sha256(method.encode())
-    h.update(out)
+    h.update(b"".join(parts))
     return h.digest()
 
 
-def _field(out: bytearray, tag: int, data: bytes) -> None:
-    out.append(tag)
-    _varint(out, len(data))
-    out += data
+_SMALL: Final = [bytes((i,)) for i in range(0x80)]
 
 
-def _varint(out: bytearray, value: int) -> None:
+def _field(parts: list[bytes], tag: bytes, data: bytes) -> None:
+    size = len(data)
+    parts += (tag, _SMALL[size] if size < 0x80 else _varint(size), data)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
+    return bytes(out)
 
 
 def _digest(method: str, request: Any) -> bytes:

@@ -218,8 +218,9 @@ class Planner:
         # Reused while the registration is the same one and still active and the limits
         # are unchanged (see _known); bounded by _PLANNED_KEPT.
         self._planned: dict[str, tuple[Any, Any, LimitsConfig, Planned]] = {}
-        # The Task message standing for a Submit frame's plain task, by hashid.
-        self._plain_tasks: dict[str, Any] = {}
+        # The Task message standing for a Submit frame's plain task, and its encoding,
+        # by hashid.
+        self._plain_tasks: dict[str, tuple[Any, bytes]] = {}
 
     def reconfigure(self, limits: LimitsConfig, callables: CallablesConfig) -> None:
         """New limits and allow-list (SIGHUP) for requests planned from now on."""
@@ -228,12 +229,15 @@ class Planner:
         self._default_config = None  # it may carry the old limits.max_task_seconds
         self._planned.clear()
 
-    def native_tasks(self, tasks: list[NativeTask]) -> list[Any]:
+    def native_tasks(self, tasks: list[NativeTask]) -> tuple[list[Any], list[bytes]]:
         """A Submit frame's tasks as the Task messages a SubmitRun carries (checked then
-        by :meth:`plan_run` as any). A plain task (one call without arguments or
-        config) is one shared message per callable, which :meth:`_known` recognises
-        at once; ``InvalidField`` naming the field whose bytes or number is not valid."""
+        by :meth:`plan_run` as any), and each one's deterministic encoding (for the
+        key's fingerprint, see ``keys.native_fingerprint``). A plain task (one call
+        without arguments or config) is one shared message per callable, which
+        :meth:`_known` recognises at once; ``InvalidField`` naming the field whose
+        bytes or number is not valid."""
         out: list[Any] = []
+        encoded: list[bytes] = []
         plain = self._plain_tasks
         for i, task in enumerate(tasks):
             if (
@@ -242,14 +246,14 @@ class Planner:
                 and not task.workers
                 and task.config is None
             ):
-                msg = plain.get(task.hashid)
-                if msg is None:
+                known = plain.get(task.hashid)
+                if known is None:
                     if len(plain) >= _PLANNED_KEPT:
                         plain.clear()
-                    msg = plain[task.hashid] = pb.Task(
-                        kind=pb.TASK_KIND_SUB, hashid=task.hashid, members=[pb.Args()]
-                    )
-                out.append(msg)
+                    made = pb.Task(kind=pb.TASK_KIND_SUB, hashid=task.hashid, members=[pb.Args()])
+                    known = plain[task.hashid] = (made, made.SerializeToString(deterministic=True))
+                out.append(known[0])
+                encoded.append(known[1])
                 continue
             where = f"tasks[{i}]"
             try:
@@ -265,7 +269,8 @@ class Planner:
             if task.config is not None:
                 msg.config.CopyFrom(_parse(pb.CallConfig, task.config, f"{where}.config"))
             out.append(msg)
-        return out
+            encoded.append(msg.SerializeToString(deterministic=True))
+        return out, encoded
 
     def _known(self, task: Any) -> Planned | None:
         """The Planned of a plain task planned before, if it still holds: the same task,

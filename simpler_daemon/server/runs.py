@@ -510,7 +510,8 @@ class RunTable:
             scoped = self._scoped(rec.client, rec.key)
             self._keys[scoped] = run_id
             self._key_prints[scoped] = rec.key_print
-        if self._history is not None:  # a queued run is recorded QUEUED from now on
+        # A queued run is recorded QUEUED from now on (a started one was, when bound).
+        if self._history is not None and rec.run is None:
             self._history.submitted(rec)
 
     async def _start(

@@ -93,9 +93,9 @@ class RunsRpc(ServiceBase):
             raise InvalidField(
                 "priority", f"priority {priority} is out of range (1 to {MAX_PRIORITY})"
             )
-        tasks = self._plan.native_tasks(frame.tasks)
+        tasks, encoded = self._plan.native_tasks(frame.tasks)
         # The digest of the equal SubmitRunRequest: a retry may come in either form.
-        key_print = native_fingerprint("SubmitRun", key, tasks, label, priority) if key else b""
+        key_print = native_fingerprint("SubmitRun", key, encoded, label, priority) if key else b""
         request = _Request(tasks, label, priority, key)
         return await self._submit(request, wait, frame.include_results, key_print, context)
 

@@ -114,7 +114,7 @@ def test_a_submit_frames_fingerprint_is_its_submit_run_requests(
     request_: pb.SubmitRunRequest,
 ) -> None:
     """A retry may come in either form: the digests agree (keys.native_fingerprint)."""
-    tasks = list(request_.tasks)
+    tasks = [t.SerializeToString(deterministic=True) for t in request_.tasks]
     native = native_fingerprint(
         "SubmitRun", request_.idempotency_key, tasks, request_.label, request_.priority
     )
