@@ -3,7 +3,8 @@
 Each iteration, in this order::
 
     1. shutdown?      base state == SHUTDOWN or the sticky shutdown word set -> leave
-    2. task frame 0   TASK_READY -> decode args, resolve digest, fn(args),
+    2. task frame 0   TASK_READY -> mark it picked up (the ``accepted`` word),
+                      decode args, resolve digest, fn(args),
                       write error + text (or a non-None return value, msgpack-encoded,
                       into the args area), store TASK_DONE, ring the parent if parked
     3. base frame     CONTROL_REQUEST -> register / reload / unregister / ping / stats,
@@ -57,6 +58,7 @@ from simpler_daemon.mailbox.layout import (
     ERRMSG_SIZE,
     MAILBOX_ARGS_CAPACITY,
     MAX_RESULT_BYTES,
+    OFF_ACCEPTED,
     OFF_ARGS,
     OFF_DIGEST,
     OFF_ERRMSG,
@@ -226,6 +228,9 @@ class MailboxLoop:
     def run_task(self) -> None:
         buf = self.buf
         frame = self.frame
+        # Picked up: one store before anything of the task runs. A child that dies before
+        # it leaves the task unstarted, and the parent queues it again (docs/mailbox.md).
+        _mb.store32(buf, frame + OFF_ACCEPTED, 1)
         try:
             (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
         except ValueError as exc:  # a malformed blob header fails the task, not the child

@@ -16,7 +16,8 @@ accepted word is reported once, only when the child set it.
 Any stale identity, invalid state, refused publication, dead child or expired
 control timeout poisons the endpoint: SHUTDOWN is requested, completions are
 withheld until the child has exited, then every owned frame completes with
-ENDPOINT_FAILURE. Later submissions fail.
+ENDPOINT_FAILURE (a SUB task the child never picked up with error ``NOT_PICKED_UP``:
+the Scheduler queues it again). Later submissions fail.
 
 The parent does not trust the child to stop on its own. While a task is in
 flight, each progress round checks (one time comparison; more only when due):
@@ -102,6 +103,10 @@ _IN_FLIGHT: Final = frozenset(
     {_TASK_READY, _PREPARE_READY, _FRAME_STAGED, _ACTIVATE, _TASK_LAUNCHED}
 )
 
+#: The ``error`` of an ENDPOINT_FAILURE completion whose task the dead SUB child never
+#: picked up (see ``LocalMailboxEndpoint.marks_pickup``): it never ran, so the Scheduler
+#: queues it again instead of failing it. Not a mailbox code (those are >= 0).
+NOT_PICKED_UP: Final = -2
 #: How long a poisoned endpoint waits for its child to exit before killing it.
 POISON_KILL_AFTER: Final = 2.0
 #: A task still in flight ``deadline_ms`` + this long after its publication is killed.
@@ -189,6 +194,7 @@ class LocalMailboxEndpoint:
         *,
         task_frame_count: int = 1,
         label: str | None = None,
+        marks_pickup: bool = False,
     ) -> None:
         if task_frame_count not in (1, 2):
             raise ValueError(f"cannot create endpoint: task_frame_count={task_frame_count}")
@@ -198,6 +204,10 @@ class LocalMailboxEndpoint:
         self.child = child
         self.label = label or f"worker {worker_id}"
         self.caps = EndpointCaps(task_frame_count, task_frame_count == 2, task_frame_count)
+        #: The child sets a task frame's ``accepted`` word when it picks the task up (a
+        #: SUB child, ``children/sub.py``): a task the dead child never picked up completes
+        #: with error ``NOT_PICKED_UP``, and the Scheduler queues it again.
+        self.marks_pickup = marks_pickup
         self._frames = [_Frame(i) for i in range(task_frame_count)]
         self._owned = 0
         self._lock = threading.Lock()
@@ -554,11 +564,31 @@ class LocalMailboxEndpoint:
             self._owned -= 1
             # ENDPOINT_FAILURE even for a deadline: the lane lost its child either way; a
             # task stopped by ``terminate`` is CANCELLED.
-            outcome, error, text = self._failure.pop(
-                fr.index,
-                (Outcome.ENDPOINT_FAILURE, -1, f"endpoint failure on {self.who()}: {reason}"),
-            )
+            failure = self._failure.pop(fr.index, None)
+            if failure is None:
+                text = f"endpoint failure on {self.who()}: {reason}"
+                if self.marks_pickup and self._never_picked_up(fr):
+                    failure = (
+                        Outcome.ENDPOINT_FAILURE,
+                        NOT_PICKED_UP,
+                        f"{text}; the child never picked the task up",
+                    )
+                else:
+                    failure = (Outcome.ENDPOINT_FAILURE, -1, text)
+            outcome, error, text = failure
             out.append(EndpointEvent(EventKind.COMPLETED, d, outcome, error, text))
+
+    def _never_picked_up(self, fr: _Frame) -> bool:
+        """The child (exited now: nothing writes the frame any more) left the task of
+        ``fr`` unstarted: still ``TASK_READY`` with the ``accepted`` word 0, or failed by
+        the child's way out (``ERR_SHUTDOWN``) before it picked the task up."""
+        buf = self.buf
+        if _mb.load32(buf, fr.off + OFF_ACCEPTED):
+            return False
+        st = _mb.load32(buf, fr.off)
+        return st == _TASK_READY or (
+            st == _TASK_FAILED and _mb.load32(buf, fr.off + OFF_ERROR) == ERR_SHUTDOWN
+        )
 
     # -- controls ------------------------------------------------------------------------------
 

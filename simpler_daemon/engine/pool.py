@@ -215,7 +215,9 @@ class ChildPool:
             raise StartupError(f"cannot start worker: {type(exc).__name__}: {exc}") from exc
         for kind, index, mb, child in starting:
             if kind == "sub":
-                self.sub_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
+                self.sub_endpoints.append(
+                    LocalMailboxEndpoint(index, mb, child, label=child.label, marks_pickup=True)
+                )
             elif kind == "l3":
                 self.l3_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
             else:
@@ -478,7 +480,12 @@ class ChildPool:
             self._give_up(lane, f"{old.label} stays down after 3 failed replacements: {error}")
             return
         ep = LocalMailboxEndpoint(
-            lane.worker_id, mb, child, task_frame_count=old.caps.task_frame_count, label=old.label
+            lane.worker_id,
+            mb,
+            child,
+            task_frame_count=old.caps.task_frame_count,
+            label=old.label,
+            marks_pickup=old.marks_pickup,
         )
         try:
             if kind == "l3":

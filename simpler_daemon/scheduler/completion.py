@@ -24,7 +24,7 @@ from collections import deque
 from typing import Any, Final
 
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
-from simpler_daemon.endpoints.local import LocalMailboxEndpoint
+from simpler_daemon.endpoints.local import NOT_PICKED_UP, LocalMailboxEndpoint
 from simpler_daemon.errors import RunCancelled
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerThread, WorkerType
 from simpler_daemon.scheduler.runmodel import (
@@ -41,8 +41,12 @@ from simpler_daemon.scheduler.state import SchedulerState
 #: The longest error text an orchestration failure keeps (a run's status carries it to
 #: clients, and the daemon keeps it with the finished run).
 MAX_ORCH_ERROR_CHARS: Final = 65536
+#: How many times one SUB task goes back to its queue because the child it was handed
+#: to died before picking it up; the next such death fails it (children that keep dying
+#: at once must not keep a task circling).
+MAX_PICKUP_REQUEUES: Final = 3
 
-__all__ = ["MAX_ORCH_ERROR_CHARS", "RunCompletion"]
+__all__ = ["MAX_ORCH_ERROR_CHARS", "MAX_PICKUP_REQUEUES", "RunCompletion"]
 
 
 class RunCompletion(SchedulerState, SubmitSink):
@@ -186,6 +190,9 @@ class RunCompletion(SchedulerState, SubmitSink):
             run.orch = None  # what release_run_memory does for a run that held nothing
         if run.listeners:
             run.emit("run")
+        if self._pickup_requeues:
+            for slot in run.slots:
+                self._pickup_requeues.pop(slot.slot_id, None)
         run.fire_done()
         # Break the run <-> slot cycle so a finished run is freed by reference
         # counting: cyclic garbage per run would trigger the cyclic GC every few
@@ -230,6 +237,10 @@ class RunCompletion(SchedulerState, SubmitSink):
         ):
             self._requeue_staged(slot, c)
             return
+        if c.error == NOT_PICKED_UP:
+            c = self._unstarted_sub(slot, c)
+            if c.error == NOT_PICKED_UP:
+                return  # queued again
         if c.dispatch.issued_at:
             # Dispatch-to-completion latency: decides whether spinning pays (spingate.py).
             self.spin_gate.observe(c.dispatch.issued_at, time.monotonic())
@@ -340,6 +351,47 @@ class RunCompletion(SchedulerState, SubmitSink):
         per = self.singles.setdefault(slot.targets[0], {})
         per.setdefault(run.run_id, deque()).appendleft(slot)
         self.wake()
+
+    def _unstarted_sub(self, slot: TaskSlot, c: WorkerCompletion) -> WorkerCompletion:
+        """A SUB task whose child died before picking it up (``NOT_PICKED_UP``) never
+        ran: it goes back to the head of its run's SUB queue, to run on another or the
+        replacement worker (a "requeued" task event; ``c`` is returned unchanged). Not
+        so for a cancelled run, a group member, or a task requeued
+        ``MAX_PICKUP_REQUEUES`` times already: the completion returned instead fails it
+        as any lost child does, with the reason added."""
+        run = slot.run
+        lane = self._lane_of(c)
+        if lane is not None:
+            self._suspect.add(lane)  # the dead child's lane: replaced by the usual path
+        n = self._pickup_requeues.get(slot.slot_id, 0)
+        if run.cancelled or slot.is_group or slot.state != SlotState.RUNNING:
+            return WorkerCompletion(
+                c.dispatch, c.worker_id, c.worker_type, c.outcome, -1, c.message
+            )
+        if n >= MAX_PICKUP_REQUEUES:
+            self._pickup_requeues.pop(slot.slot_id, None)
+            return WorkerCompletion(
+                c.dispatch,
+                c.worker_id,
+                c.worker_type,
+                c.outcome,
+                -1,
+                f"{c.message}; task {slot.index} ({slot.handle.name}) was handed to "
+                f"{n + 1} SUB children that each died before picking it up: not queued "
+                f"again (at most {MAX_PICKUP_REQUEUES} requeues)",
+            )
+        self._pickup_requeues[slot.slot_id] = n + 1
+        slot.state = SlotState.READY
+        slot.members_started = 0
+        run.counts["running"] -= 1
+        if self.on_task_event is not None:
+            self.on_task_event(slot, "requeued", c)
+        q = self.subs.get(run.run_id)
+        if q is None:
+            q = self.subs[run.run_id] = deque()
+        q.appendleft(slot)
+        self.wake()
+        return c
 
     def _complete_slot(self, slot: TaskSlot) -> None:
         slot.state = SlotState.COMPLETED

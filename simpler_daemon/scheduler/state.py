@@ -90,6 +90,9 @@ class SchedulerState:
         #: Dispatches of other runs staged on a chip whose child ``terminate`` killed: they
         #: never started, so they go back to their queue (by ``id``) instead of failing.
         self._withdrawn: dict[int, WorkerDispatch] = {}
+        #: How often each SUB task (by slot id) went back to its queue because its child
+        #: died before picking it up (``completion.MAX_PICKUP_REQUEUES`` bounds it).
+        self._pickup_requeues: dict[int, int] = {}
         #: Called once for a lane whose child died and whose frames are all terminal.
         self.on_lane_dead: Callable[[WorkerThread], None] | None = None
         #: Dead SUB lanes come back (a fork server replaces them): queued SUB tasks wait.
