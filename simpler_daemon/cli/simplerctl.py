@@ -48,6 +48,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Final, NoReturn
 
+# First: grpc core reads its process-wide settings at its import (system/grpcsetup.py).
+import simpler_daemon.system.grpcsetup  # noqa: F401
+
+# isort: split
+
 import grpc
 
 from simpler_daemon import __version__

@@ -73,6 +73,14 @@ def test_the_client_package_imports_grpc_on_iomgr(tmp_path: Path) -> None:
     assert EVENT_ENGINE not in trace
 
 
+def test_simplerctl_imports_grpc_on_iomgr(tmp_path: Path) -> None:
+    """simplerctl imports grpc itself, before the client package: the setting goes first."""
+    report, trace = _probe(tmp_path, "import simpler_daemon.cli.simplerctl", {})
+    assert report == {"read": EXPERIMENTS, "env": None}
+    assert IOMGR in trace
+    assert EVENT_ENGINE not in trace
+
+
 def test_a_users_grpc_experiments_wins(tmp_path: Path) -> None:
     own = "event_engine_client,event_engine_listener"
     report, trace = _probe(tmp_path, "import simpler_daemon.client", {ENV_EXPERIMENTS: own})
