@@ -515,6 +515,8 @@ class Lifecycle:
         """A closed worker keeps no registered callable alive (nor its payload)."""
         self.registry.clear()
         self._pool.forget_callables()
+        if self.scheduler is not None:
+            self.scheduler.valid_sub = None  # it holds a registry entry (SubmitSink)
 
     def _stop_sync(self, deadline: float, why: str = "") -> None:
         """Stop lanes, progress until every frame is terminal, reap, release memory."""

@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 _new_int = int.__new__
+#: The args blob of a task without tensors or scalars (shared by every such task).
+_EMPTY_BLOB: Final = encode_args((), ())
 
 
 _API: Final = {
@@ -85,7 +87,39 @@ class Orchestrator:
     ) -> TaskRef:
         """Submit one SUB task; returns its ``TaskRef`` (its index in the run, and the
         value the callable returns once the run is terminal)."""
-        h = self._sink.validate_handle(handle, "sub", "submit_sub")
+        sink = self._sink
+        valid = sink.valid_sub
+        if valid is not None and valid[0] is handle and valid[1].state == "active":
+            h = handle  # validated before, and still registered (``SubmitSink.valid_sub``)
+        else:
+            h = sink.validate_handle(handle, "sub", "submit_sub")
+        run = self.run
+        if (
+            config is None
+            and (args is None or (type(args) is TaskArgs and not args.tensors and not args.scalars))
+            and run.building
+            and run.error is None
+            and not run.terminal
+        ):
+            # A plain task (no tensors, no scalars, the default config; W1, W2): what
+            # ``_submit`` does for it, inline: no pins, no dependencies, the shared blob.
+            slot = TaskSlot(
+                sink.next_slot_id(),
+                run,
+                len(run.slots),
+                TaskKind.SUB,
+                h,
+                DEFAULT_CONFIG,
+                [_EMPTY_BLOB],
+                [],
+                [],
+            )
+            run.slots.append(slot)
+            run.remaining += 1
+            sink.add_slot(slot)
+            ref = _new_int(TaskRef, slot.index)
+            ref.__dict__ = self._refs
+            return ref
         return self._submit(TaskKind.SUB, h, [args or TaskArgs()], config, [])
 
     def submit_sub_group(

@@ -403,6 +403,10 @@ class Worker(Lifecycle, RemoteMethods):
             def targets(spec: CallableSpec) -> list[RegistrationTarget]:
                 return self._pool.registration_targets(spec.handle.role, nested=not remote_only)
 
+            if self.scheduler is not None:
+                # The Scheduler's cached SUB validation holds a registry entry: not one
+                # being dropped (a callable unregistered is not kept alive by it).
+                self.scheduler.valid_sub = None
             await unregister_on_all(self.registry, handle, targets)
 
     def _check_runnable(self, spec: CallableSpec) -> None:

@@ -183,7 +183,9 @@ class RunCompletion(SchedulerState, SubmitSink):
             return
         run.end(RunState.FAILED if run.error is not None else RunState.COMPLETED)
         self._drop_partitions(run.run_id)
-        self._promoted(self.admission.release(run))
+        admitted = self.admission.release(run)
+        if admitted:
+            self._promoted(admitted)
         if run.pins or run.scopes != [[]]:
             self.release_run_memory(run)
         else:

@@ -31,7 +31,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from simpler_daemon.callables import CallableHandle, CallableRegistry
+from simpler_daemon.callables import CallableRegistry
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
 from simpler_daemon.scheduler.fair import DEFAULT_MAX_ACTIVE_RUNS
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread
@@ -119,37 +119,18 @@ class Scheduler(ProgressLoop):
 
     # -- SubmitSink ------------------------------------------------------------------------------
 
-    def validate_handle(self, handle: Any, role: str, api: str) -> CallableHandle:
-        if not isinstance(handle, CallableHandle):
-            raise TypeError(
-                f"cannot {api}: expected a CallableHandle returned by Worker.register, "
-                f"got {type(handle).__name__} {handle!r}"
-            )
-        entry = self.registry.lookup(handle.hashid)
-        if entry is None or entry.state != "active":
-            raise ValueError(
-                f"cannot {api}: callable {handle.name} ({handle.hashid}) is not registered"
-            )
-        if role == "sub" and handle.role != "sub":
-            raise ValueError(
-                f"cannot {api}: {handle.name} is registered as {handle.role}, not as a SUB callable"
-            )
-        if role == "chip" and handle.role == "orchestration" and not self.next_level_orchestrations:
-            raise ValueError(f"cannot {api}: {handle.name} is an orchestration function")
-        return handle
-
-    def validate_targets(self, targets: list[int], api: str) -> None:
-        for w in targets:
-            if w not in self.manager.next_level:
-                known = self.manager.next_level_worker_ids()
-                raise ValueError(
-                    f"cannot {api}: worker={w} is not a registered NEXT_LEVEL worker (known: {known})"
-                )
-
     def add_slot(self, slot: TaskSlot) -> None:
         if slot.deps == 0:
             slot.state = SlotState.READY
-            self.enqueue_ready(slot)
+            run = slot.run
+            if slot.kind is TaskKind.SUB and not run.terminal:
+                # ``enqueue_ready`` of a SUB single, inline (once per submit).
+                q = self.subs.get(run.run_id)
+                if q is None:
+                    q = self.subs[run.run_id] = deque()
+                q.append(slot)
+            else:
+                self.enqueue_ready(slot)
             # Dispatch right away when the slot's run may dispatch (the head; under fair,
             # any run): the child starts while the orchestration function still submits.
             # SUB tasks: while a SUB worker is idle, else once per SUBMIT_BATCH submits (a
@@ -229,7 +210,15 @@ class Scheduler(ProgressLoop):
             self._round_seen = self.doorbell.completed()
             self._round_at = time.monotonic()
             pump = self._pump
-            q = None if self._held else self._pump_queue()
+            if self._held:
+                q = None
+            elif self.fair is None:  # ``_pump_queue`` under fifo, inline (per round)
+                head = self.admission.head
+                q = None if head is None else self.subs.get(head.run_id)
+                if q is None:
+                    q = _NO_QUEUE
+            else:
+                q = self._pump_queue()
             pumping = q is not None and bool(self.manager.sub)
             # Under fair another run's queue may get work meanwhile: one call only.
             chain = self.fair is None

@@ -639,7 +639,8 @@ class Driver(AuxLoop):
             if done():
                 return True  # its runs ended in that close (drained, or RunClosedError)
             raise WorkerClosedError("cannot wait: the worker was closed meanwhile")
-        self.check_may_wait()
+        if sched.in_round:  # ``check_may_wait``'s first test, inline (once per run)
+            self.check_may_wait()
         if not handover:
             return self._rounds(sched, doorbell, done, deadline, None)
         lock = self.lock

@@ -511,8 +511,11 @@ class Admission:
             run.admitted = True
             self.active.append(run)
             admitted.append(run)
-        self._top()
-        head = self.head
+        # ``_top``, inline (twice per run).
+        active = self.active
+        n = len(active)
+        head = self.head = active[0] if n else None
+        self.successor = active[1] if n > 1 else None
         if head is not None and head.state in (RunState.BUILDING, RunState.PREPARED):
             head.state = RunState.EXECUTING
         return admitted

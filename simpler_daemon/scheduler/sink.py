@@ -51,6 +51,11 @@ class SubmitSink:
     heap: Heap
     #: Remote buffers of an L4 worker with remote children; ``None`` otherwise.
     remote: RemoteTensors | None = None
+    #: The last handle ``validate_handle`` accepted for ``submit_sub`` and its registry
+    #: entry (``callables.Registration``): while that entry is active, the same handle
+    #: needs no new validation (an active entry is never dropped or replaced without
+    #: leaving the active state first). ``None``: validate every submit.
+    valid_sub: tuple[CallableHandle, Any] | None = None
 
     def validate_handle(
         self, handle: Any, role: str, api: str

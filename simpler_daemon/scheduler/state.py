@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from simpler_daemon.callables import CallableHandle
 from simpler_daemon.endpoints.base import WorkerDispatch
 from simpler_daemon.scheduler.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS, FairAdmission
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread
@@ -76,6 +77,8 @@ class SchedulerState:
         self.subs: dict[int, deque[TaskSlot]] = {}
         self.completions: list[WorkerCompletion] = []
         self._slot_ids = 0
+        #: ``SubmitSink.valid_sub``: the last SUB handle validated, and its registry entry.
+        self.valid_sub: tuple[CallableHandle, Any] | None = None
         self._stopped = False
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None
@@ -117,6 +120,35 @@ class SchedulerState:
     def next_slot_id(self) -> int:
         self._slot_ids += 1
         return self._slot_ids
+
+    def validate_handle(self, handle: Any, role: str, api: str) -> CallableHandle:
+        if not isinstance(handle, CallableHandle):
+            raise TypeError(
+                f"cannot {api}: expected a CallableHandle returned by Worker.register, "
+                f"got {type(handle).__name__} {handle!r}"
+            )
+        entry = self.registry.lookup(handle.hashid)
+        if entry is None or entry.state != "active":
+            raise ValueError(
+                f"cannot {api}: callable {handle.name} ({handle.hashid}) is not registered"
+            )
+        if role == "sub" and handle.role != "sub":
+            raise ValueError(
+                f"cannot {api}: {handle.name} is registered as {handle.role}, not as a SUB callable"
+            )
+        if role == "chip" and handle.role == "orchestration" and not self.next_level_orchestrations:
+            raise ValueError(f"cannot {api}: {handle.name} is an orchestration function")
+        if role == "sub":
+            self.valid_sub = (handle, entry)
+        return handle
+
+    def validate_targets(self, targets: list[int], api: str) -> None:
+        for w in targets:
+            if w not in self.manager.next_level:
+                known = self.manager.next_level_worker_ids()
+                raise ValueError(
+                    f"cannot {api}: worker={w} is not a registered NEXT_LEVEL worker (known: {known})"
+                )
 
     # -- runs --------------------------------------------------------------------------------------
 
