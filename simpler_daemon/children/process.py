@@ -118,7 +118,7 @@ def describe_status(status: int) -> str:
 class ChildProcess:
     """A forked child as its parent sees it."""
 
-    __slots__ = ("_next_sample", "fault", "foreign", "label", "pid", "pidfd", "status", "watched")
+    __slots__ = ("fault", "foreign", "label", "next_sample", "pid", "pidfd", "status", "watched")
 
     def __init__(self, pid: int, label: str, *, foreign: bool = False) -> None:
         self.pid = pid
@@ -129,7 +129,9 @@ class ChildProcess:
         self.status: int | None = None
         #: The faulthandler dump it left when it crashed ("" otherwise); set when reaped.
         self.fault = ""
-        self._next_sample = 0.0
+        #: ``time.monotonic()`` before which ``sample`` does not poll (a caller on the
+        #: hot path may test it first and skip the call).
+        self.next_sample = 0.0
         #: A driver watches the pidfd (``Driver.watch``): reaping leaves it open, so its
         #: number cannot be reused (by a socket, another child's pidfd) while the watch
         #: still names it; ``unwatched`` closes it once the watch is gone.
@@ -205,8 +207,8 @@ class ChildProcess:
         """``poll`` at most every 10 ms (cheap enough for a progress round)."""
         if self.status is not None:
             return True
-        if now >= self._next_sample:
-            self._next_sample = now + 0.010
+        if now >= self.next_sample:
+            self.next_sample = now + 0.010
             return self.poll()
         return False
 

@@ -417,7 +417,8 @@ class LocalMailboxEndpoint:
         child = self.child
         if self._owned and self.poison_reason is None and child is not None:
             now = time.monotonic()
-            if child.sample(now):
+            # ``child.sample(now)``, called only when it would look (once per round).
+            if (child.status is not None or now >= child.next_sample) and child.sample(now):
                 # A frame the child finished before it exited is a result, not a casualty.
                 for fr in self._frames:
                     d = fr.dispatch
