@@ -70,10 +70,15 @@ class Doorbell:
         """Announce a terminal publication; wake the Scheduler only if it sleeps."""
         _mb.fetch_add32(self.buf, OFF_COMPLETED, 1)
         if _mb.load32(self.buf, OFF_PARKED):
-            try:
-                os.eventfd_write(self.fd, 1)
-            except OSError:  # parent gone or fd closed: nothing to wake
-                pass
+            self.ring_parked()
+
+    def ring_parked(self) -> None:
+        """The wake-up of ``ring_if_parked`` once ``parked`` was seen set (a child that
+        bumps ``completed`` itself calls this)."""
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:  # parent gone or fd closed: nothing to wake
+            pass
 
     def close(self) -> None:
         if not self.closed:
