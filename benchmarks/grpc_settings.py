@@ -45,8 +45,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 30.0
 WARM_UP_CALLS = 50
 EMPTY = "simpler_daemon.examples.tasks:empty"
@@ -487,50 +484,13 @@ heap_bytes = 16777216
 def _daemon(directory: Path, env: dict[str, str]) -> Iterator[tuple[str, str, int]]:
     """A ``simpler-daemon serve`` subprocess; yields its (public, private) socket paths
     and its pid."""
+    from benchmarks.w6 import serve
+
     directory.mkdir()
-    config = directory / "daemon.toml"
-    config.write_text(_daemon_config(directory))
-    notify_path = str(directory / "notify.sock")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
-    notify.settimeout(0.1)
-    env = dict(env, NOTIFY_SOCKET=notify_path)
-    err = open(directory / "stderr.txt", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "simpler_daemon.server.main", "serve", "--config", str(config)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-    )
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"simpler-daemon exited with {proc.returncode} before READY=1: "
-                    + (directory / "stderr.txt").read_text(errors="replace")[-500:]
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"simpler-daemon not ready within {READY_TIMEOUT:.0f} s")
-            with contextlib.suppress(TimeoutError):
-                if b"READY=1" in notify.recv(4096):
-                    break
+    with serve(directory, _daemon_config(directory), env, "grpc_settings") as pid:
         run = directory / "run"
         private = [p for p in run.iterdir() if p.is_socket() and "priv" in p.name]
-        yield str(run / "daemon.sock"), str(private[0]) if private else "", proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        notify.close()
-        err.close()
-        if code != 0:
-            print(f"grpc_settings: simpler-daemon exited with {code}", file=sys.stderr)
+        yield str(run / "daemon.sock"), str(private[0]) if private else "", pid
 
 
 @dataclass

@@ -69,56 +69,66 @@ max_tasks_per_run = {max(n2, 100_000)}
 
 
 @contextlib.contextmanager
+def serve(directory: Path, config_text: str, env: dict[str, str], who: str) -> Iterator[int]:
+    """A ``simpler-daemon serve`` subprocess with ``config_text`` as its configuration
+    (written to ``directory``/daemon.toml) and ``env`` as its environment; yields its pid
+    once it said READY=1, SIGTERMs it after (SIGKILL past STOP_TIMEOUT). ``who`` names
+    the benchmark in the line printed when the daemon exits with a non-zero status."""
+    config = directory / "daemon.toml"
+    config.write_text(config_text)
+    notify_path = str(directory / "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(0.1)
+    err = open(directory / "stderr.txt", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "simpler_daemon.server.main", "serve", "--config", str(config)],
+        env=dict(env, NOTIFY_SOCKET=notify_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"simpler-daemon exited with {proc.returncode} before READY=1: "
+                    + (directory / "stderr.txt").read_text(errors="replace")[-500:]
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"simpler-daemon not ready within {READY_TIMEOUT:.0f} s")
+            try:
+                if b"READY=1" in notify.recv(4096):
+                    break
+            except TimeoutError:
+                continue
+        yield proc.pid
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        notify.close()
+        err.close()
+        if code != 0:
+            print(f"{who}: simpler-daemon exited with {code}", file=sys.stderr)
+
+
+@contextlib.contextmanager
 def daemon(n2: int, extra: str = "") -> Iterator[tuple[str, int]]:
     """A ``simpler-daemon serve`` subprocess; yields ``(socket path, pid)``, stops it after.
     ``extra``: more TOML sections for its configuration (the ``[scheduler]`` admission
     policy of W9, fair against fifo)."""
     with tempfile.TemporaryDirectory(prefix="bench-w6-") as tmp:
         directory = Path(tmp)
-        config = directory / "daemon.toml"
-        config.write_text(_config(directory, n2, extra))
-        notify_path = str(directory / "notify.sock")
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(notify_path)
-        notify.settimeout(0.1)
-        env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+        env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
-        err = open(directory / "stderr.txt", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "simpler_daemon.server.main", "serve", "--config", str(config)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"simpler-daemon exited with {proc.returncode} before READY=1: "
-                        + (directory / "stderr.txt").read_text(errors="replace")[-500:]
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"simpler-daemon not ready within {READY_TIMEOUT:.0f} s")
-                try:
-                    if b"READY=1" in notify.recv(4096):
-                        break
-                except TimeoutError:
-                    continue
-            yield str(directory / "run" / "daemon.sock"), proc.pid
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            notify.close()
-            err.close()
-            if code != 0:
-                print(f"w6: simpler-daemon exited with {code}", file=sys.stderr)
+        with serve(directory, _config(directory, n2, extra), env, "w6") as pid:
+            yield str(directory / "run" / "daemon.sock"), pid
 
 
 def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
