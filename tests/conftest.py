@@ -25,6 +25,7 @@ pytest.register_assert_rewrite(
     "tests.support.chip_worker_rig",
     "tests.support.daemon_harness",
     "tests.support.endpoint_rig",
+    "tests.support.fast_raw",
     "tests.support.nested_rig",
     "tests.support.remote_harness",
     "tests.support.remote_worker",

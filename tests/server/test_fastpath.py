@@ -56,6 +56,7 @@ from tests.support.daemon_harness import (
     running_daemon,
     wait_until,
 )
+from tests.support.fast_raw import RawFast
 
 TASKS = "tests.support.daemon_tasks"
 MAX_MESSAGE = 1 << 20
@@ -150,34 +151,8 @@ def c(daemon: DaemonProcess) -> Iterator[Client]:
         yield client
 
 
-class Raw:
-    """One fast-path connection speaking frames by hand."""
-
-    def __init__(self, daemon: DaemonProcess) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
-        self.sock.connect(fast_socket_path(daemon.socket))
-        self.dec = FrameDecoder(CLIENT_FRAMES, 1 << 30)
-        self.pending: list[Any] = []
-
-    def send(self, *frames: Any) -> None:
-        self.sock.sendall(b"".join(encode(f) for f in frames))
-
-    def frame(self) -> Any:
-        while not self.pending:
-            data = self.sock.recv(1 << 16)
-            assert data, "the daemon closed the connection"
-            self.pending += self.dec.feed(data)
-        return self.pending.pop(0)
-
-    def closed_by_daemon(self) -> bool:
-        try:
-            return self.sock.recv(1 << 16) == b""
-        except ConnectionResetError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
+class Raw(RawFast):
+    """One fast-path connection speaking frames by hand (no Hello sent)."""
 
 
 @pytest.mark.timeout(60)

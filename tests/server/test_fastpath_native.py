@@ -41,13 +41,13 @@ from simpler_daemon.protocol.fastwire import (
     encode,
 )
 from simpler_daemon.server.keys import fingerprint_now, native_fingerprint
-from simpler_daemon.system.runtimedir import fast_socket_path
 from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
     module_leak_guard,
     wait_until,
 )
+from tests.support.fast_raw import RawFast
 
 TASKS = "tests.support.daemon_tasks"
 CONFIG: dict[str, dict[str, Any]] = {
@@ -134,26 +134,11 @@ def no_leaked_children() -> Iterator[None]:
     yield from module_leak_guard(lambda: set(_MODULE_DAEMONS))
 
 
-class Raw:
+class Raw(RawFast):
     """One fast-path connection speaking frames by hand; ``upto``: the Hello's."""
 
     def __init__(self, daemon: DaemonProcess, upto: int = NATIVE_VERSION) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
-        self.sock.connect(fast_socket_path(daemon.socket))
-        self.dec = FrameDecoder(CLIENT_FRAMES, 1 << 30)
-        self.pending: list[Any] = []
-        self.send(Hello(1, "raw", upto))
-
-    def send(self, *frames: Any) -> None:
-        self.sock.sendall(b"".join(encode(f) for f in frames))
-
-    def frame(self) -> Any:
-        while not self.pending:
-            data = self.sock.recv(1 << 16)
-            assert data, "the daemon closed the connection"
-            self.pending += self.dec.feed(data)
-        return self.pending.pop(0)
+        super().__init__(daemon, Hello(1, "raw", upto))
 
     def welcomed(self) -> Raw:
         assert self.frame() == Welcome(NATIVE_VERSION)
@@ -164,15 +149,6 @@ class Raw:
         got = self.frame()
         assert type(got) is Reply and got.id == frame.id, got
         return got
-
-    def closed_by_daemon(self) -> bool:
-        try:
-            return self.sock.recv(1 << 16) == b""
-        except ConnectionResetError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ outcome is compared with what gRPC answers for the same request.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,21 +17,18 @@ from simpler_daemon.client import Client, sub_task
 from simpler_daemon.client.errors import FailedPrecondition, NotFound
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.fastwire import (
-    CLIENT_FRAMES,
     Call,
     Cancel,
-    FrameDecoder,
     Hello,
     Reply,
-    encode,
 )
-from simpler_daemon.system.runtimedir import fast_socket_path
 from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
     module_leak_guard,
     wait_until,
 )
+from tests.support.fast_raw import RawFast
 
 TASKS = "tests.support.daemon_tasks"
 MAX_MESSAGE = 1 << 20
@@ -63,33 +59,15 @@ def c(daemon: DaemonProcess) -> Iterator[Client]:
         yield client
 
 
-class Raw:
+class Raw(RawFast):
     """One fast-path connection speaking frames by hand (replies collected by call id)."""
 
     def __init__(self, daemon: DaemonProcess) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
-        self.sock.connect(fast_socket_path(daemon.socket))
-        self.dec = FrameDecoder(CLIENT_FRAMES, 1 << 30)
-        self.got: dict[int, Any] = {}
-        self.send(Hello(1, "raw"))
-
-    def send(self, *frames: Any) -> None:
-        self.sock.sendall(b"".join(encode(f) for f in frames))
+        super().__init__(daemon, Hello(1, "raw"))
 
     def reply(self, call_id: int) -> Reply:
         """Call ``call_id``'s reply (other calls' frames read meanwhile are kept)."""
-        while call_id not in self.got:
-            data = self.sock.recv(1 << 16)
-            assert data, "the daemon closed the connection"
-            for frame in self.dec.feed(data):
-                self.got[frame.id] = frame
-        frame = self.got.pop(call_id)
-        assert type(frame) is Reply
-        return frame
-
-    def close(self) -> None:
-        self.sock.close()
+        return self.reply_to(call_id)
 
 
 def _submit(tasks: list[Any], wait: float | None, *, include_results: bool = False) -> bytes:
@@ -156,7 +134,7 @@ def test_a_waiting_call_stops_on_cancel_on_its_deadline_and_when_its_client_goes
         # The next reply on the connection is the next call's: nothing owed for call 1.
         raw.send(Call(3, "GetInfo", b""))
         assert raw.reply(3).code == OK
-        assert 1 not in raw.got
+        assert not [f for f in raw.pending if getattr(f, "id", None) == 1]
         # A client going away with a waiting submit: the run still ends, nothing breaks.
         gone = Raw(daemon)
         gone.send(Call(1, "SubmitRun", _submit([sub_task(sleep, scalars=[200])], 60.0)))
