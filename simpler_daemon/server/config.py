@@ -34,6 +34,7 @@ from simpler_daemon.server.config_types import (
     MIB,
     CallablesConfig,
     DaemonConfig,
+    DiscoveryConfig,
     GrpcConfig,
     LimitsConfig,
     LocalCallableConfig,
@@ -41,6 +42,7 @@ from simpler_daemon.server.config_types import (
     MetricsConfig,
     ReconnectConfig,
     RemoteCallableConfig,
+    RemoteSessionConfig,
     RemoteWorkerConfig,
     SchedulerConfig,
     SecurityConfig,
@@ -76,6 +78,7 @@ __all__ = [
     "RESULT_HEADROOM_BYTES",
     "CallablesConfig",
     "DaemonConfig",
+    "DiscoveryConfig",
     "GrpcConfig",
     "LimitsConfig",
     "LocalCallableConfig",
@@ -83,6 +86,7 @@ __all__ = [
     "MetricsConfig",
     "ReconnectConfig",
     "RemoteCallableConfig",
+    "RemoteSessionConfig",
     "RemoteWorkerConfig",
     "SchedulerConfig",
     "SecurityConfig",
@@ -135,6 +139,7 @@ heap_shared = true          # /dev/shm name local clients can map
 local = []                  # level 4: [[workers.local]] tables, see deploy/config/daemon.toml
 remote = []                 # level 4: [[workers.remote]] tables, see deploy/config/daemon.toml
 remote_credentials_dir = "" # where AddRemoteWorker credential files may live; "" = nowhere
+# [workers.discovery]: level 4, remote workers found by DNS (dns = "NAME:PORT"), see deploy/config/daemon.toml
 
 [grpc]
 unix_socket = ""            # "" = <runtime_dir>/daemon.sock
@@ -327,6 +332,7 @@ def _check(config: DaemonConfig) -> None:
         )
     for i, remote in enumerate(workers.remote):
         _check_remote(f"workers.remote[{i}]", remote)
+    _check_discovery(workers.discovery, service.level)
 
     check_path("grpc.unix_socket", grpc.unix_socket)
     if len(os.fsencode(grpc.unix_socket)) > _UNIX_PATH_MAX:
@@ -501,6 +507,39 @@ def _check_remote(key: str, remote: RemoteWorkerConfig) -> None:
         parse_endpoint(remote.endpoint, "endpoint")
     except ValueError as exc:
         raise Invalid(f"{key}.endpoint", f": {str(exc).partition(': ')[2] or exc}") from None
+    _check_remote_settings(key, remote)
+
+
+def _check_discovery(d: DiscoveryConfig, level: int) -> None:
+    """``[workers.discovery]``: off while ``dns`` is ""; else level 4, a NAME:PORT, a
+    positive refresh, an IP[:PORT] nameserver, and the session settings of a
+    ``[[workers.remote]]`` table."""
+    from simpler_daemon.server.dnsquery import parse_dns_target, parse_nameserver
+
+    key = "workers.discovery"
+    if not d.dns:
+        if d.nameserver:
+            raise Invalid(f"{key}.nameserver", " is set but workers.discovery.dns is not")
+        return
+    if level != 4:
+        raise Invalid(f"{key}.dns", f": discovery needs daemon.level = 4 (it is {level})")
+    try:
+        parse_dns_target(d.dns)
+    except ValueError as exc:
+        raise Invalid(f"{key}.dns", f": {exc}") from None
+    if not (math.isfinite(d.refresh_s) and d.refresh_s > 0):
+        raise Invalid(f"{key}.refresh_s", f": must be > 0 (seconds), got {d.refresh_s}")
+    if d.nameserver:
+        try:
+            parse_nameserver(d.nameserver)
+        except ValueError as exc:
+            raise Invalid(f"{key}.nameserver", f": {exc}") from None
+    _check_remote_settings(key, d)
+
+
+def _check_remote_settings(key: str, remote: RemoteSessionConfig) -> None:
+    """The session settings a ``[[workers.remote]]`` table and ``[workers.discovery]``
+    share."""
     for name in ("num_sub_workers", "num_chips"):
         if getattr(remote, name) < 0:
             raise Invalid(f"{key}.{name}", f": must be >= 0, got {getattr(remote, name)}")

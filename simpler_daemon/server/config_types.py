@@ -21,6 +21,7 @@ __all__ = [
     "MIB",
     "CallablesConfig",
     "DaemonConfig",
+    "DiscoveryConfig",
     "FastConfig",
     "GrpcConfig",
     "LimitsConfig",
@@ -29,6 +30,7 @@ __all__ = [
     "MetricsConfig",
     "ReconnectConfig",
     "RemoteCallableConfig",
+    "RemoteSessionConfig",
     "RemoteWorkerConfig",
     "SchedulerConfig",
     "SecurityConfig",
@@ -74,12 +76,11 @@ class RemoteCallableConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     kind: Literal["sub", "chip", "orchestration"]
 
 
-class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``[[workers.remote]]`` table (level 4): a session on a simpler-remote-worker."""
+class RemoteSessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The settings of a session on a simpler-remote-worker that a ``[[workers.remote]]``
+    table and ``[workers.discovery]`` share (one parser and one check for both:
+    ``config._check_remote_settings``, ``topology.remote_spec_of``)."""
 
-    endpoint: str
-    """"IP:PORT" (or "localhost:PORT") of the simpler-remote-worker; host names are
-    not resolved."""
     num_sub_workers: int = 1
     num_chips: int = 0
     chip_pipeline_depth: Literal[1, 2] = 2
@@ -96,8 +97,36 @@ class RemoteWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     tls_key_file: str = ""
     """Both set: a client certificate (mutual TLS)."""
     tls_server_name: str = ""
-    """Name checked against the worker's certificate; "" = the endpoint's host."""
+    """Name checked against the worker's certificate; "" = the endpoint's host (for a
+    discovered worker: its address, so set the name its certificate carries)."""
     callables: list[RemoteCallableConfig] = []
+
+
+class RemoteWorkerConfig(
+    RemoteSessionConfig, frozen=True, forbid_unknown_fields=True, kw_only=True
+):
+    """One ``[[workers.remote]]`` table (level 4): a session on a simpler-remote-worker."""
+
+    endpoint: str
+    """"IP:PORT" (or "localhost:PORT") of the simpler-remote-worker; host names are
+    not resolved (``[workers.discovery]`` resolves a DNS name)."""
+
+
+class DiscoveryConfig(RemoteSessionConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[workers.discovery]`` table (level 4): remote workers found by DNS.
+
+    Every address ``dns`` resolves to becomes a remote worker with the session settings
+    of this table (those of a ``[[workers.remote]]`` table, without ``endpoint``);
+    one whose address leaves the answer is retired (server/discovery.py)."""
+
+    dns: str = ""
+    """"NAME:PORT" to resolve (a headless Service's name); "" = no discovery."""
+    refresh_s: float = 10.0
+    """Seconds between two resolutions (> 0)."""
+    nameserver: str = ""
+    """"" = the system resolver (getaddrinfo, in a thread: A and AAAA records, search
+    domains apply); "IP" or "IP:PORT" = ask this DNS server directly over UDP for A
+    records of the name as written (port 53 by default)."""
 
 
 class ReconnectConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -161,6 +190,8 @@ class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     remote: list[RemoteWorkerConfig] = []
     """Level 4: ``[[workers.remote]]`` sessions opened at start (NEXT_LEVEL workers;
     ids follow the local ones, in file order)."""
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    """Level 4: ``[workers.discovery]``, remote workers found by resolving a DNS name."""
     remote_credentials_dir: str = ""
     """Directory the credential files named in an AddRemoteWorker request must lie in;
     "" = such a request may name none (the daemon never reads a client-chosen path

@@ -25,7 +25,12 @@ from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ConfigError, RegistrationError, StartupError
 from simpler_daemon.heap import heap_name
 from simpler_daemon.remote.spec import ReconnectPolicy, RemoteWorkerSpec
-from simpler_daemon.server.config import DaemonConfig, LocalWorkerConfig, RemoteWorkerConfig
+from simpler_daemon.server.config import (
+    DaemonConfig,
+    LocalWorkerConfig,
+    RemoteSessionConfig,
+    RemoteWorkerConfig,
+)
 
 __all__ = [
     "CLOSE_TIMEOUT",
@@ -82,14 +87,20 @@ def add_configured_workers(worker: Worker, cfg: DaemonConfig) -> None:
     _add_remote_workers(worker, cfg)
 
 
-def remote_spec_of(remote: RemoteWorkerConfig, key: str) -> RemoteWorkerSpec:
-    """The ``RemoteWorkerSpec`` of one ``[[workers.remote]]`` table ("" settings -> None).
+def remote_spec_of(
+    remote: RemoteSessionConfig, key: str, endpoint: str | None = None
+) -> RemoteWorkerSpec:
+    """The ``RemoteWorkerSpec`` of one ``[[workers.remote]]`` table ("" settings -> None),
+    or of ``[workers.discovery]`` for the address ``endpoint`` it found.
 
     Raises ``ConfigError`` naming ``key`` for a rule only the spec knows.
     """
+    if endpoint is None:
+        assert isinstance(remote, RemoteWorkerConfig), "a discovered worker needs its endpoint"
+        endpoint = remote.endpoint
     try:
         return RemoteWorkerSpec(
-            endpoint=remote.endpoint,
+            endpoint=endpoint,
             num_sub_workers=remote.num_sub_workers,
             num_chips=remote.num_chips,
             token_file=remote.token_file or None,

@@ -24,6 +24,8 @@ UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 DEPLOYMENT = {"daemon.runtime_dir": "/run/simpler-daemon"}
 
 _SECTION = re.compile(r"^\[(\w+)\]\s*$")
+# A sub-table shown commented out, e.g. "# [workers.discovery]".
+_SUBTABLE = re.compile(r"^#\s?\[(\w+\.\w+)\]\s*$")
 _DEFAULT_LINE = re.compile(r"^#\s?([a-z_]+) = (.+)$")
 _ACTIVE_LINE = re.compile(r"^([a-z_]+)\s*=\s*(.+)$")
 
@@ -34,7 +36,7 @@ def example_lines() -> tuple[dict[str, list[str]], dict[str, str]]:
     active: dict[str, str] = {}
     section = ""
     for line in EXAMPLE.read_text().splitlines():
-        if m := _SECTION.match(line):
+        if m := _SECTION.match(line) or _SUBTABLE.match(line):
             section = m[1]
         elif m := _DEFAULT_LINE.match(line):
             defaults.setdefault(f"{section}.{m[1]}", []).append(m[2])
@@ -47,11 +49,15 @@ def all_options() -> dict[str, Any]:
     """Every option with a literal default (one that depends on the level, None here, is
     documented in prose instead)."""
     default = cfg.DaemonConfig()
-    options = {
-        f"{section.name}.{f.name}": getattr(getattr(default, section.name), f.name)
-        for section in msgspec.structs.fields(cfg.DaemonConfig)
-        for f in msgspec.structs.fields(section.type)
-    }
+    options: dict[str, Any] = {}
+    for section in msgspec.structs.fields(cfg.DaemonConfig):
+        for f in msgspec.structs.fields(section.type):
+            value = getattr(getattr(default, section.name), f.name)
+            if isinstance(value, msgspec.Struct):  # a sub-table: [workers.discovery]
+                for sub in msgspec.structs.fields(value):
+                    options[f"{section.name}.{f.name}.{sub.name}"] = getattr(value, sub.name)
+            else:
+                options[f"{section.name}.{f.name}"] = value
     return {k: v for k, v in options.items() if v is not None}
 
 

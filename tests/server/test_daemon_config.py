@@ -107,6 +107,14 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
                 callables=[cfg.RemoteCallableConfig(target="pkg.l3:step", kind="orchestration")],
             )
         ],
+        "discovery": cfg.DiscoveryConfig(
+            dns="workers.simpler.svc.cluster.local:19073",
+            refresh_s=2.5,
+            nameserver="10.96.0.10:53",
+            num_sub_workers=3,
+            token_file="/etc/simpler/token",
+            callables=[cfg.RemoteCallableConfig(target="pkg.l3:step", kind="orchestration")],
+        ),
         "remote_credentials_dir": "/etc/simpler/remote",
     },
     "grpc": {
