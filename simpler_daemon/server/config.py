@@ -201,6 +201,7 @@ child_spin_us = 50          # a SUB worker's spin for its next task before parki
 
 [health]
 unhealthy_exit_s = 60.0     # a pool without workers this long: stop the watchdog pings; 0 = never
+probe_listen = ""           # "host:port": plain-text gRPC health only, for probes (Kubernetes grpc:)
 
 [reconnect]                 # level 4: reopening a remote worker's failed session
 initial_s = 0.5             # wait after the first failed attempt, doubling ...
@@ -425,6 +426,8 @@ def _check(config: DaemonConfig) -> None:
 
     if config.metrics.listen:
         check_host_port("metrics.listen", config.metrics.listen)
+    if config.health.probe_listen:
+        check_host_port("health.probe_listen", config.health.probe_listen)
     check_path("metrics.token_file", config.metrics.token_file)
 
     security = config.security

@@ -365,6 +365,11 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Seconds the daemon may stay unhealthy (health NOT_SERVING) before it stops its
     systemd watchdog pings, so that systemd (``WatchdogSec=``) restarts it; the pings
     resume if capacity returns first. 0 = never stop them (report only)."""
+    probe_listen: str = ""
+    """"host:port" of a plain-text gRPC listener that serves the gRPC health service and
+    nothing else (no TLS, no token: it tells only whether the daemon serves), for
+    probes that cannot present credentials, such as a Kubernetes ``grpc:`` probe.
+    Empty: off."""
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

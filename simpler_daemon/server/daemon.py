@@ -12,6 +12,7 @@
                                            here, before any thread exists
       serve()    (uvloop)  Worker.start_async -> DaemonService
                  -> grpc.aio on the Unix socket (0660, group)   [+ TCP: TLS + bearer token]
+                    [+ health.probe_listen: plain-text TCP, the gRPC health service only]
                  -> health SERVING, metrics listener -> READY=1, WATCHDOG=1 every ping period
                  ... a worker pool without capacity: health NOT_SERVING, and after
                      health.unhealthy_exit_s no WATCHDOG=1 (server/health.py) ...
@@ -77,6 +78,7 @@ from simpler_daemon.system.notify import SystemdNotifier
 
 __all__ = [
     "EXIT_FORCED",
+    "LIVENESS_NAME",
     "MAX_SCALARS",
     "SERVICE_NAME",
     "Daemon",
@@ -89,6 +91,11 @@ log = logging.getLogger("simpler_daemon.daemon")
 
 #: The gRPC service name (health checks and reflection).
 SERVICE_NAME: Final = "simpler.daemon.v1.Daemon"
+#: The gRPC health name for liveness: SERVING while the event loop answers, NOT_SERVING
+#: once a pool has been down past ``health.unhealthy_exit_s`` with nothing coming back
+#: (when a systemd watchdog would restart the daemon). A drain, or L3 workers that
+#: reconnect, leave it SERVING: a restart would not help then.
+LIVENESS_NAME: Final = "liveness"
 #: Scalars the mailbox args blob is guaranteed to hold (ARCHITECTURE section 4.1).
 MAX_SCALARS: Final = 128
 #: Exit status of a second SIGINT (128 + SIGINT, as a shell reports it).
@@ -168,6 +175,7 @@ class Daemon:
         self._fast: Any = None
         self._fast_bound = False
         self.tcp_port: int | None = None
+        self.probe_port: int | None = None
         self._token: bytes | None = None
         self._tls: tuple[bytes, bytes, bytes | None] | None = None
         self._metrics_token: bytes | None = None
@@ -463,6 +471,7 @@ class Daemon:
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self._health.set(name, not_serving)
+        await self._health.set(LIVENESS_NAME, health_pb2.HealthCheckResponse.SERVING)
 
         max_msg = cfg.limits.max_message_bytes
         options = [
@@ -504,6 +513,9 @@ class Daemon:
             self._servers.append(tcp_server)
             self.tcp_port = port
 
+        if cfg.health.probe_listen:
+            self._servers.append(self._probe_server(grpc, health_pb2_grpc))
+
         for server in self._servers:
             await server.start()
         await publish_relay(self._relay, path, cfg.grpc.socket_mode, self._gid)
@@ -524,6 +536,10 @@ class Daemon:
             shown = f"[{host}]" if ":" in host else host
             mtls = " (mutual TLS)" if self._tls and self._tls[2] else " (TLS)"
             self._announce(f"listening on tcp {shown}:{self.tcp_port}{mtls}")
+        if self.probe_port is not None:
+            host, _ = parse_host_port(cfg.health.probe_listen, key="health.probe_listen")
+            shown = f"[{host}]" if ":" in host else host
+            self._announce(f"health probes on tcp {shown}:{self.probe_port} (plain text)")
         status = (
             f"serving on unix:{path}; {worker.num_sub_workers} SUB workers, "
             f"{worker.num_chips} chips"
@@ -548,6 +564,21 @@ class Daemon:
             metrics=self._metrics,
         )
         self._tasks.append(asyncio.create_task(watch.run(), name="health"))
+
+    def _probe_server(self, grpc: Any, health_pb2_grpc: Any) -> Any:
+        """The plain-text listener of ``health.probe_listen``: the health servicer alone
+        (no Daemon service, no reflection), for probes that carry no credentials."""
+        listen = self.config.health.probe_listen
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {listen} (health.probe_listen): {exc}") from exc
+        if not port:
+            raise StartupError(f"cannot listen on {listen} (health.probe_listen): bind failed")
+        self.probe_port = port
+        return server
 
     async def _start_fast(self, service: Any) -> None:
         """The local fast path (server/fastpath.py) beside the gRPC socket, with the same
@@ -585,6 +616,8 @@ class Daemon:
             status = health_pb2.HealthCheckResponse
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, status.SERVING if serving else status.NOT_SERVING)
+            live = not self.health.pings_stopped
+            await self._health.set(LIVENESS_NAME, status.SERVING if live else status.NOT_SERVING)
         if self._metrics is not None:
             self._metrics.set_serving(serving)
 

@@ -188,6 +188,14 @@ def _ctl_info(d: DaemonProcess) -> str:
     return done.stdout
 
 
+def _liveness(port: int) -> int:
+    """The "liveness" health name on the plain-text probe port (health.probe_listen)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="liveness")
+        return int(stub.Check(request, timeout=10).status)
+
+
 @contextlib.contextmanager
 def _drained(d: DaemonProcess) -> Iterator[None]:
     """Empty the notify socket all along, as systemd does (a datagram socket holds only
@@ -238,17 +246,18 @@ def stopped_at_end() -> Iterator[list[DaemonProcess]]:
 def test_no_sub_worker_left_turns_not_serving_and_stops_the_pings(
     tmp_path: Path, stopped_at_end: list[DaemonProcess]
 ) -> None:
-    port = _free_port()
+    port, probe = _free_port(), _free_port()
     overrides: dict[str, dict[str, Any]] = {
         "workers": {"num_sub_workers": 1, "num_chips": 0},
         "metrics": {"listen": f"127.0.0.1:{port}"},
-        "health": {"unhealthy_exit_s": 1.0},
+        "health": {"unhealthy_exit_s": 1.0, "probe_listen": f"127.0.0.1:{probe}"},
     }
     d = DaemonProcess(tmp_path / "d", overrides, env={"WATCHDOG_USEC": "400000"})
     stopped_at_end.append(d)
     d.start()
     wait_until(lambda: d.notify.seen("WATCHDOG", "1"), message="no WATCHDOG=1 ping")
     assert _health(d) == Health.SERVING
+    assert _liveness(probe) == Health.SERVING
     body = _metrics(port)
     assert "simpler_daemon_serving 1.0" in body
     assert 'simpler_daemon_worker_pool_down{pool="sub"} 0.0' in body
@@ -269,6 +278,8 @@ def test_no_sub_worker_left_turns_not_serving_and_stops_the_pings(
         body = _metrics(port)
         assert "simpler_daemon_serving 0.0" in body
         assert 'simpler_daemon_worker_pool_down{pool="sub"} 1.0' in body
+        # Not ready, but still alive until the pings stop (a probe would restart it then).
+        assert _liveness(probe) == Health.SERVING
 
         # After health.unhealthy_exit_s the pings stop, and say so on the notify socket.
         stopped = "unhealthy, watchdog pings stopped: no SUB worker left"
@@ -280,6 +291,7 @@ def test_no_sub_worker_left_turns_not_serving_and_stops_the_pings(
         late = _after(list(d.notify.messages), "STATUS", stopped)
         assert not [m for m in late if "WATCHDOG" in m], late
         assert _health(d) == Health.NOT_SERVING  # the loop itself still answers
+        assert _liveness(probe) == Health.NOT_SERVING
 
     log = d.stderr()
     assert log.count("unhealthy, gRPC health NOT_SERVING: no SUB worker left") == 1, log
