@@ -1,4 +1,4 @@
-"""simplerctl run commands: ``submit``, ``watch``, ``wait``, ``cancel``, ``runs``.
+"""simplerctl run commands: ``submit``, ``watch``, ``wait``, ``cancel``, ``runs``, ``trace``.
 
 ``submit`` owns what it creates: the buffers of the spec's ``[buffers]`` are freed
 once their contents are printed (``--wait``/``--watch``, unless ``--keep``) and on
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -51,6 +52,7 @@ __all__ = [
     "cmd_cancel",
     "cmd_runs",
     "cmd_submit",
+    "cmd_trace",
     "cmd_wait",
     "cmd_watch",
     "watch_run",
@@ -431,6 +433,33 @@ def _cancel_detail(state: int, terminate: bool) -> str:
     if state in TERMINAL_STATES:
         return ""
     return " (tasks already running finish first; --terminate stops them)"
+
+
+def cmd_trace(c: Client, a: argparse.Namespace, out: Out) -> int:
+    """Write the run's Chrome trace (JSON) to ``-o FILE`` (``-``: standard output)."""
+    doc = c.trace(a.run)
+    text = json.dumps(doc, separators=(",", ":"))
+    attempts = doc.get("otherData", {}).get("attempts", 0)
+    if a.output == "-":
+        sys.stdout.write(text + "\n")
+        return EXIT_OK
+    try:
+        with open(a.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        out.error(
+            "WRITE_FAILED",
+            f"cannot write the trace of run {a.run} to {a.output}: {exc.strerror or exc}",
+        )
+        raise CliExit(EXIT_FAILED) from None
+    if out.json:
+        out.data({"run_id": a.run, "file": a.output, "attempts": attempts})
+    else:
+        out.line(
+            f"run {a.run}: {attempts} task attempts written to {a.output} "
+            "(open it in https://ui.perfetto.dev or chrome://tracing)"
+        )
+    return EXIT_OK
 
 
 def cmd_runs(c: Client, a: argparse.Namespace, out: Out) -> int:

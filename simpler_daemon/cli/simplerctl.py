@@ -18,6 +18,7 @@
       cancel RUN [--reason R] [--terminate]
       runs [--state S] [--limit N]
                                 the runs you can see, newest first
+      trace RUN -o FILE         the run's task attempts as a Chrome trace (Perfetto)
       buffers                   every live buffer and the heap
       free ID...                free buffers
       drain [--grace S] [--shutdown]
@@ -88,6 +89,7 @@ from simpler_daemon.cli.runs import (
     cmd_cancel,
     cmd_runs,
     cmd_submit,
+    cmd_trace,
     cmd_wait,
     cmd_watch,
 )
@@ -323,6 +325,15 @@ def parser() -> argparse.ArgumentParser:
         "--terminate",
         action="store_true",
         help="also stop its running tasks (their workers are killed and replaced)",
+    )
+    p = add("trace", cmd_trace, "write a run's task attempts as a Chrome trace")
+    p.add_argument("run", type=_run_id, metavar="RUN")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the JSON file to write (- for standard output); open it in Perfetto",
     )
     p = add("runs", cmd_runs, "list runs, newest first")
     p.add_argument(

@@ -39,6 +39,7 @@ request is built by :mod:`simpler_daemon.client.requests`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -78,6 +79,7 @@ from simpler_daemon.client.requests import (
     read_request,
     register_request,
     submit_request,
+    trace_request,
     wait_request,
     write_chunk,
     write_requests,
@@ -439,6 +441,14 @@ class Client(_Base):
         request = cancel_request(run, reason, terminate)
         return cancel_result(self._call("CancelRun", request))
 
+    def trace(self, run: int) -> dict[str, Any]:
+        """The run's task stream in Chrome Trace Event format (``{"traceEvents": [...]}``:
+        one complete event per task attempt; ``json.dump`` it and open it in Perfetto or
+        chrome://tracing), as far as the run has got. Kept while the daemon keeps the
+        run's status; FAILED_PRECONDITION for a run finished before its last restart."""
+        response = self._call("GetRunTrace", trace_request(run))
+        return json.loads(response.trace_json)  # type: ignore[no-any-return]
+
     def list_runs(self, states: Iterable[int | str] = (), limit: int = 0) -> list[RunSummaryInfo]:
         """Runs the daemon knows, newest first: this client's (an admin's: everyone's),
         in ``states`` (names such as ``"failed"`` or ``RunPhase`` values; empty = all), at
@@ -734,6 +744,11 @@ class AsyncClient(_Base):
     async def cancel(self, run: int, reason: str = "", *, terminate: bool = False) -> CancelResult:
         request = cancel_request(run, reason, terminate)
         return cancel_result(await self._call("CancelRun", request))
+
+    async def trace(self, run: int) -> dict[str, Any]:
+        """See :meth:`Client.trace`."""
+        response = await self._call("GetRunTrace", trace_request(run))
+        return json.loads(response.trace_json)  # type: ignore[no-any-return]
 
     async def list_runs(
         self, states: Iterable[int | str] = (), limit: int = 0

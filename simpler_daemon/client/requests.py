@@ -337,6 +337,13 @@ def cancel_request(run_id: int, reason: str, terminate: bool) -> pb.CancelRunReq
     return pb.CancelRunRequest(run_id=int(run_id), reason=reason, terminate=terminate)
 
 
+def trace_request(run_id: int) -> pb.GetRunTraceRequest:
+    """``run_id``: an int >= 1 (``ValueError`` otherwise, before anything is sent)."""
+    if isinstance(run_id, bool) or not isinstance(run_id, int) or not 1 <= run_id < 1 << 64:
+        raise ValueError(f"cannot read the trace of run {run_id!r}: a run id is an int >= 1")
+    return pb.GetRunTraceRequest(run_id=run_id)
+
+
 def list_runs_request(states: Iterable[int | str], limit: int) -> pb.ListRunsRequest:
     """``states``: ``RunPhase`` / ``pb.RunState`` values or names (``"failed"``,
     ``"RUN_STATE_FAILED"``); ``limit`` 0 = the daemon's default (100)."""

@@ -9,6 +9,7 @@
     h.result(timeout)  -> run.task_results()   raises the run's error, TimeoutError
     h.exception(timeout) -> the run's error or None
     h.add_done_callback(fn)     fn(h) on whoever finishes the run (at once when done)
+    h.trace()                   the task attempts as a Chrome trace (Worker(trace=True))
     h.cancel(terminate=False)   False when the run had finished already
     await h                     on the bound loop or any other loop: the results
 
@@ -205,6 +206,26 @@ class RunHandle(BridgedFuture):
         if run.orch_exception is not None:
             raise run.orch_exception
         run.raise_if_failed()
+
+    def trace(self) -> dict[str, Any]:
+        """The run's task stream in Chrome Trace Event format (``{"traceEvents": [...]}``:
+        one ``ph: "X"`` event per task attempt, the run's queueing and execution;
+        ``scheduler/trace.py`` says what the fields hold), as far as the run has got:
+        ``json.dump`` it to a file and open it in Perfetto or ``chrome://tracing``.
+
+        Raises ``ValueError`` when the Worker does not trace (``Worker(trace=True)``).
+        """
+        run = self.run
+        if run.trace is None:
+            raise ValueError(
+                f"cannot trace run {run.run_id}: its Worker does not record traces "
+                "(create it with Worker(..., trace=True))"
+            )
+        return run.trace.chrome(
+            run.run_id,
+            state="CANCELLED" if run.terminal and run.cancelled else run.state.name,
+            worker=f"Worker level {self._worker.level} (pid {self._worker._pid})",
+        )
 
     # -- callbacks and cancel --------------------------------------------------------------
 

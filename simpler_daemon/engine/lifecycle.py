@@ -39,6 +39,7 @@ from simpler_daemon.engine.runs import RunBuilder, wait_run
 from simpler_daemon.errors import StartupError, WorkerClosedError, WorkerStateError
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.lanes import WorkerManager
+from simpler_daemon.scheduler.trace import traced
 
 if TYPE_CHECKING:
     from simpler_daemon.callables import CallableRegistry
@@ -174,6 +175,7 @@ class Lifecycle:
     scheduler_spin_s: float
     admission: str
     max_active_runs: int
+    trace: bool
     pipeline_depth: int | None
     registry: CallableRegistry
     manager: WorkerManager | None
@@ -333,7 +335,9 @@ class Lifecycle:
                 admission=self.admission,
                 max_active_runs=self.max_active_runs,
             )
-            self._runs = RunBuilder(self.scheduler, self._driver)
+            self._runs = RunBuilder(self.scheduler, self._driver, trace=self.trace)
+            if self.trace:
+                self.scheduler.on_task_event = traced(self.scheduler.on_task_event)
             if self.level >= 4:
                 self.scheduler.remote = self._fleet
                 self.scheduler.next_level_orchestrations = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -27,6 +28,7 @@ from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.engine.orchestrator import Orchestrator, Run
 from simpler_daemon.errors import RunCancelled, RunClosedError
 from simpler_daemon.remote.spec import RemoteTensorRef
+from simpler_daemon.scheduler.trace import RunTrace
 
 if TYPE_CHECKING:
     from simpler_daemon.scheduler.driver import Driver
@@ -42,8 +44,10 @@ class RunBuilder:
     """Creates, builds, cancels and abandons the runs of one Scheduler (through the
     narrow ``RunControl`` interface, never its internals)."""
 
-    def __init__(self, scheduler: RunControl, driver: Driver) -> None:
+    def __init__(self, scheduler: RunControl, driver: Driver, *, trace: bool = False) -> None:
         self.scheduler = scheduler
+        #: Every new run records its task attempts (``Worker(trace=True)``).
+        self.trace = trace
         self._driver = driver
         scheduler.on_admit = self.on_admit
         driver.on_fall_back = self._build_again
@@ -79,6 +83,8 @@ class RunBuilder:
                 f"cannot submit a run: client {client!r} is not hashable ({type(client).__name__})"
             ) from None
         run = Run(run_id=run_id)
+        if self.trace:
+            run.trace = RunTrace()
         # The default priority (a plain int 1) needs no check: this runs on every submit.
         if priority.__class__ is not int or priority != 1:
             run.priority = check_priority(priority)
@@ -157,6 +163,8 @@ class RunBuilder:
         return task is not None and task in self._orch_tasks
 
     def on_admit(self, run: Run) -> None:
+        if run.trace is not None:
+            run.trace.admitted_ns = time.perf_counter_ns()
         # The orchestration function runs on whoever drives: the bound loop or the
         # blocking caller's thread before its next round; a run admitted inside its own
         # ``new_run`` is built by that caller right after.

@@ -92,6 +92,8 @@ class Worker(Lifecycle, RemoteMethods):
     (unlinked at close). ``reconnect`` (level 4) says how a failed remote session
     is reopened: a ``ReconnectPolicy`` (backoff, ``max_elapsed_s``), ``True`` for the
     default one (forever), ``False`` for never; ``None`` follows ``restart_children``.
+    ``trace=True`` records every run's task attempts for ``RunHandle.trace()`` (off by
+    default: untraced SUB tasks complete in C without a Python call each).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class Worker(Lifecycle, RemoteMethods):
         admission: str = "fifo",
         max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
         reconnect: bool | ReconnectPolicy | None = None,
+        trace: bool = False,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -171,6 +174,9 @@ class Worker(Lifecycle, RemoteMethods):
         self.restart_children = restart_children
         self.admission = admission
         self.max_active_runs = max_active_runs
+        if not isinstance(trace, bool):
+            raise TypeError(f"cannot create Worker: trace={trace!r} must be True or False")
+        self.trace = trace
         self.registry = CallableRegistry()
         self._driver = Driver()
         self._pool = ChildPool(

@@ -182,6 +182,8 @@ class RunCompletion(SchedulerState, SubmitSink):
         if run.remaining or run.building or run.terminal:
             return
         run.end(RunState.FAILED if run.error is not None else RunState.COMPLETED)
+        if run.trace is not None:
+            run.trace.ended_ns = time.perf_counter_ns()
         self._drop_partitions(run.run_id)
         admitted = self.admission.release(run)
         if admitted:
@@ -207,6 +209,8 @@ class RunCompletion(SchedulerState, SubmitSink):
         self.admission.release(run)
         run.building = False
         run.end(RunState.FAILED)
+        if run.trace is not None:
+            run.trace.ended_ns = time.perf_counter_ns()
         self.release_run_memory(run)
         run.fire_done()
 

@@ -38,6 +38,7 @@ from simpler_daemon.scheduler.tensormap import TensorMap
 
 if TYPE_CHECKING:
     from simpler_daemon.scheduler.fair import Share
+    from simpler_daemon.scheduler.trace import RunTrace
 
 
 class RunState(enum.Enum):
@@ -262,6 +263,8 @@ class Run:
         #: (not COMPLETED, a group, or holding a result), stripped of their args.
         self.task_count = 0
         self.kept_slots: dict[int, TaskSlot] = {}
+        #: The run's task attempts when its Worker traces (``scheduler/trace.py``).
+        self.trace: RunTrace | None = None
 
     def end(self, state: RunState) -> None:
         """Make the run terminal: ``state`` is COMPLETED or FAILED."""

@@ -27,6 +27,7 @@ from simpler_daemon.engine.orchestrator import FailureInfo, Run, RunState, SlotS
 from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.errors import LimitExceeded, Precondition, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.scheduler.trace import RunTrace
 from simpler_daemon.server.history import StoredRun
 from simpler_daemon.server.keys import fingerprint
 from simpler_daemon.server.metrics import Metrics
@@ -145,6 +146,7 @@ class RunRecord:
         "status_bytes",
         "submit_ns",
         "total",
+        "trace",
         "watchers",
     )
 
@@ -161,6 +163,8 @@ class RunRecord:
         self.run_id = 0
         self.run: Run | None = None
         self.handle: RunHandle | None = None
+        #: The run's task attempts (``scheduler/trace.py``), kept after the Run is let go.
+        self.trace: RunTrace | None = None
         self.label = label
         self.client = client
         self.priority = priority
@@ -292,6 +296,7 @@ class RunRecord:
             return
         self.run = run
         self.run_id = run.run_id
+        self.trace = run.trace
         if self.on_bind is not None:
             self.on_bind(self)
         run.listeners.append(self._guarded(self._on_slot))
@@ -623,6 +628,8 @@ class RunRecord:
         self.status_bytes = (
             STATUS_BYTES + len(self.label) + len(self.key) + len(self.client) + len(message) + text
         )
+        if self.trace is not None:  # kept with the status: limits.max_finished_run_bytes
+            self.status_bytes += self.trace.nbytes()
 
     # -- events from the Scheduler (all on the loop) -----------------------------------
 

@@ -1,5 +1,5 @@
 """Run RPCs of the daemon servicer: SubmitRun, RunOrchestration, WatchRun, WaitRun,
-CancelRun, ListRuns.
+CancelRun, ListRuns, GetRunTrace.
 
 A client's runs past ``limits.per_client_runs`` are accepted and wait QUEUED in its
 queue (runs.py), validated and with their buffers pinned from the submit on: a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -333,3 +334,39 @@ class RunsRpc(ServiceBase):
         now = time.time_ns()
         records = self._runs.list_runs(owner, states, request.limit)
         return pb.ListRunsResponse(runs=[rec.summary(now) for rec in records])
+
+    @unary
+    async def GetRunTrace(self, request: Any, context: Any) -> Any:
+        """The run's task stream as Chrome Trace Event JSON (``scheduler/trace.py``): who
+        may wait for a run may read its trace; a queued run's has no task yet."""
+        rec = self._runs.record(request.run_id)
+        self._owners.check_run(self._who(context), rec.client, rec.run_id, "trace")
+        state = pb.RunState.Name(rec.state).removeprefix("RUN_STATE_")
+        worker = f"simpler-daemon level {self._worker.level} (pid {self._worker._pid})"
+        trace = rec.trace
+        if trace is not None:
+            doc = trace.chrome(rec.run_id, state=state, worker=worker)
+        elif rec.terminal and rec.submit_ns < self.start_ns:  # restored from the history
+            raise Precondition(
+                "run_id",
+                f"cannot trace run {rec.run_id}: it finished before the daemon restarted "
+                "(a trace lives in the daemon's memory; the run history keeps its status only)",
+            )
+        else:  # queued, or ended before it started: no task ever ran
+            doc = {
+                "traceEvents": [
+                    {
+                        "name": "process_name",
+                        "ph": "M",
+                        "pid": 1,
+                        "tid": 0,
+                        "args": {"name": worker},
+                    },
+                    {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "run"}},
+                ],
+                "displayTimeUnit": "ms",
+                "otherData": {"run_id": rec.run_id, "state": state, "attempts": 0},
+            }
+        # Built on the loop (where the attempts are appended), encoded off it.
+        text = await asyncio.to_thread(json.dumps, doc, separators=(",", ":"))
+        return pb.GetRunTraceResponse(trace_json=text.encode())

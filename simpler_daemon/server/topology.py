@@ -71,6 +71,8 @@ def new_worker(cfg: DaemonConfig) -> Worker:
                 max_s=cfg.reconnect.max_s,
                 max_elapsed_s=cfg.reconnect.max_elapsed_s,
             ),
+            # GetRunTrace: one Python call per task event more, beside the daemon's own.
+            trace=True,
         )
     except ValueError as exc:
         raise StartupError(f"cannot start the daemon: {exc}") from exc

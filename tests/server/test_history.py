@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from simpler_daemon.client import NotFound, PermissionDenied, RunPhase, sub_task
+from simpler_daemon.client.errors import FailedPrecondition
 from simpler_daemon.errors import TaskError
 from simpler_daemon.server.history import DB_NAME, ID_BLOCK, History
 from tests.support.ctl import Ctl
@@ -150,6 +151,9 @@ def test_runs_results_and_ids_survive_a_graceful_restart(
             with pytest.raises(TaskError):
                 c.wait(int(bad))
             events = list(c.watch(ok.run_id, timeout=30))
+            # A trace lives in the daemon's memory: the restored run's status only.
+            with pytest.raises(FailedPrecondition, match="finished before the daemon restarted"):
+                c.trace(ok.run_id)
             assert events[-1].state == RunPhase.COMPLETED and events[-1].counts.done == 2
 
             # The idempotency key still names its run: a retry starts nothing.

@@ -32,6 +32,7 @@ EXPECTED_METHODS = {
     "WaitRun": (False, False),
     "CancelRun": (False, False),
     "ListRuns": (False, False),
+    "GetRunTrace": (False, False),
     "AddRemoteWorker": (False, False),
     "Drain": (False, False),
     "Resume": (False, False),

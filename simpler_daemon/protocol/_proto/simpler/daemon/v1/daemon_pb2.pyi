@@ -704,6 +704,18 @@ class CancelRunRequest(_message.Message):
     terminate: bool
     def __init__(self, run_id: _Optional[int] = ..., reason: _Optional[str] = ..., terminate: _Optional[bool] = ...) -> None: ...
 
+class GetRunTraceRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    def __init__(self, run_id: _Optional[int] = ...) -> None: ...
+
+class GetRunTraceResponse(_message.Message):
+    __slots__ = ("trace_json",)
+    TRACE_JSON_FIELD_NUMBER: _ClassVar[int]
+    trace_json: bytes
+    def __init__(self, trace_json: _Optional[bytes] = ...) -> None: ...
+
 class ListRunsRequest(_message.Message):
     __slots__ = ("states", "limit")
     STATES_FIELD_NUMBER: _ClassVar[int]

@@ -123,6 +123,11 @@ class DaemonStub:
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsRequest.SerializeToString,
                 response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsResponse.FromString,
                 _registered_method=True)
+        self.GetRunTrace = channel.unary_unary(
+                '/simpler.daemon.v1.Daemon/GetRunTrace',
+                request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.GetRunTraceRequest.SerializeToString,
+                response_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.GetRunTraceResponse.FromString,
+                _registered_method=True)
         self.AddRemoteWorker = channel.unary_unary(
                 '/simpler.daemon.v1.Daemon/AddRemoteWorker',
                 request_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.AddRemoteWorkerRequest.SerializeToString,
@@ -287,6 +292,16 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunTrace(self, request, context):
+        """A run's task stream in Chrome Trace Event format (JSON): one complete event
+        per task attempt on its lane, the run's queueing and execution. Available
+        while the daemon keeps the run's status (limits.max_finished_runs_kept);
+        FAILED_PRECONDITION for a run finished before the daemon's last restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AddRemoteWorker(self, request, context):
         """L4 only: open a session on a remote L3 host served by
         simpler-remote-worker and add it as a NEXT_LEVEL worker. FAILED_PRECONDITION
@@ -400,6 +415,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.ListRuns,
                     request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsRequest.FromString,
                     response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'GetRunTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunTrace,
+                    request_deserializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.GetRunTraceRequest.FromString,
+                    response_serializer=simpler_dot_daemon_dot_v1_dot_daemon__pb2.GetRunTraceResponse.SerializeToString,
             ),
             'AddRemoteWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.AddRemoteWorker,
@@ -877,6 +897,33 @@ class Daemon:
             '/simpler.daemon.v1.Daemon/ListRuns',
             simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsRequest.SerializeToString,
             simpler_dot_daemon_dot_v1_dot_daemon__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/simpler.daemon.v1.Daemon/GetRunTrace',
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.GetRunTraceRequest.SerializeToString,
+            simpler_dot_daemon_dot_v1_dot_daemon__pb2.GetRunTraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,204 @@
+"""A run's task stream: one record per task attempt, exported as a Chrome trace.
+
+Recording is opt-in per Worker (``Worker(trace=True)``; the daemon's Worker always
+traces): a traced run carries a :class:`RunTrace` and the Scheduler's
+``on_task_event`` hook is wrapped by :func:`traced`, which notes the dispatch and the
+completion of each attempt. An untraced Worker installs no hook, so its SUB tasks stay
+on the C pump's path and pay nothing. The timestamps are the ones the Scheduler sees:
+an attempt starts when the task is handed to its lane and ends when its completion is
+drained (tasks the C pump completes in a batch end at the batch's drain)::
+
+    dispatched  -> open[(slot, member)] = (t, attempt)
+    completed   -> attempts += (index, member, attempt, t0, t1, lane, outcome, name)
+    requeued    -> the open attempt is dropped (the child never picked it up)
+
+:meth:`RunTrace.chrome` gives the Chrome Trace Event format (``{"traceEvents": [...]}``)
+that Perfetto and ``chrome://tracing`` load: one complete event (``ph: "X"``) per
+attempt, ``ts``/``dur`` in microseconds from the run's submission, ``pid`` 1 = the
+Worker, ``tid`` = the lane (0 is the run itself: its queueing and its execution), with
+``process_name``/``thread_name`` metadata events naming them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from simpler_daemon.scheduler.lanes import WorkerCompletion
+    from simpler_daemon.scheduler.runmodel import TaskSlot
+
+__all__ = ["MAX_TRACE_ATTEMPTS", "RunTrace", "traced"]
+
+#: Attempts one run's trace keeps; later ones are counted in ``dropped`` (a run of up to
+#: the daemon's default limits.max_tasks_per_run tasks, each run once, fits).
+MAX_TRACE_ATTEMPTS: Final = 100_000
+#: ``tid`` of the run's own events, and the first ``tid`` of the NEXT_LEVEL lanes (SUB
+#: lane ``i`` is ``tid`` 1 + i, NEXT_LEVEL lane ``i`` is NEXT_LEVEL_TID + i).
+RUN_TID: Final = 0
+NEXT_LEVEL_TID: Final = 100_001
+#: Bytes one kept attempt costs in memory (its tuple and ints; names are shared), for the
+#: daemon's accounting of finished runs.
+ATTEMPT_BYTES: Final = 160
+
+TaskEvent = Callable[["TaskSlot", str, "WorkerCompletion | None"], None]
+
+
+class RunTrace:
+    """The task attempts of one run, and when it was submitted, admitted and ended
+    (``time.perf_counter_ns``; ``wall_ns``: ``time.time_ns`` at submission)."""
+
+    __slots__ = (
+        "admitted_ns",
+        "attempts",
+        "dropped",
+        "ended_ns",
+        "open",
+        "submitted_ns",
+        "tries",
+        "wall_ns",
+    )
+
+    def __init__(self) -> None:
+        self.submitted_ns = time.perf_counter_ns()
+        self.wall_ns = time.time_ns()
+        self.admitted_ns = 0
+        self.ended_ns = 0
+        #: (index, member, attempt, start ns, end ns, sub lane?, lane id, outcome, callable)
+        self.attempts: list[tuple[int, int, int, int, int, bool, int, str, str]] = []
+        #: (slot id, member) -> (start ns, attempt number) of the attempt running now.
+        self.open: dict[tuple[int, int], tuple[int, int]] = {}
+        #: (slot id, member) -> attempts started so far (the next one's number - 1).
+        self.tries: dict[tuple[int, int], int] = {}
+        self.dropped = 0
+
+    def on_event(self, slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
+        """The Scheduler's task event for a slot of this run."""
+        if event == "dispatched":
+            key = (slot.slot_id, max(slot.members_started - 1, 0))
+            n = self.tries.get(key, 0) + 1
+            self.tries[key] = n
+            self.open[key] = (time.perf_counter_ns(), n)
+        elif event == "completed" and c is not None:
+            member = c.dispatch.group_index
+            started = self.open.pop((slot.slot_id, member), None)
+            now = time.perf_counter_ns()
+            t0, n = started if started is not None else (now, 1)
+            if len(self.attempts) >= MAX_TRACE_ATTEMPTS:
+                self.dropped += 1
+                return
+            self.attempts.append(
+                (
+                    slot.index,
+                    member,
+                    n,
+                    t0,
+                    now,
+                    c.worker_type.value == "sub",
+                    c.worker_id,
+                    c.outcome.name,
+                    slot.handle.name,
+                )
+            )
+        elif event == "requeued":
+            key = (slot.slot_id, max(slot.members_started - 1, 0))
+            if self.open.pop(key, None) is not None:
+                self.tries[key] -= 1  # never picked up: not an attempt
+
+    def attempts_of(self, index: int) -> int:
+        """How many attempts task ``index`` has had (its members' most)."""
+        return max((a[2] for a in self.attempts if a[0] == index), default=0)
+
+    def nbytes(self) -> int:
+        """About what the kept trace costs in memory."""
+        return 512 + ATTEMPT_BYTES * len(self.attempts)
+
+    def chrome(self, run_id: int, *, state: str = "", worker: str = "Worker") -> dict[str, Any]:
+        """The trace in Chrome Trace Event format (see the module docstring); ``state``
+        the run's state for the run's own event, ``worker`` the process's name."""
+        base = self.submitted_ns
+        lanes: dict[int, str] = {}
+        events: list[dict[str, Any]] = []
+        for index, member, attempt, t0, t1, sub, lane_id, outcome, name in self.attempts:
+            tid = (1 + lane_id) if sub else (NEXT_LEVEL_TID + lane_id)
+            lanes.setdefault(tid, f"sub worker {lane_id}" if sub else f"worker {lane_id}")
+            args: dict[str, Any] = {"task": index, "attempt": attempt, "outcome": outcome}
+            if member:
+                args["member"] = member
+            events.append(
+                {
+                    "name": name,
+                    "cat": "task",
+                    "ph": "X",
+                    "ts": (t0 - base) / 1000,
+                    "dur": max(t1 - t0, 0) / 1000,
+                    "pid": 1,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+        run_args: dict[str, Any] = {"run_id": run_id}
+        if state:
+            run_args["state"] = state
+        admitted = self.admitted_ns or self.ended_ns
+        if admitted:
+            events.append(_run_event("queued", 0, admitted - base, run_args))
+        if self.admitted_ns:
+            end = self.ended_ns or time.perf_counter_ns()
+            events.append(
+                _run_event(
+                    f"run {run_id}", self.admitted_ns - base, end - self.admitted_ns, run_args
+                )
+            )
+        meta = [
+            _meta("process_name", 1, RUN_TID, worker),
+            _meta("thread_name", 1, RUN_TID, "run"),
+            *(_meta("thread_name", 1, tid, label) for tid, label in sorted(lanes.items())),
+        ]
+        other: dict[str, Any] = {
+            "run_id": run_id,
+            "submitted_unix_ns": self.wall_ns,
+            "attempts": len(self.attempts),
+        }
+        if self.dropped:
+            other["attempts_dropped"] = self.dropped
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _run_event(name: str, t0: int, dur: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "cat": "run",
+        "ph": "X",
+        "ts": t0 / 1000,
+        "dur": max(dur, 0) / 1000,
+        "pid": 1,
+        "tid": RUN_TID,
+        "args": dict(args),
+    }
+
+
+def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def traced(inner: TaskEvent | None) -> TaskEvent:
+    """The Scheduler's ``on_task_event`` hook that records the attempts of traced runs
+    and then calls ``inner`` (the daemon's bookkeeping; None: nothing more)."""
+    if inner is None:
+
+        def record(slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
+            trace = slot.run.trace
+            if trace is not None:
+                trace.on_event(slot, event, c)
+
+        return record
+
+    def record_then(slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
+        trace = slot.run.trace
+        if trace is not None:
+            trace.on_event(slot, event, c)
+        inner(slot, event, c)
+
+    return record_then

@@ -1,0 +1,157 @@
+"""A run's task stream as a Chrome trace (``Worker(trace=True)``, ``RunHandle.trace()``):
+one complete event per task attempt on its lane, the run's queueing and execution, in a
+document that loads as JSON and follows the format's rules (tests/support/trace_check.py).
+Real SUB children.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from simpler_daemon import Tag, TaskError, Worker
+from simpler_daemon.scheduler.trace import NEXT_LEVEL_TID, RUN_TID
+from simpler_daemon.testing import poll_for
+from tests.support import sub_tasks as tasks
+from tests.support.sub_tasks import targs
+from tests.support.trace_check import check_chrome_trace, task_events
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["fifo", "fair"])
+def traced(request: pytest.FixtureRequest) -> Iterator[Worker]:
+    w = Worker(num_sub_workers=2, admission=request.param, trace=True)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def test_every_task_on_its_lane_and_the_run(traced: Worker, tmp_path: Any) -> None:
+    w = traced
+    noop = w.register(tasks.noop)
+    fill = w.register(tasks.fill)
+    consume = w.register(tasks.consume)
+    w.init()
+    buf = w.alloc(4, "float32")
+    out = w.alloc(4, "float32")
+
+    def orch(o: Any, _a: Any, _c: Any) -> None:
+        o.submit_sub(fill, targs((buf, Tag.OUTPUT_EXISTING), scalars=(3,)))
+        o.submit_sub(consume, targs((buf, Tag.INPUT), (out, Tag.OUTPUT_EXISTING), scalars=(1,)))
+        o.submit_sub(noop)
+        o.submit_sub_group(noop, [targs(), targs()])
+
+    h = w.submit(orch)
+    h.wait(60)
+    doc = h.trace()
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    loaded = json.loads(path.read_text())
+    evs = task_events(loaded)
+    assert [(e["args"]["task"], e["args"].get("member", 0)) for e in evs] == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (3, 1),
+    ]
+    assert {e["args"]["attempt"] for e in evs} == {1}
+    assert {e["args"]["outcome"] for e in evs} == {"SUCCESS"}
+    assert [e["name"] for e in evs[:3]] == [fill.name, consume.name, noop.name]
+    assert {e["tid"] for e in evs} <= {1, 2}  # sub worker 0 and 1
+    # The consumer starts after its producer ended.
+    assert evs[1]["ts"] >= evs[0]["ts"] + evs[0]["dur"]
+    names = {(m["tid"], m["args"]["name"]) for m in loaded["traceEvents"] if m["ph"] == "M"}
+    assert (RUN_TID, "run") in names and (1, "sub worker 0") in names
+    run_evs = {e["name"]: e for e in loaded["traceEvents"] if e.get("cat") == "run"}
+    assert set(run_evs) == {"queued", f"run {h.run_id}"}
+    span = run_evs[f"run {h.run_id}"]
+    assert span["args"] == {"run_id": h.run_id, "state": "COMPLETED"}
+    for e in evs:  # every attempt inside the run's span
+        assert span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + 1
+    assert loaded["otherData"]["run_id"] == h.run_id
+    assert loaded["otherData"]["attempts"] == 5
+
+
+def test_failed_task_and_its_skipped_consumer(traced: Worker) -> None:
+    w = traced
+    fail = w.register(tasks.raise_value_error)
+    consume = w.register(tasks.consume)
+    w.init()
+    buf = w.alloc(4, "float32")
+
+    def orch(o: Any, _a: Any, _c: Any) -> None:
+        o.submit_sub(fail, targs((buf, Tag.OUTPUT_EXISTING)))
+        o.submit_sub(consume, targs((buf, Tag.INPUT)))
+
+    h = w.submit(orch)
+    with pytest.raises(TaskError):
+        h.wait(60)
+    doc = h.trace()
+    evs = task_events(doc)
+    # The skipped consumer never ran: no attempt of it.
+    assert [(e["args"]["task"], e["args"]["outcome"]) for e in evs] == [(0, "TASK_FAILURE")]
+    span = [e for e in doc["traceEvents"] if e["name"] == f"run {h.run_id}"]
+    assert span and span[0]["args"]["state"] == "FAILED"
+
+
+def test_trace_of_a_running_run_and_a_chip_lane() -> None:
+    """Asked while a task runs: the finished attempts and an open run span; a NEXT_LEVEL
+    (chip) lane has its own thread id."""
+    w = Worker(num_sub_workers=1, num_chips=1, trace=True)
+    try:
+        gate = w.register(tasks.wait_flag)
+        kernel = w.register("tests.support.chip_kernels:noop", kind="chip")
+        w.init()
+        flag = w.alloc(1, "int64")
+        flag[0] = 0
+
+        def orch(o: Any, _a: Any, _c: Any) -> None:
+            k = o.submit_next_level(kernel, targs(), worker=0)
+            assert k == 0
+            o.submit_sub(gate, targs((flag, Tag.NO_DEP), scalars=(0,)))
+
+        h = w.submit(orch)
+        try:
+            poll_for(lambda: bool(task_events(h.trace())), timeout=30, message="no attempt traced")
+            running = h.trace()
+        finally:
+            flag[0] = 1
+        h.wait(60)
+        evs = task_events(running)
+        assert [(e["args"]["task"], e["tid"]) for e in evs] == [(0, NEXT_LEVEL_TID)]
+        span = [e for e in running["traceEvents"] if e["name"] == f"run {h.run_id}"]
+        assert span[0]["args"]["state"] == "EXECUTING"
+        done = task_events(h.trace())
+        assert [e["args"]["task"] for e in done] == [0, 1]
+    finally:
+        w.close()
+
+
+def test_untraced_worker_refuses() -> None:
+    w = Worker(num_sub_workers=1)
+    try:
+        noop = w.register(tasks.noop)
+        w.init()
+        h = w.submit(lambda o, a, c: o.submit_sub(noop))
+        h.wait(60)
+        with pytest.raises(ValueError, match=rf"cannot trace run {h.run_id}: .*trace=True"):
+            h.trace()
+    finally:
+        w.close()
+    with pytest.raises(TypeError, match="trace='yes' must be True or False"):
+        Worker(num_sub_workers=1, trace="yes")  # type: ignore[arg-type]
+
+
+def test_trace_is_valid_json_for_an_empty_run(traced: Worker) -> None:
+    traced.init()
+    h = traced.submit(lambda o, a, c: None)
+    h.wait(60)
+    doc = h.trace()
+    check_chrome_trace(doc)
+    assert task_events(doc) == []
