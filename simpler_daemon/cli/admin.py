@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 import grpc
@@ -30,6 +31,7 @@ __all__ = [
     "cmd_add_remote",
     "cmd_buffers",
     "cmd_callables",
+    "cmd_discovery",
     "cmd_drain",
     "cmd_free",
     "cmd_info",
@@ -96,7 +98,44 @@ def cmd_workers(c: Client, a: argparse.Namespace, out: Out) -> int:
     if remotes:
         out.line("")
         out.table(remote_header(), [remote_row(w) for w in remotes])
+    view = c.discovery()
+    if view.dns:
+        out.line("")
+        discovery_lines(view, out)
     return EXIT_OK
+
+
+def cmd_discovery(c: Client, a: argparse.Namespace, out: Out) -> int:
+    view = c.discovery()
+    if out.json:
+        out.data(to_dict(view))
+        return EXIT_OK
+    if not view.dns:
+        out.line("discovery is off ([workers.discovery] dns is not set)")
+        return EXIT_OK
+    discovery_lines(view, out)
+    return EXIT_OK
+
+
+def discovery_lines(view: pb.DiscoveryInfo, out: Out) -> None:
+    """The ``discovery:`` block of ``simplerctl workers`` and ``simplerctl discovery``."""
+    now = time.time()
+
+    def when(t: float) -> str:
+        return "never" if not t else f"{now - t:.1f} s ago"
+
+    out.line(f"discovery: {view.dns} via {view.resolver}, every {view.refresh_seconds:g} s")
+    out.line(
+        f"  last resolution {when(view.last_resolve_unix)}, last answer "
+        f"{when(view.last_success_unix)}; {view.resolutions} resolutions, "
+        f"{view.failures} failed"
+    )
+    if view.error:
+        out.line(f"  error: {view.error}")
+    out.table(
+        ["ADDRESS", "WORKER", "STATE", "MESSAGE"],
+        [[d.address, d.worker_id, d.state, d.message] for d in view.addresses],
+    )
 
 
 def cmd_callables(c: Client, a: argparse.Namespace, out: Out) -> int:

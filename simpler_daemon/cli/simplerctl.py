@@ -61,6 +61,7 @@ from simpler_daemon.cli.admin import (
     cmd_add_remote,
     cmd_buffers,
     cmd_callables,
+    cmd_discovery,
     cmd_drain,
     cmd_free,
     cmd_info,
@@ -267,6 +268,7 @@ def parser() -> argparse.ArgumentParser:
 
     add("info", cmd_info, "daemon version, level, heap, limits")
     add("workers", cmd_workers, "every worker and its state")
+    add("discovery", cmd_discovery, "remote workers found by DNS: the last resolution")
     add("callables", cmd_callables, "every registered callable")
     p = add("register", cmd_register, "register a callable by import path")
     p.add_argument("path", metavar="PATH", help="module:qualname")

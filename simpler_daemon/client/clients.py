@@ -210,6 +210,10 @@ class Client(_Base):
     def list_workers(self) -> list[pb.WorkerInfo]:
         return list(self._call("ListWorkers", pb.ListWorkersRequest()).workers)
 
+    def discovery(self) -> pb.DiscoveryInfo:
+        """``[workers.discovery]``'s view (``dns`` empty when it is off)."""
+        return self._call("ListWorkers", pb.ListWorkersRequest()).discovery  # type: ignore[no-any-return]
+
     # -- callables ---------------------------------------------------------------------
 
     def register_callable(
@@ -550,6 +554,10 @@ class AsyncClient(_Base):
 
     async def list_workers(self) -> list[pb.WorkerInfo]:
         return list((await self._call("ListWorkers", pb.ListWorkersRequest())).workers)
+
+    async def discovery(self) -> pb.DiscoveryInfo:
+        """``[workers.discovery]``'s view (``dns`` empty when it is off)."""
+        return (await self._call("ListWorkers", pb.ListWorkersRequest())).discovery  # type: ignore[no-any-return]
 
     async def register_callable(
         self,

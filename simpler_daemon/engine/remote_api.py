@@ -76,20 +76,69 @@ class RemoteMethods:
         with self._driver.lock:
             return self._attach(wid, ep)
 
-    async def add_remote_worker_async(self, spec: RemoteWorkerSpec) -> int:
-        """``add_remote_worker`` after ``init`` without blocking the event loop."""
+    async def add_remote_worker_async(
+        self, spec: RemoteWorkerSpec, *, worker_id: int | None = None
+    ) -> int:
+        """``add_remote_worker`` after ``init`` without blocking the event loop.
+
+        ``worker_id``: an id from :meth:`reserve_worker_id` that no worker holds yet
+        (discovery keeps one per address, so a retry after a failed open gets it again).
+        """
         self._check_ready("add a remote worker")
         self._check_remote_spec(spec)
-        wid = self._take_worker_id()
-        self._fleet.add(wid, spec)
+        fleet = self._fleet
+        if worker_id is None:
+            wid = self._take_worker_id()
+        elif worker_id in fleet.reserved and worker_id not in fleet.specs:
+            wid = worker_id
+        else:
+            raise ValueError(
+                f"cannot add a remote worker as worker {worker_id}: that id is not reserved "
+                "or a worker holds it already"
+            )
+        fleet.add(wid, spec)
         try:
             ep = await asyncio.to_thread(
-                self._fleet.open_one, wid, time.monotonic() + self.startup_timeout
+                fleet.open_one, wid, time.monotonic() + self.startup_timeout
             )
         except BaseException:
-            del self._fleet.specs[wid]
+            del fleet.specs[wid]
             raise
+        fleet.reserved.discard(wid)
         return self._attach(wid, ep)
+
+    def reserve_worker_id(self) -> int:
+        """A worker id for a remote worker added later with ``add_remote_worker_async(...,
+        worker_id=)``; never given to another worker."""
+        self._check_ready("reserve a worker id")
+        wid = self._take_worker_id()
+        self._fleet.reserved.add(wid)
+        return wid
+
+    async def retire_remote_worker_async(self, worker_id: int, reason: str) -> None:
+        """Retire remote worker ``worker_id`` (on the Worker's loop): its running task
+        fails naming ``reason``, queued and new work for it is refused, its session ends.
+        :meth:`revive_remote_worker_async` brings it back under the same id."""
+        self._check_ready("retire a remote worker")
+        self._fleet.retire(worker_id, reason)
+
+    async def revive_remote_worker_async(self, worker_id: int) -> None:
+        """Open a new session for retired worker ``worker_id`` (its spec as before) and let
+        it take work again. Raises ``StartupError`` naming it when the session cannot open
+        (it stays retired)."""
+        self._check_ready("revive a remote worker")
+        fleet = self._fleet
+        if worker_id not in fleet.retired:
+            raise ValueError(f"cannot revive worker {worker_id}: it is not a retired remote worker")
+        ep = await asyncio.to_thread(
+            fleet.open_one, worker_id, time.monotonic() + self.startup_timeout
+        )
+        if not self._ready() or worker_id not in fleet.retired:
+            ep.close()
+            raise WorkerClosedError(
+                f"cannot revive remote worker {worker_id}: the worker closed meanwhile"
+            )
+        fleet.revive(worker_id, ep)
 
     def _attach(self, wid: int, ep: Any) -> int:
         if not self._ready():

@@ -34,7 +34,7 @@ from simpler_daemon.engine.registration import cleanup_uncertain, fan_out, regis
 
 # CHUNK and _Buffer belong to the buffer table (remote_buffers.py); named here as before.
 from simpler_daemon.engine.remote_buffers import CHUNK, RemoteBuffers, _Buffer  # noqa: F401
-from simpler_daemon.engine.remote_reconnect import Outage, Reconnecting, Reconnector
+from simpler_daemon.engine.remote_reconnect import Outage, Reconnecting, Reconnector, Retired
 from simpler_daemon.errors import ControlError, EndpointError, RegistrationError, StartupError
 from simpler_daemon.remote import wire
 from simpler_daemon.remote.spec import ReconnectPolicy, RemoteWorkerSpec
@@ -97,6 +97,10 @@ class RemoteFleet(RemoteBuffers):
         self.reconnects: dict[int, int] = {}
         #: Why a worker was given up (its session failed and no new one could be opened).
         self.gone: dict[int, str] = {}
+        #: Workers retired on purpose (``retire``) and why; ``revive`` undoes it.
+        self.retired: dict[int, str] = {}
+        #: Worker ids taken for an address whose first session has not opened yet.
+        self.reserved: set[int] = set()
         #: Only while the Worker serves are failed sessions replaced.
         self.serving = False
         self._scheduler: Scheduler | None = None
@@ -377,6 +381,9 @@ class RemoteFleet(RemoteBuffers):
     def lane_dead(self, lane: WorkerThread) -> None:
         """The Scheduler's verdict on a drained failed lane: reconnect, or give it up."""
         ep = lane.endpoint
+        if lane.worker_id in self.retired:
+            self._close_retired(lane)
+            return
         if id(ep) in self._replacing or self._scheduler is None:
             return
         if lane.gone is not None and lane.worker_id not in self.reconnector.outages:
@@ -393,7 +400,60 @@ class RemoteFleet(RemoteBuffers):
         self._replacing.add(id(ep))
         self.reconnector.start(lane, ep, reason)
 
+    # -- retiring and reviving (server/discovery.py) -------------------------------------
+
+    def retire(self, worker_id: int, reason: str) -> None:
+        """On the driving side: worker ``worker_id`` leaves for good unless revived.
+
+        Its running task fails with ENDPOINT_FAILURE naming ``reason`` (which names the
+        host), work queued for it and new work naming it are refused (``lane.gone``),
+        a reconnect under way stops, and its session ends (the runner sees EOF)."""
+        if worker_id not in self.specs:
+            raise ValueError(f"cannot retire worker {worker_id}: it is not a remote worker")
+        self.retired[worker_id] = reason
+        self.gone[worker_id] = reason
+        self.reconnector.outages.pop(worker_id, None)
+        log.warning("remote worker %d retired: %s", worker_id, reason)
+        sched = self._scheduler
+        lane = sched.manager.next_level.get(worker_id) if sched is not None else None
+        if lane is None:
+            return
+        lane.gone = Retired(reason)
+        ep = lane.endpoint
+        if not ep.poisoned:
+            ep.poison(f"retired: {reason}")  # type: ignore[attr-defined]  # a remote lane
+        if not lane.inflight:
+            self._close_retired(lane)
+        assert sched is not None
+        sched.wake()
+
+    def _close_retired(self, lane: WorkerThread) -> None:
+        """A retired lane is drained: close its session (idempotent)."""
+        ep = lane.endpoint
+        self._replacing.discard(id(ep))
+        self._unwatch(ep)
+        ep.close()  # type: ignore[attr-defined]  # a remote lane's endpoint
+        self.forget_session(lane.worker_id)
+
+    def revive(self, worker_id: int, ep: Any) -> None:
+        """On the driving side: retired worker ``worker_id`` serves again with the new
+        session ``ep`` (its address is back), under the same id and lane."""
+        self.retired.pop(worker_id, None)
+        self.gone.pop(worker_id, None)
+        assert self._scheduler is not None
+        lane = self._scheduler.manager.next_level[worker_id]
+        self._adopt(worker_id, ep)
+        lane.endpoint = ep
+        lane.active = lane.staged = None
+        lane.inflight = 0
+        lane.gone = None
+        self._watch(ep)
+        log.warning("remote worker %d is back (session %d)", worker_id, ep.generation)
+        self._scheduler.wake()
+
     def _give_up(self, lane: WorkerThread, reason: str) -> None:
+        if lane.worker_id in self.retired:
+            return  # retired meanwhile: its reason stands
         lane.gone = reason
         self.gone[lane.worker_id] = reason
         log.error("remote worker %d stays down: %s", lane.worker_id, reason)
@@ -405,6 +465,8 @@ class RemoteFleet(RemoteBuffers):
     def backing_off(self, lane: WorkerThread, old: Any, outage: Outage) -> None:
         """An attempt failed: until the next one succeeds, work for the worker fails at
         once, naming its state (no run waits on a host that is down)."""
+        if lane.worker_id in self.retired:
+            return
         if lane.endpoint is old and self.reconnector.outages.get(lane.worker_id) is outage:
             lane.gone = Reconnecting(outage.describe(self.reconnector.clock()))
             assert self._scheduler is not None
@@ -422,6 +484,9 @@ class RemoteFleet(RemoteBuffers):
         outage = self.reconnector.outages.pop(wid, None)
         if not self.serving:
             ep.shutdown(0.5)
+            return
+        if wid in self.retired:  # retired while the attempt ran: the runner must go
+            ep.close()
             return
         self._adopt(wid, ep)
         lane.endpoint = ep
@@ -529,6 +594,8 @@ class RemoteFleet(RemoteBuffers):
             outage = self.reconnector.outages.get(wid)
             state = _state(ep, wid in self.gone, self.serving)
             reason = self.gone.get(wid) or getattr(ep, "failure", None)
+            if wid in self.retired:
+                state = "retired"
             if outage is not None and state == "failed":
                 reason = outage.describe(now)
                 if outage.backing_off:

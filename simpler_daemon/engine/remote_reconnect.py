@@ -40,6 +40,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("simpler_daemon.remote")
 
 
+class Retired(str):
+    """``lane.gone`` of a remote worker retired on purpose (its address left DNS,
+    server/discovery.py): its work is refused like a gone worker's, but the lane is no
+    capacity lost, so the daemon's health does not count it (``retired`` is True)."""
+
+    __slots__ = ()
+    retired = True
+
+
 class Reconnecting(str):
     """``lane.gone`` while a remote worker waits for its next reconnect attempt: the
     Scheduler fails its work at once (it reads ``gone``), yet a new session is coming,
@@ -133,6 +142,8 @@ class Reconnector:
     def _attempts(self, lane: WorkerThread, old: Any, outage: Outage, me: threading.Thread) -> None:
         fleet, policy, wid = self.fleet, self.policy, lane.worker_id
         while not self._closing.is_set():
+            if wid in fleet.retired:  # retired meanwhile: nothing to reopen
+                return
             opened: list[socket.socket] = []
             self._opening[me] = opened
             outage.attempts += 1

@@ -167,6 +167,8 @@ class Daemon:
         self.notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._announce = announce or (lambda _line: None)
         self.worker: Worker | None = None
+        #: ``[workers.discovery]`` once serving (server/discovery.py); None: off.
+        self.discovery: Any = None
         self.socket_path = config.grpc.unix_socket
         self.private_socket_path = private_socket_of(config)
         self._relay: Any = None
@@ -564,6 +566,20 @@ class Daemon:
             metrics=self._metrics,
         )
         self._tasks.append(asyncio.create_task(watch.run(), name="health"))
+        if cfg.daemon.level == 4 and cfg.workers.discovery.dns:
+            self._start_discovery(service)
+
+    def _start_discovery(self, service: Any) -> None:
+        """``[workers.discovery]``: resolve off the start-up path (after READY=1), on a task
+        of its own; the service and metrics show its view (server/discovery.py)."""
+        from simpler_daemon.server.discovery import Discovery
+
+        assert self.worker is not None
+        self.discovery = Discovery(self.worker, self.config.workers.discovery)
+        service.discovery = self.discovery
+        if self._metrics is not None:
+            self._metrics.watch_discovery(self.discovery.view)
+        self._tasks.append(asyncio.create_task(self.discovery.run(), name="discovery"))
 
     def _probe_server(self, grpc: Any, health_pb2_grpc: Any) -> Any:
         """The plain-text listener of ``health.probe_listen``: the health servicer alone

@@ -70,7 +70,8 @@ def pools_down(manager: Any, level: int) -> list[PoolDown]:
     ]
     out = []
     for pool, lanes in pools:
-        lanes = list(lanes)
+        # A remote worker retired on purpose (its address left DNS) is no capacity lost.
+        lanes = [lane for lane in lanes if not getattr(lane.gone, "retired", False)]
         if not lanes or any(lane.gone is None for lane in lanes):
             continue
         name = _pool_name(pool)

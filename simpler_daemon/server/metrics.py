@@ -90,7 +90,7 @@ _REASONS: Final = {
 
 
 #: The session states of a remote worker's row (``simpler_remote_state``).
-_REMOTE_STATES: Final = ("ready", "failed", "reconnecting", "closed")
+_REMOTE_STATES: Final = ("ready", "failed", "reconnecting", "closed", "retired")
 
 
 class RemoteWorkerCollector(Collector):
@@ -163,7 +163,7 @@ class RemoteWorkerCollector(Collector):
             ),
             GaugeMetricFamily(
                 "simpler_remote_state",
-                "1 for the remote worker's session state (ready, failed, reconnecting, "
+                "1 for the remote worker's session state (ready, failed, reconnecting, retired, "
                 "closed), 0 for the others.",
                 labels=["worker", "state"],
             ),
@@ -176,6 +176,68 @@ class RemoteWorkerCollector(Collector):
                 "simpler_remote_next_try_seconds",
                 "Seconds until the next reconnect attempt (only while one waits).",
                 labels=["worker"],
+            ),
+        )
+
+
+_DISCOVERY_STATES: Final = ("active", "opening", "retired", "static")
+
+
+class DiscoveryCollector(Collector):
+    """``[workers.discovery]``: the addresses of the last answer, resolutions and their
+    failures, the time of the last resolution and the addresses per state, read from
+    ``view()`` (``Discovery.view``) at scrape time."""
+
+    def __init__(self, view: Callable[[], dict[str, Any]]) -> None:
+        self._view = view
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        addresses, resolutions, failures, last, workers = families = self._families()
+        try:
+            view = self._view()
+        except Exception:  # a scrape never fails the daemon
+            logger.exception("cannot collect discovery metrics")
+            return
+        rows = view["addresses"]
+        addresses.add_metric([], float(sum(r["state"] != "retired" for r in rows)))
+        resolutions.add_metric([], float(view["resolutions"]))
+        failures.add_metric([], float(view["failures"]))
+        last.add_metric([], float(view["last_resolve"]))
+        for state in _DISCOVERY_STATES:
+            workers.add_metric([state], float(sum(r["state"] == state for r in rows)))
+        yield from families
+
+    @staticmethod
+    def _families() -> tuple[
+        GaugeMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+    ]:
+        return (
+            GaugeMetricFamily(
+                "simpler_discovery_addresses",
+                "Addresses of the discovery name in the last answer (and not yet retired).",
+            ),
+            CounterMetricFamily(
+                "simpler_discovery_resolutions", "Resolutions of the discovery name finished."
+            ),
+            CounterMetricFamily(
+                "simpler_discovery_resolve_failures",
+                "Resolutions of the discovery name that failed (the workers stayed as they were).",
+            ),
+            GaugeMetricFamily(
+                "simpler_discovery_last_resolve_timestamp_seconds",
+                "Unix time of the last resolution of the discovery name (0: none yet).",
+            ),
+            GaugeMetricFamily(
+                "simpler_discovery_workers",
+                "Addresses discovery has seen, by state (active, opening, retired, static).",
+                labels=["state"],
             ),
         )
 
@@ -526,6 +588,11 @@ class Metrics:
         """Export the ``simpler_remote_*`` series of every ``kind == "remote"`` row of
         ``rows()`` (pass ``Worker.list_workers``) at each scrape. Call once."""
         self.registry.register(RemoteWorkerCollector(rows))
+
+    def watch_discovery(self, view: Callable[[], dict[str, Any]]) -> None:
+        """Export the ``simpler_discovery_*`` series of ``view()`` (``Discovery.view``)
+        at each scrape. Call once."""
+        self.registry.register(DiscoveryCollector(view))
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""

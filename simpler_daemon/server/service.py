@@ -42,7 +42,7 @@ from simpler_daemon.server.callables_rpc import CallablesRpc
 from simpler_daemon.server.rpc_base import unary
 from simpler_daemon.server.runs import now_ts
 from simpler_daemon.server.runs_rpc import RunsRpc
-from simpler_daemon.server.workers import worker_info
+from simpler_daemon.server.workers import discovery_info, worker_info
 
 __all__ = ["READ_CHUNK", "DaemonService"]
 
@@ -56,6 +56,9 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
     callables_rpc.py); the shared state and plumbing in rpc_base.py. This class
     adds the info and operations RPCs.
     """
+
+    #: The daemon's DNS discovery (server/discovery.py), set by the daemon; None: off.
+    discovery: Any = None
 
     # ====================================================================== RPCs: info
 
@@ -106,6 +109,8 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
         out = pb.ListWorkersResponse()
         for info in self._worker.list_workers():
             out.workers.append(worker_info(info, stopping=stopping))
+        if self.discovery is not None:
+            out.discovery.CopyFrom(discovery_info(self.discovery.view()))
         return out
 
     # ====================================================================== operations

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
-__all__ = ["remote_info", "worker_info"]
+__all__ = ["discovery_info", "remote_info", "worker_info"]
 
 _WORKER_KINDS: Final[dict[str, pb.WorkerKind]] = {
     "sub": pb.WORKER_KIND_SUB,
@@ -32,6 +32,7 @@ _REMOTE_STATES: Final[dict[str, pb.RemoteSessionState]] = {
     "failed": pb.REMOTE_SESSION_STATE_FAILED,
     "closed": pb.REMOTE_SESSION_STATE_CLOSED,
     "reconnecting": pb.REMOTE_SESSION_STATE_RECONNECTING,
+    "retired": pb.REMOTE_SESSION_STATE_RETIRED,
 }
 
 
@@ -94,7 +95,7 @@ def _remote_worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
     session = remote.state
     if session in (pb.REMOTE_SESSION_STATE_FAILED, pb.REMOTE_SESSION_STATE_RECONNECTING):
         state = pb.WORKER_STATE_FAILED
-    elif stopping or session == pb.REMOTE_SESSION_STATE_CLOSED:
+    elif stopping or session in (pb.REMOTE_SESSION_STATE_CLOSED, pb.REMOTE_SESSION_STATE_RETIRED):
         state = pb.WORKER_STATE_STOPPING
     elif session == pb.REMOTE_SESSION_STATE_READY:
         state = pb.WORKER_STATE_BUSY if info.get("busy") else pb.WORKER_STATE_IDLE
@@ -112,4 +113,22 @@ def _remote_worker_info(info: dict[str, Any], *, stopping: bool) -> Any:
         restarts=int(info.get("restarts") or 0),
         message=str(message),
         remote=remote,
+    )
+
+
+def discovery_info(view: dict[str, Any] | None) -> Any:
+    """The ``DiscoveryInfo`` of ``Discovery.view()`` (server/discovery.py); empty when
+    discovery is off (``view`` None)."""
+    if view is None:
+        return pb.DiscoveryInfo()
+    return pb.DiscoveryInfo(
+        dns=view["dns"],
+        resolver=view["resolver"],
+        refresh_seconds=view["refresh_s"],
+        last_resolve_unix=view["last_resolve"],
+        last_success_unix=view["last_success"],
+        resolutions=view["resolutions"],
+        failures=view["failures"],
+        error=view["error"],
+        addresses=[pb.DiscoveredAddress(**a) for a in view["addresses"]],
     )

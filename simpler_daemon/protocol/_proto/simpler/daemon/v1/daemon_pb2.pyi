@@ -82,6 +82,7 @@ class RemoteSessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REMOTE_SESSION_STATE_FAILED: _ClassVar[RemoteSessionState]
     REMOTE_SESSION_STATE_CLOSED: _ClassVar[RemoteSessionState]
     REMOTE_SESSION_STATE_RECONNECTING: _ClassVar[RemoteSessionState]
+    REMOTE_SESSION_STATE_RETIRED: _ClassVar[RemoteSessionState]
 
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -136,6 +137,7 @@ REMOTE_SESSION_STATE_READY: RemoteSessionState
 REMOTE_SESSION_STATE_FAILED: RemoteSessionState
 REMOTE_SESSION_STATE_CLOSED: RemoteSessionState
 REMOTE_SESSION_STATE_RECONNECTING: RemoteSessionState
+REMOTE_SESSION_STATE_RETIRED: RemoteSessionState
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
@@ -221,10 +223,46 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "discovery")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERY_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    discovery: DiscoveryInfo
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., discovery: _Optional[_Union[DiscoveryInfo, _Mapping]] = ...) -> None: ...
+
+class DiscoveryInfo(_message.Message):
+    __slots__ = ("dns", "resolver", "refresh_seconds", "last_resolve_unix", "last_success_unix", "resolutions", "failures", "error", "addresses")
+    DNS_FIELD_NUMBER: _ClassVar[int]
+    RESOLVER_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESOLVE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_SUCCESS_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    dns: str
+    resolver: str
+    refresh_seconds: float
+    last_resolve_unix: float
+    last_success_unix: float
+    resolutions: int
+    failures: int
+    error: str
+    addresses: _containers.RepeatedCompositeFieldContainer[DiscoveredAddress]
+    def __init__(self, dns: _Optional[str] = ..., resolver: _Optional[str] = ..., refresh_seconds: _Optional[float] = ..., last_resolve_unix: _Optional[float] = ..., last_success_unix: _Optional[float] = ..., resolutions: _Optional[int] = ..., failures: _Optional[int] = ..., error: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[DiscoveredAddress, _Mapping]]] = ...) -> None: ...
+
+class DiscoveredAddress(_message.Message):
+    __slots__ = ("address", "worker_id", "state", "message")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    worker_id: int
+    state: str
+    message: str
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[int] = ..., state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "kind", "state", "pid", "endpoint", "tasks_completed", "restarts", "message", "remote", "children")
