@@ -349,6 +349,10 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             from benchmarks import w7
 
             return w7.measure(p, repeat)
+        if workload == "W10":
+            from benchmarks import w10
+
+            return w10.measure(p, repeat)
         if workload == "W9":
             from benchmarks import w9
 
