@@ -91,6 +91,8 @@ class Discovery:
         self.resolutions = 0
         self.failures = 0
         self.error = ""
+        #: The addresses of the last answer ("IP:PORT"), in its order.
+        self.answer: list[str] = []
         #: Set after each finished resolution (tests and ``refresh_now`` wait on it).
         self.resolved = asyncio.Event()
 
@@ -145,7 +147,8 @@ class Discovery:
             self.last_success = self.last_resolve
             if error:
                 log.warning("discovery: %s: no addresses now", error)
-            await self._reconcile([format_host_port(ip, self.port) for ip in ips])
+            self.answer = [format_host_port(ip, self.port) for ip in ips]
+            await self._reconcile(self.answer)
         self.resolved.set()
 
     # -- reconciling ----------------------------------------------------------------------
@@ -260,6 +263,7 @@ class Discovery:
             "resolutions": self.resolutions,
             "failures": self.failures,
             "error": self.error,
+            "answer": list(self.answer),
             "addresses": [
                 {"address": addr, "worker_id": a.worker_id, "state": a.state, "message": a.message}
                 for addr, a in self.addresses.items()

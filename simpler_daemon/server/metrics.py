@@ -202,7 +202,7 @@ class DiscoveryCollector(Collector):
             logger.exception("cannot collect discovery metrics")
             return
         rows = view["addresses"]
-        addresses.add_metric([], float(sum(r["state"] != "retired" for r in rows)))
+        addresses.add_metric([], float(len(view["answer"])))
         resolutions.add_metric([], float(view["resolutions"]))
         failures.add_metric([], float(view["failures"]))
         last.add_metric([], float(view["last_resolve"]))
@@ -221,7 +221,7 @@ class DiscoveryCollector(Collector):
         return (
             GaugeMetricFamily(
                 "simpler_discovery_addresses",
-                "Addresses of the discovery name in the last answer (and not yet retired).",
+                "Addresses of the discovery name in its last answer.",
             ),
             CounterMetricFamily(
                 "simpler_discovery_resolutions", "Resolutions of the discovery name finished."

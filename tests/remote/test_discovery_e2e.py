@@ -273,4 +273,5 @@ def test_discovery_never_holds_up_start_and_shows_errors(tmp_path: Path) -> None
             assert "simpler_discovery_resolutions_total" in text
             assert 'simpler_discovery_workers{state="retired"} 1.0' in text
             assert "simpler_discovery_last_resolve_timestamp_seconds" in text
+            assert "simpler_discovery_addresses 0.0" in text  # NXDOMAIN: no addresses
             assert c.get_info().serving_state == pb.SERVING_STATE_SERVING

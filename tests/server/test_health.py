@@ -119,6 +119,18 @@ def test_a_pool_is_down_only_when_every_lane_is_given_up() -> None:
     )
 
 
+def test_retired_remote_workers_are_no_capacity_lost() -> None:
+    """DNS discovery retired them on purpose: an L3 pool of only retired lanes is not
+    down (the name answers that there is no worker now); with a failed one beside, the
+    failed one alone decides."""
+    from simpler_daemon.engine.remote_reconnect import Retired
+
+    retired = _Lane(Retired("10.0.0.5 is no longer in the answer for w.svc:19073"))
+    assert pools_down(_Manager([], [retired, retired]), 4) == []
+    (down,) = pools_down(_Manager([], [retired, _Lane("session lost")]), 4)
+    assert down.reason.startswith("no L3 worker left: the L3 worker is down"), down.reason
+
+
 # --------------------------------------------------------------------------- real daemons
 
 
