@@ -127,6 +127,8 @@ class ChildPool:
         self._ready_pids: set[int] = set()  # passed the barrier; the rest are still starting
         self._replacing: set[int] = set()
         self._worker_restarts: dict[tuple[str, int], int] = {}
+        #: Why each replaced child died last (its endpoint's poison reason), by (kind, id).
+        self._restart_causes: dict[tuple[str, int], str] = {}
         self._pid = os.getpid()
 
     # -- startup ---------------------------------------------------------------------------------
@@ -507,6 +509,7 @@ class ChildPool:
         self.restarts[kind] += 1
         key = (kind, lane.worker_id)
         self._worker_restarts[key] = self._worker_restarts.get(key, 0) + 1
+        self._restart_causes[key] = str(old.poison_reason or "")
         self._watch_exit(child)
         old.replaced(child.pid)  # the one WARNING line of a replacement
         self._scheduler.wake()
@@ -618,19 +621,23 @@ class ChildPool:
                         "busy": bool(lane.inflight) if lane is not None else False,
                         "tasks_completed": ep.tasks_completed,
                         "restarts": self._worker_restarts.get((kind, ep.worker_id), 0),
+                        "last_restart_cause": self._restart_causes.get((kind, ep.worker_id), ""),
+                        "current_task": lane.current_task() if lane is not None else "",
                     }
                 )
         for ep in self.l3_endpoints:
             page = self._l3_status.get(ep.worker_id)
-            out.append(
-                worker_row(
-                    ep.worker_id,
-                    ep,
-                    manager.next_level.get(ep.worker_id) if manager is not None else None,
-                    self._worker_restarts.get(("l3", ep.worker_id), 0),
-                    page.read() if page is not None else None,
-                )
+            lane = manager.next_level.get(ep.worker_id) if manager is not None else None
+            row = worker_row(
+                ep.worker_id,
+                ep,
+                lane,
+                self._worker_restarts.get(("l3", ep.worker_id), 0),
+                page.read() if page is not None else None,
             )
+            row["last_restart_cause"] = self._restart_causes.get(("l3", ep.worker_id), "")
+            row["current_task"] = lane.current_task() if lane is not None else ""
+            out.append(row)
         return out
 
     # -- stop ---------------------------------------------------------------------------------------

@@ -699,6 +699,7 @@ class Worker(Lifecycle, RemoteMethods):
         for row in self._fleet.rows():
             lane = self.manager.next_level.get(row["worker_id"]) if self.manager else None
             row["busy"] = bool(lane.inflight) if lane is not None else False
+            row["current_task"] = lane.current_task() if lane is not None else ""
             rows.append(row)
         return rows
 

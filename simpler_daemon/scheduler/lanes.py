@@ -101,6 +101,15 @@ class WorkerThread:
         self.on_accept = on_accept
         self.on_staged = on_staged
 
+    def current_task(self) -> str:
+        """What this lane runs now, for a person (``list_workers``, the dashboard):
+        ``"add (run 7, task 3)"``, "" while it runs nothing."""
+        d = self.active
+        if d is None:
+            return ""
+        slot = d.task_slot
+        return f"{slot.handle.name} (run {slot.run_id}, task {slot.index})"
+
     # -- capacity ---------------------------------------------------------------------
 
     def idle(self) -> bool:

@@ -34,6 +34,7 @@ from simpler_daemon.server.config_types import (
     MIB,
     CallablesConfig,
     DaemonConfig,
+    DashboardConfig,
     DiscoveryConfig,
     GrpcConfig,
     LimitsConfig,
@@ -78,6 +79,7 @@ __all__ = [
     "RESULT_HEADROOM_BYTES",
     "CallablesConfig",
     "DaemonConfig",
+    "DashboardConfig",
     "DiscoveryConfig",
     "GrpcConfig",
     "LimitsConfig",
@@ -188,6 +190,9 @@ frame_timeout = 30.0        # seconds a partly received frame is waited for
 [metrics]
 listen = ""
 token_file = ""             # set: scrapes send "Authorization: Bearer <token>"
+
+[dashboard]
+enabled = false             # the live status page at http://<metrics.listen>/ (docs/dashboard.md)
 
 [security]
 admin_uids = []
@@ -429,6 +434,12 @@ def _check(config: DaemonConfig) -> None:
     if config.health.probe_listen:
         check_host_port("health.probe_listen", config.health.probe_listen)
     check_path("metrics.token_file", config.metrics.token_file)
+    if config.dashboard.enabled and not config.metrics.listen:
+        raise Invalid(
+            "dashboard.enabled",
+            ": the dashboard is served on the metrics listener: set metrics.listen "
+            '(e.g. "127.0.0.1:9464") or dashboard.enabled = false',
+        )
 
     security = config.security
     for i, uid in enumerate(security.admin_uids):

@@ -357,6 +357,14 @@ class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     least 16 bytes, mode 0600); "" = no token (keep ``listen`` on loopback then)."""
 
 
+class DashboardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[dashboard]`` section: the live status page (server/dashboard.py)."""
+
+    enabled: bool = False
+    """Serve the read-only status page and its JSON (``/``, ``/api/...``) on
+    ``metrics.listen``, behind ``metrics.token_file`` like ``/metrics``."""
+
+
 class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[health]`` section: what the daemon does when a worker pool has no live
     worker left and none is being replaced (server/health.py)."""
@@ -382,6 +390,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     callables: CallablesConfig = msgspec.field(default_factory=CallablesConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
     fast: FastConfig = msgspec.field(default_factory=FastConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)

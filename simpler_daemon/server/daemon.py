@@ -190,6 +190,7 @@ class Daemon:
         self._health: Any = None
         self._service: Any = None
         self._metrics: Any = None
+        self._dashboard: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._reload_config = reload_config
         self._ready_status = ""
@@ -469,6 +470,11 @@ class Daemon:
         )
         service.start()
         self._service = service
+        if self._metrics is not None and cfg.dashboard.enabled:
+            from simpler_daemon.server.dashboard import Dashboard
+
+            self._dashboard = Dashboard(service, token_required=self._metrics_token is not None)
+            self._metrics.serve_dashboard(self._dashboard)
         self._health = health.aio.HealthServicer()
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
@@ -527,6 +533,9 @@ class Daemon:
         if self._metrics is not None:
             host, port = parse_host_port(cfg.metrics.listen, key="metrics.listen")
             await self._metrics.start(host, port)
+            if self._dashboard is not None:
+                shown = f"[{host}]" if ":" in host else (host or "0.0.0.0")
+                self._announce(f"dashboard on http://{shown}:{self._metrics.port}/")
             self._tasks.append(asyncio.create_task(self._update_gauges(), name="metrics-gauges"))
 
         await self._publish_health()
@@ -738,6 +747,8 @@ class Daemon:
             os.unlink(self.private_socket_path)
         if self._metrics is not None:
             await self._metrics.close()
+        if self._dashboard is not None:
+            await self._dashboard.close()
         if self._socket_bound:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)

@@ -19,7 +19,9 @@ The listener cannot starve the daemon of file descriptors: at most
 ``max_connections`` (64) are served at once (more are closed at accept), and each
 gets ``idle_timeout`` (10 s) to send its request and read the answer. With a
 ``token`` every request must carry ``Authorization: Bearer <token>`` (401 otherwise,
-compared in constant time).
+compared in constant time). With ``[dashboard] enabled`` every other path is the
+status page's (server/dashboard.py, :meth:`Metrics.serve_dashboard`), behind the same
+token.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ _REASONS: Final = {
     200: "OK",
     400: "Bad Request",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     431: "Request Header Fields Too Large",
@@ -521,6 +524,7 @@ class Metrics:
         # handler tasks instead trips a 3.11 streams bug that logs the cancellation).
         self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._closed = False
+        self._dashboard: Any = None
 
     # ------------------------------------------------------------------ recording
 
@@ -680,7 +684,9 @@ class Metrics:
                     return
                 except asyncio.IncompleteReadError:
                     return
-                status, headers, body = self._handle(head)
+                status, headers, body = self._handle(
+                    head, writer.get_extra_info("peername"), writer.get_extra_info("sockname")
+                )
                 await _respond(writer, status, body, headers)
         except (ConnectionError, TimeoutError):
             pass
@@ -690,12 +696,21 @@ class Metrics:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    def _handle(self, head: bytes) -> tuple[int, dict[str, str], bytes]:
+    def serve_dashboard(self, dashboard: Any) -> None:
+        """Answer every path but ``/metrics`` with ``dashboard`` (server/dashboard.py), behind
+        the same token. Call before :meth:`start`."""
+        self._dashboard = dashboard
+
+    def _handle(
+        self, head: bytes, peer: Any = None, local: Any = None
+    ) -> tuple[int, dict[str, str], bytes]:
         request_line, *lines = head.decode("latin-1").split("\r\n")
         parts = request_line.split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return 400, {}, b"bad request line\n"
         method, target, _ = parts
+        path = target.partition("?")[0]
+        dashboard = self._dashboard if path != "/metrics" else None
         if self._expected_auth is not None:
             given = b""
             for line in lines:
@@ -703,12 +718,21 @@ class Metrics:
                 if name.strip().lower() == "authorization":
                     given = value.strip().encode("latin-1")
             if not hmac.compare_digest(given, self._expected_auth):
+                if dashboard is not None:
+                    status, headers, body = dashboard.unauthorized(path)
+                    return status, headers, b"" if method == "HEAD" else body
                 return (
                     401,
                     {"WWW-Authenticate": 'Bearer realm="metrics"'},
                     b"missing or wrong bearer token: send 'Authorization: Bearer <token>'\n",
                 )
-        if target.partition("?")[0] != "/metrics":
+        if dashboard is not None and peer is not None:
+            status, headers, body = dashboard.handle(method, target, peer[:2], local[:2])
+            if method == "HEAD":
+                headers["Content-Length"] = str(len(body))
+                body = b""
+            return status, headers, body
+        if path != "/metrics":
             return 404, {}, b"not found; metrics are at /metrics\n"
         if method not in ("GET", "HEAD"):
             return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"

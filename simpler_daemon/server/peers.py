@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import grp
 import hmac
+import ipaddress
 import logging
 import os
 import pwd
@@ -49,7 +50,9 @@ __all__ = [
     "PeerCredentials",
     "UnixRelay",
     "client_label",
+    "http_identity",
     "identify",
+    "loopback_peer_uid",
     "peer_credentials",
 ]
 
@@ -339,3 +342,68 @@ def identify(context: Any, relay: UnixRelay | None, policy: AdminPolicy) -> Iden
         return Identity("cert:" + b",".join(cert).decode(errors="replace"))
     host, sep, _port = peer.rpartition(":")
     return Identity(f"tcp:{host if sep else peer}")
+
+
+# --------------------------------------------------------------------------- TCP on loopback
+
+
+def _proc_net_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``"0100007F:1F90"`` of ``/proc/net/tcp{,6}`` -> ``(127.0.0.1, 8080)`` (the address
+    is in the kernel's byte order, 32-bit word by word; IPv4-mapped IPv6 as IPv4)."""
+    host, _, port = text.partition(":")
+    raw = bytes.fromhex(host)
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(packed)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped, int(port, 16)
+    return address, int(port, 16)
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    address = ipaddress.ip_address(host.partition("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def loopback_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
+    """The uid owning the client end of a TCP connection that came over loopback, as the
+    kernel lists it in ``/proc/net/tcp`` and ``tcp6`` (the row whose local address is the
+    peer's and whose remote address is ``local``, our end); None for a peer not on
+    loopback or not found (it closed meanwhile). HTTP has no ``SO_PEERCRED``: this is
+    how the dashboard names a local browser's user (an identd lookup, without a daemon)."""
+    peer_ip, local_ip = _address(peer[0]), _address(local[0])
+    if not peer_ip.is_loopback:
+        return None
+    want = ((peer_ip, int(peer[1])), (local_ip, int(local[1])))
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name, encoding="ascii") as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8:
+                continue
+            try:
+                row = (_proc_net_address(fields[1]), _proc_net_address(fields[2]))
+            except ValueError:
+                continue
+            if row == want:
+                return int(fields[7])
+    return None
+
+
+def http_identity(peer: tuple[str, int], local: tuple[str, int], policy: AdminPolicy) -> Identity:
+    """Who an HTTP request (the dashboard) comes from, by the same rules as a gRPC call:
+    a local user (``uid:<n>``, found through :func:`loopback_peer_uid`; an admin by
+    ``policy``), else ``tcp:<host>`` like a TCP client without a certificate."""
+    uid = loopback_peer_uid(peer, local)
+    if uid is None:
+        return Identity(f"tcp:{peer[0]}")
+    try:
+        gid = pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        gid = -1
+    return Identity(f"uid:{uid}", uid=uid, gid=gid, admin=policy.is_admin_uid(uid, gid))

@@ -191,15 +191,20 @@ class RunTable:
             priority=priority,
         )
 
-    def list_runs(self, owner: str | None, states: set[int], limit: int) -> list[RunRecord]:
+    def list_runs(
+        self, owner: str | None, states: set[int], limit: int, before: int = 0
+    ) -> list[RunRecord]:
         """Runs newest first: ``owner``'s (None: every client's), in ``states`` (empty:
-        any), at most ``limit`` (0: LIST_RUNS_DEFAULT). Finished runs past
-        limits.max_finished_runs_kept are already forgotten."""
+        any), at most ``limit`` (0: LIST_RUNS_DEFAULT), with ids below ``before`` (0: any;
+        the dashboard's next page). Finished runs past limits.max_finished_runs_kept are
+        already forgotten."""
         limit = limit or LIST_RUNS_DEFAULT
         self._retention.expire()
         out: list[RunRecord] = []
         # Run ids grow with submission: the dict's reverse order is newest first.
         for rec in reversed(self._runs.values()):
+            if before and rec.run_id >= before:
+                continue
             if owner is not None and rec.client != owner:
                 continue
             if states and rec.proto_state() not in states:

@@ -39,8 +39,9 @@ from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2_grpc as 
 from simpler_daemon.server.access import require_admin
 from simpler_daemon.server.buffers_rpc import READ_CHUNK, BuffersRpc
 from simpler_daemon.server.callables_rpc import CallablesRpc
+from simpler_daemon.server.peers import AdminPolicy, Identity
 from simpler_daemon.server.rpc_base import unary
-from simpler_daemon.server.runs import now_ts
+from simpler_daemon.server.runs import RunTable, now_ts
 from simpler_daemon.server.runs_rpc import RunsRpc
 from simpler_daemon.server.workers import discovery_info, worker_info
 
@@ -60,11 +61,31 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
     #: The daemon's DNS discovery (server/discovery.py), set by the daemon; None: off.
     discovery: Any = None
 
+    # ====================================================================== for the dashboard
+
+    @property
+    def runs(self) -> RunTable:
+        """The run table (server/dashboard.py reads it as ListRuns and WaitRun do)."""
+        return self._runs
+
+    @property
+    def admins(self) -> AdminPolicy:
+        """Who is an admin (server/dashboard.py names its callers with it)."""
+        return self._admins
+
+    @property
+    def worker(self) -> Any:
+        """The Worker the RPCs drive."""
+        return self._worker
+
     # ====================================================================== RPCs: info
 
     @unary
     async def GetInfo(self, request: Any, context: Any) -> Any:
-        who = self._who(context)
+        return self.info(self._who(context))
+
+    def info(self, who: Identity) -> Any:
+        """The ``GetInfoResponse`` as ``who`` sees it (GetInfo, the dashboard's overview)."""
         w = self._worker
         heap = w.heap
         lim = self._limits
