@@ -45,7 +45,8 @@ class _Recording:
     asked: float
     spans: list[dict[str, Any]] = field(default_factory=list)
     lanes: dict[str, int] = field(default_factory=dict)
-    open: dict[tuple[int, int], tuple[float, str, str]] = field(default_factory=dict)
+    #: Dispatched, not finished: (start us, callable name, task kind, since recording).
+    open: dict[tuple[int, int], tuple[float, str, str, bool]] = field(default_factory=dict)
     dropped: int = 0
     lagged: bool = False
     done: bool = False
@@ -118,19 +119,15 @@ class RunTraces:
             got.done = True
             got.task = None
 
-    def _lane(self, rec: Any, got: _Recording, task_index: int, worker_id: int) -> str:
-        kind = "task"
-        run = rec.run
-        if run is not None and 0 <= task_index < len(run.slots):
-            kind = run.slots[task_index].kind.name.lower()
-        return f"{kind} worker {worker_id}"
-
     @staticmethod
-    def _name(rec: Any, task_index: int) -> str:
+    def _task(rec: Any, task_index: int) -> tuple[str, str]:
+        """(callable name, task kind) of a task while the run holds its slots (read at
+        dispatch: a finished run lets go of them before its last events are read)."""
         run = rec.run
         if run is not None and 0 <= task_index < len(run.slots):
-            return str(run.slots[task_index].handle.name)
-        return f"task {task_index}"
+            slot = run.slots[task_index]
+            return str(slot.handle.name), slot.kind.name.lower()
+        return f"task {task_index}", "task"
 
     def _add(self, rec: Any, got: _Recording, event: Any) -> None:
         etype = event.type
@@ -140,17 +137,20 @@ class RunTraces:
             return
         key = (event.task_index, event.member_index)
         if etype == pb.RUN_EVENT_TYPE_TASK_DISPATCHED:
-            got.open[key] = (_us(event.time), self._name(rec, event.task_index), "")
+            got.open[key] = (_us(event.time), *self._task(rec, event.task_index), False)
             return
         if etype not in (pb.RUN_EVENT_TYPE_TASK_COMPLETED, pb.RUN_EVENT_TYPE_TASK_FAILED):
             return
         start = got.open.pop(key, None)
         if start is None:
-            return  # dispatched before recording began, or never dispatched (skipped)
+            if etype == pb.RUN_EVENT_TYPE_TASK_FAILED and not event.worker_id:
+                return  # never dispatched (skipped behind a failure): nothing ran
+            # Running when the recording began: drawn from then (args.since_recording).
+            start = (got.started_us, *self._task(rec, event.task_index), True)
         if len(got.spans) >= MAX_SPANS:
             got.dropped += 1
             return
-        lane = self._lane(rec, got, event.task_index, event.worker_id)
+        lane = f"{start[2]} worker {event.worker_id}"
         tid = got.lanes.setdefault(lane, len(got.lanes) + 1)
         end = _us(event.time)
         got.spans.append(
@@ -167,6 +167,7 @@ class RunTraces:
                     "member_index": event.member_index,
                     "outcome": event.outcome or "SUCCESS",
                     "message": event.message[:_MAX_MESSAGE],
+                    "since_recording": start[3],
                 },
             }
         )

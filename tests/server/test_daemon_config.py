@@ -156,6 +156,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "python_path": ["/tmp"],
     },
     "metrics": {"listen": "127.0.0.1:9464", "token_file": "/etc/simpler/metrics-token"},
+    "dashboard": {"enabled": True},
     "fast": {
         "enabled": False,
         "unix_socket": "/srv/simpler/d.fast.sock",
@@ -186,6 +187,8 @@ def test_each_section_round_trips_through_dump_and_load(tmp_path: Path, section:
     base = cfg.load(None, env={})
     if section == "workers":  # [[workers.local/remote]] tables need a level-4 daemon
         base = msgspec.structs.replace(base, daemon=msgspec.structs.replace(base.daemon, level=4))
+    if section == "dashboard":  # served on the metrics listener
+        base = msgspec.structs.replace(base, metrics=cfg.MetricsConfig(listen="127.0.0.1:9464"))
     changed = msgspec.structs.replace(getattr(base, section), **NON_DEFAULTS[section])
     config = msgspec.structs.replace(base, **{section: changed})
     if config.daemon.level == 4 and section != "workers":  # no chips of its own at level 4
@@ -292,6 +295,7 @@ def test_dump_escapes_strings(tmp_path: Path) -> None:
         ("[health]\nunhealthy_exit_s = -1.0\n", "health.unhealthy_exit_s", "must be >= 0"),
         ("[health]\nunhealthy_exit_s = inf\n", "health.unhealthy_exit_s", "(0 = never)"),
         ("[daemon]\nruntime_dir = 'run'\n", "daemon.runtime_dir", "must be an absolute path"),
+        ("[dashboard]\nenabled = true\n", "dashboard.enabled", "set metrics.listen"),
     ],
 )
 def test_errors_name_the_file_and_key(tmp_path: Path, text: str, key: str, expected: str) -> None:
