@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d
 TEST_STAMP := $(VENV)/.installed-test-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 BENCH_STAMP := $(VENV)/.installed-bench-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 
-.PHONY: run test test-fast lint bench bench-smoke clean install proto build
+.PHONY: run test test-fast lint bench bench-smoke clean install proto build browser screenshots
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +52,21 @@ lint: $(TEST_STAMP) build
 # rewrite every test module's asserts again in every pytest process).
 TEST_PROCS ?= 4
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_PROCS) --dist loadfile
-test: $(TEST_STAMP) build lint
+# The dashboard's browser tests (tests/server/test_dashboard_browser.py) drive Debian's
+# Chromium through its chromedriver: installed here when absent and root; otherwise those
+# tests skip and say why (pytest -ra lists the reason).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q chromium chromium-driver \
+	      || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }; \
+	  else \
+	    echo "no /usr/bin/chromium or /usr/bin/chromedriver and not root: the dashboard's browser tests will skip"; \
+	  fi; \
+	fi
+
+test: $(TEST_STAMP) build lint browser
 	$(PYTEST) $(PYTEST_ARGS)
 	SIMPLER_LOOP=asyncio $(PYTEST) -q -m asyncio $(PYTEST_ARGS)
 
@@ -78,6 +92,10 @@ bench-smoke: $(TEST_STAMP) build
 .PHONY: soak
 soak: $(STAMP) build
 	$(PY) -m benchmarks.soak --seconds 300 $(SOAK_ARGS)
+
+# docs/img/dashboard-*.png: a daemon with runs, each dashboard view captured in Chromium.
+screenshots: $(TEST_STAMP) build browser
+	$(PY) docs/screenshots.py
 
 proto: $(TEST_STAMP)
 	$(PY) -m simpler_daemon.protocol.gen_proto

@@ -134,7 +134,7 @@
     var where = remote ? remote.host + ":" + remote.port : (w.pid ? "pid " + w.pid : "");
     var cause = w.message || (w.last_restart_cause ? "last restart: " + w.last_restart_cause : "");
     var row = el("tr", { cls: "worker-row" + (child ? " child" : ""), "data-worker-id": w.worker_id, "data-kind": kind },
-      cell(String(w.worker_id)), cell(kind), cell(badge(short(w.state, "WORKER_STATE_"))), cell(where),
+      cell(String(w.worker_id)), cell(kind), cell(badge(short(w.state, "WORKER_STATE_"))), cell(where, "where"),
       cell(w.current_task || "", "text"), cell(String(w.tasks_completed), "num"),
       cell(String(w.restarts), "num restarts"), cell(cause, "text cause"));
     return row;
