@@ -473,7 +473,7 @@ class Daemon:
         if self._metrics is not None and cfg.dashboard.enabled:
             from simpler_daemon.server.dashboard import Dashboard
 
-            self._dashboard = Dashboard(service, token_required=self._metrics_token is not None)
+            self._dashboard = Dashboard(service)
             self._metrics.serve_dashboard(self._dashboard)
         self._health = health.aio.HealthServicer()
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING

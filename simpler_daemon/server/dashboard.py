@@ -76,19 +76,24 @@ def _static(name: str) -> bytes:
     return resources.files("simpler_daemon.server").joinpath("dashboard_static", name).read_bytes()
 
 
+def _inline_hash(page: bytes, tag: bytes) -> str:
+    block = re.search(b"<" + tag + b">(.*?)</" + tag + b">", page, re.S)
+    assert block is not None, f"dashboard_static/login.html has no inline {tag.decode()}"
+    return "'sha256-" + base64.b64encode(hashlib.sha256(block.group(1)).digest()).decode() + "'"
+
+
 def _login_page() -> tuple[bytes, str]:
-    """The 401 page and the hash its inline script is allowed by (Content-Security-Policy)."""
+    """The 401 page and its Content-Security-Policy: its own inline script and style
+    are allowed by their hashes, nothing else inline."""
     page = _static("login.html")
-    script = re.search(rb"<script>(.*?)</script>", page, re.S)
-    assert script is not None, "dashboard_static/login.html has no inline script"
-    digest = base64.b64encode(hashlib.sha256(script.group(1)).digest()).decode()
-    return page, f"'sha256-{digest}'"
+    return page, _csp(_inline_hash(page, b"script"), _inline_hash(page, b"style"))
 
 
-def _csp(script_hash: str = "") -> str:
+def _csp(script_hash: str = "", style_hash: str = "") -> str:
     return (
         f"default-src 'none'; script-src 'self' blob: {script_hash}".rstrip()
-        + "; style-src 'self' blob:; img-src 'self' data:; connect-src 'self'; "
+        + f"; style-src 'self' blob: {style_hash}".rstrip()
+        + "; img-src 'self' data:; connect-src 'self'; "
         "form-action 'none'; base-uri 'none'; frame-ancestors 'none'"
     )
 
@@ -155,11 +160,10 @@ class Dashboard:
     """The dashboard's routes over a started DaemonService (metrics.py calls
     :meth:`handle` for every path but ``/metrics``)."""
 
-    def __init__(self, service: Any, *, token_required: bool) -> None:
+    def __init__(self, service: Any) -> None:
         self._service = service
-        self._token_required = token_required
         self._files = {path: (_static(name), kind) for path, (name, kind) in _STATIC.items()}
-        self._login, self._login_hash = _login_page()
+        self._login, self._login_csp = _login_page()
         self.traces = RunTraces()
 
     async def close(self) -> None:
@@ -177,7 +181,7 @@ class Dashboard:
                 headers,
             )
         headers["Content-Type"] = "text/html; charset=utf-8"
-        headers["Content-Security-Policy"] = _csp(self._login_hash)
+        headers["Content-Security-Policy"] = self._login_csp
         return 401, headers, self._login
 
     def handle(

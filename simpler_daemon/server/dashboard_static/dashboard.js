@@ -184,7 +184,8 @@
         var link = el("a", { href: "#/runs/" + Number(r.run_id), text: String(r.run_id) });
         return el("tr", { cls: "run-row", "data-run-id": r.run_id },
           cell(link), cell(badge(r.state)), cell(r.label, "text label"), cell(r.client),
-          cell(progress(r.counts)), cell(age(r.age_seconds), "num"), cell(r.error, "text error-text"));
+          cell(progress(r.counts)), cell(age(r.age_seconds), "num"),
+          cell(r.error.length > 240 ? r.error.slice(0, 240) + "… (the run's page has all of it)" : r.error, "text error-text"));
       });
       main.appendChild(table(["run", "state", "label", "owner", "progress", "age", "error"], rows));
       if (!rows.length) main.appendChild(el("p", { cls: "note", text: "no runs to show" }));
