@@ -188,7 +188,13 @@ def test_a_killed_worker_shows_its_restart(daemon: DaemonProcess) -> None:
             where = row.find_element(By.CSS_SELECTOR, "td.where").text
             return count == str(victim.restarts + 1) and where != f"pid {victim.pid}"
 
-        poll(restarted, "the workers view never showed the restart")
+        try:
+            poll(restarted, "the workers view never showed the restart", timeout=40.0)
+        except TimeoutError as exc:
+            with daemon.client() as c:
+                now = [(w.worker_id, w.pid, w.restarts, w.message) for w in c.list_workers()]
+            shown = texts(driver, "tr.worker-row")
+            raise AssertionError(f"{exc}: the page shows {shown}; ListWorkers says {now}") from exc
         cause = driver.find_element(By.CSS_SELECTOR, css + " td.cause").text
         assert "last restart:" in cause and "SIGKILL" in cause, cause
     with daemon.client() as c:
