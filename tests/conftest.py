@@ -26,6 +26,8 @@ pytest.register_assert_rewrite(
     "tests.support.daemon_harness",
     "tests.support.endpoint_rig",
     "tests.support.fast_raw",
+    "tests.support.kubernetes_policy",
+    "tests.support.kustomize",
     "tests.support.nested_rig",
     "tests.support.remote_harness",
     "tests.support.remote_worker",
