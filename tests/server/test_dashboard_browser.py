@@ -56,13 +56,17 @@ def no_leaked_children(daemon: DaemonProcess) -> Iterator[None]:
 
 
 def poll(check: Callable[[], Any], message: str, timeout: float = 20.0) -> Any:
-    """The first truthy value of ``check()`` (stale elements of a re-rendered view retry)."""
-    from selenium.common.exceptions import StaleElementReferenceException
+    """The first truthy value of ``check()``; an element not drawn yet, or replaced by
+    the view's next refresh, is looked for again."""
+    from selenium.common.exceptions import (
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
 
     def safe() -> Any:
         try:
             return check()
-        except StaleElementReferenceException:
+        except (NoSuchElementException, StaleElementReferenceException):
             return None
 
     return wait_until(safe, timeout=timeout, message=message)
