@@ -747,8 +747,6 @@ class Daemon:
             os.unlink(self.private_socket_path)
         if self._metrics is not None:
             await self._metrics.close()
-        if self._dashboard is not None:
-            await self._dashboard.close()
         if self._socket_bound:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)

@@ -9,7 +9,7 @@ stays what it was; metrics.py owns the socket, the limits and the token)::
                            restart's cause
     GET /api/runs          ListRuns as the caller may see it: ?state=&owner=&limit=&before=
     GET /api/runs/{id}     the run's status (WaitRun's RunStatus without results)
-    GET /api/runs/{id}/trace   its task stream as a Chrome trace (dashboard_trace.py)
+    GET /api/runs/{id}/trace   its task stream as a Chrome trace (GetRunTrace's document)
 
 Nothing is computed unless a page or a script asks (the page polls its view's JSON
 about once a second and stops while hidden). Who asks is named like a gRPC caller
@@ -23,6 +23,7 @@ texts clipped); the page writes data with ``textContent`` only.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -36,14 +37,13 @@ from typing import Any, Final
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
-from simpler_daemon.errors import AccessDenied, RequestError, UnknownObject
+from simpler_daemon.errors import AccessDenied, Precondition, RequestError, UnknownObject
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.server.access import Owners
-from simpler_daemon.server.dashboard_trace import RunTraces
 from simpler_daemon.server.peers import Identity, http_identity
 from simpler_daemon.server.workers import worker_info
 
-__all__ = ["MAX_RUNS", "MAX_TEXT", "MAX_WORKERS", "Dashboard", "Response"]
+__all__ = ["MAX_RUNS", "MAX_SPANS", "MAX_TEXT", "MAX_WORKERS", "Dashboard", "Response"]
 
 #: Runs in one ``/api/runs`` answer at most (``limit`` above it is refused).
 MAX_RUNS: Final = 500
@@ -53,6 +53,13 @@ DEFAULT_RUNS: Final = 50
 MAX_WORKERS: Final = 2000
 #: Characters of one text (label, error, callable name) in any answer.
 MAX_TEXT: Final = 2000
+#: Task events of a run's trace the page gets (a download gets them all).
+MAX_SPANS: Final = 5000
+_JSON_HEADERS: Final = {
+    "Content-Type": "application/json; charset=utf-8",
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+}
 
 Response = tuple[int, dict[str, str], bytes]
 
@@ -164,10 +171,6 @@ class Dashboard:
         self._service = service
         self._files = {path: (_static(name), kind) for path, (name, kind) in _STATIC.items()}
         self._login, self._login_csp = _login_page()
-        self.traces = RunTraces()
-
-    async def close(self) -> None:
-        await self.traces.close()
 
     # -- entry points (metrics.py) -----------------------------------------------------
 
@@ -184,7 +187,7 @@ class Dashboard:
         headers["Content-Security-Policy"] = self._login_csp
         return 401, headers, self._login
 
-    def handle(
+    async def handle(
         self, method: str, target: str, peer: tuple[str, int], local: tuple[str, int]
     ) -> Response:
         """Answer ``method target`` from ``peer`` (already past the token check)."""
@@ -214,12 +217,7 @@ class Dashboard:
             if match is not None:
                 rec = self._record(who, int(match.group(1)))
                 if match.group(2):
-                    headers = {}
-                    if params.get("download"):
-                        headers["Content-Disposition"] = (
-                            f'attachment; filename="run-{rec.run_id}-trace.json"'
-                        )
-                    return self._json(200, self.traces.trace(rec), headers)
+                    return await self._trace(rec, download=bool(params.get("download")))
                 return self._json(200, self._run(rec))
         except _BadRequest as exc:
             return self._json(exc.status, {"error": str(exc)})
@@ -327,6 +325,29 @@ class Dashboard:
         out["age_seconds"] = round(max(0.0, (time.time_ns() - rec.submit_ns) / 1e9), 3)
         return _clip(out)  # type: ignore[no-any-return]
 
+    async def _trace(self, rec: Any, *, download: bool) -> Response:
+        """The run's Chrome trace (scheduler/trace.py, as GetRunTrace gives it): whole for
+        a download, its first :data:`MAX_SPANS` task events for the page (which polls it);
+        encoded off the loop, as GetRunTrace does."""
+        try:
+            doc = self._service.trace_document(rec)
+        except Precondition as exc:
+            raise _BadRequest(409, str(exc)) from exc
+        headers = {}
+        if download:
+            headers["Content-Disposition"] = f'attachment; filename="run-{rec.run_id}-trace.json"'
+        else:
+            events = doc["traceEvents"]
+            tasks = [e for e in events if e.get("cat") == "task"]
+            if len(tasks) > MAX_SPANS:
+                kept = [e for e in events if e.get("cat") != "task"] + tasks[:MAX_SPANS]
+                doc = {**doc, "traceEvents": kept}
+                doc["otherData"] = {**doc["otherData"], "not_drawn": len(tasks) - MAX_SPANS}
+        body = await asyncio.to_thread(
+            lambda: json.dumps(_clip(doc), ensure_ascii=False, separators=(",", ":")).encode()
+        )
+        return 200, {**_JSON_HEADERS, **headers}, body
+
     # -- helpers ------------------------------------------------------------------------
 
     @staticmethod
@@ -351,11 +372,7 @@ class Dashboard:
     @staticmethod
     def _json(status: int, data: Any, headers: Mapping[str, str] | None = None) -> Response:
         body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        out = {
-            "Content-Type": "application/json; charset=utf-8",
-            "Cache-Control": "no-store",
-            "X-Content-Type-Options": "nosniff",
-        }
+        out = dict(_JSON_HEADERS)
         out.update(headers or {})
         return status, out, body
 

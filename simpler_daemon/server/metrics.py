@@ -684,7 +684,7 @@ class Metrics:
                     return
                 except asyncio.IncompleteReadError:
                     return
-                status, headers, body = self._handle(
+                status, headers, body = await self._handle(
                     head, writer.get_extra_info("peername"), writer.get_extra_info("sockname")
                 )
                 await _respond(writer, status, body, headers)
@@ -701,7 +701,7 @@ class Metrics:
         the same token. Call before :meth:`start`."""
         self._dashboard = dashboard
 
-    def _handle(
+    async def _handle(
         self, head: bytes, peer: Any = None, local: Any = None
     ) -> tuple[int, dict[str, str], bytes]:
         request_line, *lines = head.decode("latin-1").split("\r\n")
@@ -727,7 +727,7 @@ class Metrics:
                     b"missing or wrong bearer token: send 'Authorization: Bearer <token>'\n",
                 )
         if dashboard is not None and peer is not None:
-            status, headers, body = dashboard.handle(method, target, peer[:2], local[:2])
+            status, headers, body = await dashboard.handle(method, target, peer[:2], local[:2])
             if method == "HEAD":
                 headers["Content-Length"] = str(len(body))
                 body = b""

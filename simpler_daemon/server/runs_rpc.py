@@ -341,32 +341,36 @@ class RunsRpc(ServiceBase):
         may wait for a run may read its trace; a queued run's has no task yet."""
         rec = self._runs.record(request.run_id)
         self._owners.check_run(self._who(context), rec.client, rec.run_id, "trace")
+        doc = self.trace_document(rec)
+        # Built on the loop (where the attempts are appended), encoded off it.
+        text = await asyncio.to_thread(json.dumps, doc, separators=(",", ":"))
+        return pb.GetRunTraceResponse(trace_json=text.encode())
+
+    def trace_document(self, rec: Any) -> dict[str, Any]:
+        """Run ``rec``'s trace document (GetRunTrace, the dashboard); Precondition for a
+        run restored from the history (its trace was in the old daemon's memory)."""
         state = pb.RunState.Name(rec.state).removeprefix("RUN_STATE_")
         worker = f"simpler-daemon level {self._worker.level} (pid {self._worker._pid})"
         trace = rec.trace
         if trace is not None:
-            doc = trace.chrome(rec.run_id, state=state, worker=worker)
-        elif rec.terminal and rec.submit_ns < self.start_ns:  # restored from the history
+            return trace.chrome(rec.run_id, state=state, worker=worker)  # type: ignore[no-any-return]
+        if rec.terminal and rec.submit_ns < self.start_ns:  # restored from the history
             raise Precondition(
                 "run_id",
                 f"cannot trace run {rec.run_id}: it finished before the daemon restarted "
                 "(a trace lives in the daemon's memory; the run history keeps its status only)",
             )
-        else:  # queued, or ended before it started: no task ever ran
-            doc = {
-                "traceEvents": [
-                    {
-                        "name": "process_name",
-                        "ph": "M",
-                        "pid": 1,
-                        "tid": 0,
-                        "args": {"name": worker},
-                    },
-                    {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "run"}},
-                ],
-                "displayTimeUnit": "ms",
-                "otherData": {"run_id": rec.run_id, "state": state, "attempts": 0},
-            }
-        # Built on the loop (where the attempts are appended), encoded off it.
-        text = await asyncio.to_thread(json.dumps, doc, separators=(",", ":"))
-        return pb.GetRunTraceResponse(trace_json=text.encode())
+        return {  # queued, or ended before it started: no task ever ran
+            "traceEvents": [
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": 1,
+                    "tid": 0,
+                    "args": {"name": worker},
+                },
+                {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "run"}},
+            ],
+            "displayTimeUnit": "ms",
+            "otherData": {"run_id": rec.run_id, "state": state, "attempts": 0},
+        }

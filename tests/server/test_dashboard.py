@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import subprocess
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,16 @@ import numpy as np
 import pytest
 
 from simpler_daemon.client import sub_task, tensor
-from simpler_daemon.server.dashboard import MAX_RUNS, MAX_TEXT, _clip, dashboard_files
+from simpler_daemon.errors import Precondition
+from simpler_daemon.server.dashboard import (
+    MAX_RUNS,
+    MAX_SPANS,
+    MAX_TEXT,
+    Dashboard,
+    _BadRequest,
+    _clip,
+    dashboard_files,
+)
 from tests.support.daemon_harness import (
     EXAMPLES,
     DaemonProcess,
@@ -160,8 +170,8 @@ def _flag_run(c: Any, n: int, label: str) -> tuple[int, list[int]]:
 def test_runs_a_run_its_trace_and_the_current_task(daemon: DaemonProcess) -> None:
     with daemon.client() as c:
         run_id, flags = _flag_run(c, 3, EVIL)
-        trace = get_json(daemon, f"/api/runs/{run_id}/trace")  # starts the recording
-        assert trace["otherData"]["recording"] is True
+        trace = get_json(daemon, f"/api/runs/{run_id}/trace")
+        assert trace["otherData"]["run_id"] == run_id
         busy = wait_until(
             lambda: [
                 w
@@ -183,31 +193,26 @@ def test_runs_a_run_its_trace_and_the_current_task(daemon: DaemonProcess) -> Non
         c.wait(run_id, timeout=20)
         run = get_json(daemon, f"/api/runs/{run_id}")
         assert run["state"] == "completed" and run["label"] == EVIL and "results" not in run
-        trace = wait_until(
-            lambda: (
-                (t := get_json(daemon, f"/api/runs/{run_id}/trace"))
-                and len([e for e in t["traceEvents"] if e["ph"] == "X"]) == 3
-                and t
-            ),
-            message="the trace never held the run's three tasks",
-        )
-        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        trace = get_json(daemon, f"/api/runs/{run_id}/trace")
+        spans = [e for e in trace["traceEvents"] if e.get("cat") == "task"]
         assert {s["name"] for s in spans} == {f"{EXAMPLES}:wait_for_flag"}
-        assert sorted(s["args"]["task_index"] for s in spans) == [0, 1, 2]
+        assert sorted(s["args"]["task"] for s in spans) == [0, 1, 2]
+        assert {s["args"]["outcome"] for s in spans} == {"SUCCESS"}
         lanes = {
             e["tid"]: e["args"]["name"]
             for e in trace["traceEvents"]
             if e["ph"] == "M" and e["name"] == "thread_name"
         }
-        assert all(name.startswith("sub worker ") for name in lanes.values()), lanes
-        assert all(s["dur"] > 0 and s["tid"] in lanes for s in spans)
+        assert all(lanes[s["tid"]].startswith("sub worker ") for s in spans), lanes
+        assert all(s["dur"] > 0 for s in spans)
+        assert f"run {run_id}" in {e["name"] for e in trace["traceEvents"] if e.get("cat") == "run"}
         code, headers, _ = fetch(daemon, f"/api/runs/{run_id}/trace?download=1")
         assert code == 200 and f"run-{run_id}-trace.json" in headers["content-disposition"]
         for f in flags:
             c.free_buffer(f)
 
 
-def test_failed_run_error_and_never_watched_trace(daemon: DaemonProcess) -> None:
+def test_failed_run_error_and_its_trace(daemon: DaemonProcess) -> None:
     with daemon.client() as c:
         fail = c.register(f"{EXAMPLES}:fail")
         run_id = int(c.submit([sub_task(fail, [], [7])], label="fails"))
@@ -215,8 +220,40 @@ def test_failed_run_error_and_never_watched_trace(daemon: DaemonProcess) -> None
         row = get_json(daemon, "/api/runs?state=failed&limit=1")["runs"][0]
         assert row["run_id"] == run_id and "example failure (scalar 7)" in row["error"]
         trace = get_json(daemon, f"/api/runs/{run_id}/trace")
-        assert trace["otherData"]["recording"] is False
-        assert "only while the run's page is open" in trace["otherData"]["note"]
+        spans = [e for e in trace["traceEvents"] if e.get("cat") == "task"]
+        assert [s["args"]["outcome"] for s in spans] == ["TASK_FAILURE"]
+        # The same document as GetRunTrace gives.
+        assert c.trace(run_id)["traceEvents"] == trace["traceEvents"]
+
+
+class _Traces:
+    """A DaemonService stand-in with only what Dashboard._trace reads."""
+
+    def __init__(self, doc: dict[str, Any] | None) -> None:
+        self.doc = doc
+
+    def trace_document(self, rec: Any) -> dict[str, Any]:
+        if self.doc is None:
+            raise Precondition("run_id", f"cannot trace run {rec.run_id}: it finished before")
+        return self.doc
+
+
+@pytest.mark.asyncio
+async def test_trace_for_the_page_is_bounded_and_a_download_is_whole() -> None:
+    task = {"cat": "task", "ph": "X", "name": "f", "ts": 0, "dur": 1, "pid": 1, "tid": 1}
+    doc = {"traceEvents": [task] * (MAX_SPANS + 7), "otherData": {"run_id": 3}}
+    rec = types.SimpleNamespace(run_id=3)
+    board = Dashboard(_Traces(doc))
+    status, headers, body = await board._trace(rec, download=False)
+    page = json.loads(body)
+    assert status == 200 and len(page["traceEvents"]) == MAX_SPANS
+    assert page["otherData"] == {"run_id": 3, "not_drawn": 7}
+    status, headers, body = await board._trace(rec, download=True)
+    assert len(json.loads(body)["traceEvents"]) == MAX_SPANS + 7
+    assert headers["Content-Disposition"] == 'attachment; filename="run-3-trace.json"'
+    with pytest.raises(_BadRequest) as info:  # a run restored from the history: no trace
+        await Dashboard(_Traces(None))._trace(rec, download=False)
+    assert info.value.status == 409 and "cannot trace run 3" in str(info.value)
 
 
 def test_runs_filters_bounds_and_pages(daemon: DaemonProcess) -> None:

@@ -228,11 +228,15 @@
     spans.forEach(function (e) {
       var y = top + ids.indexOf(e.tid) * laneHeight;
       var x = labelWidth + ((e.ts - t0) / span) * width;
+      var args = e.args || {};
+      var isTask = e.cat === "task";
+      var failed = isTask && args.outcome !== "SUCCESS";
       var rect = svg("rect", { x: x.toFixed(1), y: y, height: laneHeight - 4,
         width: Math.max(1, (e.dur / span) * width).toFixed(1),
-        "class": "span" + (e.args.outcome !== "SUCCESS" ? " failed" : "") });
-      rect.appendChild(svg("title", {}, e.name + " task " + e.args.task_index + ": " +
-        (e.dur / 1000).toFixed(3) + " ms, " + e.args.outcome + (e.args.message ? ": " + e.args.message : "")));
+        "class": (isTask ? "span" : "run-span") + (failed ? " failed" : "") });
+      var what = isTask ? e.name + " (task " + args.task + (args.attempt > 1 ? ", attempt " + args.attempt : "") + ")" : e.name;
+      rect.appendChild(svg("title", {}, what + ": " + (e.dur / 1000).toFixed(3) + " ms" +
+        (isTask ? ", " + args.outcome : "")));
       picture.appendChild(rect);
     });
     box.appendChild(picture);
@@ -248,9 +252,18 @@
         link.remove();
       }).catch(function (err) { status("cannot download the trace: " + err.message, true); });
   }
+  var finishedTrace = { id: null, trace: null };  // a finished run's trace does not change
+  var TERMINAL = { completed: 1, failed: 1, cancelled: 1, lost: 1 };
+  function traceOf(runId) {
+    if (finishedTrace.id === runId) return Promise.resolve(finishedTrace.trace);
+    return api("/api/runs/" + runId + "/trace").catch(function (err) {
+      return { traceEvents: [], otherData: { note: err.message } };
+    });
+  }
   function run(main, runId) {
-    return Promise.all([api("/api/runs/" + runId), api("/api/runs/" + runId + "/trace")]).then(function (got) {
+    return Promise.all([api("/api/runs/" + runId), traceOf(runId)]).then(function (got) {
       var r = got[0], trace = got[1];
+      if (r.state in TERMINAL && !(trace.otherData || {}).note) finishedTrace = { id: runId, trace: trace };
       clear(main).appendChild(el("h2", {}, "Run " + r.run_id + " ", badge(r.state)));
       var error = r.error && r.error.message ? r.error.message : "";
       main.appendChild(el("div", { cls: "cards" },
@@ -261,8 +274,9 @@
       if (error) main.appendChild(el("p", { cls: "error-text", id: "run-error", text: error }));
       main.appendChild(el("h3", { text: "Task stream per lane" }));
       main.appendChild(gantt(trace));
-      var note = (trace.otherData || {}).note;
-      if (note) main.appendChild(el("p", { cls: "note", text: note }));
+      var other = trace.otherData || {};
+      if (other.note) main.appendChild(el("p", { cls: "note", text: other.note }));
+      if (other.not_drawn) main.appendChild(el("p", { cls: "note", text: other.not_drawn + " more tasks are in the downloaded trace" }));
       var link = el("a", { href: "#/runs/" + r.run_id, id: "trace-download", text: "Download the trace (Chrome trace JSON: chrome://tracing, Perfetto)" });
       link.addEventListener("click", function (event) { event.preventDefault(); download(r.run_id); });
       main.appendChild(el("p", {}, link));
