@@ -218,6 +218,10 @@ class Daemon:
             log.info("removed stale heap /dev/shm/%s", name)
         self._prepare_paths()
         self.load_credentials()
+        if cfg.daemon.level == 4 and cfg.workers.discovery.dns:
+            from simpler_daemon.server.discovery import check_discovery
+
+            check_discovery(cfg.workers.discovery)  # a table every session would fail on
         workers = cfg.workers
         worker = new_worker(cfg)  # the worker tree: server/topology.py
         self.notifier.status(

@@ -41,7 +41,7 @@ from simpler_daemon.server.dnsquery import (
 )
 from simpler_daemon.server.topology import remote_spec_of
 
-__all__ = ["Discovery", "resolver_of"]
+__all__ = ["Discovery", "check_discovery", "resolver_of"]
 
 log = logging.getLogger("simpler_daemon.discovery")
 
@@ -56,6 +56,26 @@ def resolver_of(cfg: DiscoveryConfig) -> Resolver:
         host, port = parse_nameserver(cfg.nameserver)
         return UdpResolver(host, port)
     return SystemResolver()
+
+
+def check_discovery(cfg: DiscoveryConfig) -> None:
+    """At start-up: ``ConfigError`` naming the key when the table's settings make every
+    session fail (a rule only the spec knows, a credential file that cannot be read), so
+    the daemon refuses to start instead of retrying forever."""
+    remote_spec_of(cfg, _KEY, endpoint="127.0.0.1:1")
+    for name in ("token_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+        path = getattr(cfg, name)
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(1 << 16)
+        except OSError as exc:
+            raise ConfigError(
+                f"{_KEY}.{name}: cannot read {path!r}: {exc.strerror or exc}", key=f"{_KEY}.{name}"
+            ) from None
+        if name == "token_file" and not data.strip():
+            raise ConfigError(f"{_KEY}.token_file: {path!r} is empty", key=f"{_KEY}.token_file")
 
 
 @dataclass(slots=True)

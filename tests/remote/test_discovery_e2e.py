@@ -12,6 +12,7 @@ error; ``simplerctl workers`` shows the view.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import pytest
 from simpler_daemon.client import Client
 from simpler_daemon.client.requests import task
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from tests.support.daemon_harness import REPO, running_daemon
+from tests.support.daemon_harness import REPO, DaemonProcess, running_daemon
 from tests.support.dns_server import DnsServer
 from tests.support.remote_harness import (
     PORT,
@@ -207,6 +208,18 @@ def test_discovery_adds_retires_and_revives_workers(tmp_path: Path, hosts: Remot
             assert out.returncode == 0, out.stderr
             assert f"discovery: {NAME}:{PORT} via the DNS server {dns.address}" in out.stdout
             assert ep[1] in out.stdout and "static" in out.stdout
+            out = subprocess.run(
+                [*ctl, "--json", "discovery"], cwd=REPO, capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode == 0, out.stderr
+            view = json.loads(out.stdout)
+            assert view["dns"] == f"{NAME}:{PORT}"
+            states = {a["address"]: (a["worker_id"], a["state"]) for a in view["addresses"]}
+            assert states == {
+                ep[0]: (wid[0], "active"),
+                ep[1]: (wid[1], "active"),
+                ep[2]: (0, "static"),
+            }
         log = d.stderr() + d.stdout()
         assert f"discovery: {ep[1]} left the answer: retired remote worker {wid[1]}" in log
 
@@ -275,3 +288,21 @@ def test_discovery_never_holds_up_start_and_shows_errors(tmp_path: Path) -> None
             assert "simpler_discovery_last_resolve_timestamp_seconds" in text
             assert "simpler_discovery_addresses 0.0" in text  # NXDOMAIN: no addresses
             assert c.get_info().serving_state == pb.SERVING_STATE_SERVING
+
+
+def test_discovery_credentials_that_cannot_be_read_stop_the_start(tmp_path: Path) -> None:
+    """Every session would fail: the daemon refuses to start (exit 2) naming the key."""
+    missing = tmp_path / "no-such-token"
+    overrides = {
+        "daemon": {"level": 4},
+        "workers": {
+            "num_sub_workers": 1,
+            "num_chips": 0,
+            "discovery": {"dns": f"{NAME}:{PORT}", "token_file": str(missing)},
+        },
+    }
+    d = DaemonProcess(tmp_path / "daemon", overrides)
+    with pytest.raises(RuntimeError, match="exited with 2") as info:
+        d.start()
+    assert f"workers.discovery.token_file: cannot read '{missing}'" in str(info.value)
+    d.kill()
