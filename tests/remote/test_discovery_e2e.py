@@ -35,6 +35,7 @@ from tests.support.remote_harness import (
     runner_processes,
     wait_until,
 )
+from tests.support.remote_worker import RemoteWorkerProcess
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -306,3 +307,31 @@ def test_discovery_credentials_that_cannot_be_read_stop_the_start(tmp_path: Path
         d.start()
     assert f"workers.discovery.token_file: cannot read '{missing}'" in str(info.value)
     d.kill()
+
+
+def test_discovery_with_the_system_resolver(tmp_path: Path) -> None:
+    """No nameserver: getaddrinfo (in the executor) resolves the name; here "localhost",
+    which /etc/hosts maps to the loopback worker's address."""
+    remote = RemoteWorkerProcess(tmp_path)
+    try:
+        port = int(remote.address.rpartition(":")[2])
+        overrides = {
+            "daemon": {"level": 4},
+            "workers": {
+                "num_sub_workers": 1,
+                "num_chips": 0,
+                "discovery": {"dns": f"localhost:{port}", "refresh_s": 0.5, **SESSION},
+            },
+        }
+        with running_daemon(tmp_path / "daemon", overrides) as d, d.client() as c:
+            seen = wait_states(c, {f"127.0.0.1:{port}": "active"}, "system resolver")
+            assert c.discovery().resolver == "the system resolver (getaddrinfo)"
+            wid = seen[f"127.0.0.1:{port}"][0]
+            row = remote_row(c, wid)
+            assert row.remote.state == pb.REMOTE_SESSION_STATE_READY, row
+            # An IPv6 answer for localhost (where /etc/hosts has one) finds nobody there:
+            # kept "opening" with its error; the IPv4 worker serves regardless.
+            others = {a: s for a, (_, s, _) in addresses(c).items() if a.startswith("[")}
+            assert set(others.values()) <= {"opening"}, others
+    finally:
+        remote.stop()
