@@ -12,6 +12,7 @@ import os
 import subprocess
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 
 from simpler_daemon.client import sub_task, tensor
 from simpler_daemon.errors import Precondition
+from simpler_daemon.server import dashboard
 from simpler_daemon.server.dashboard import (
     MAX_RUNS,
     MAX_SPANS,
@@ -33,6 +35,7 @@ from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
     module_leak_guard,
+    running_daemon,
     wait_until,
 )
 from tests.support.users import throwaway_user
@@ -319,3 +322,30 @@ def test_another_user_sees_only_its_own_runs(daemon: DaemonProcess) -> None:
     assert status == 403 and f"cannot see run {mine}" in body["error"]
     status, body = got["/api/runs?owner=uid:0"]
     assert status == 403 and "only an admin" in body["error"]
+
+
+def test_every_page_file_ships_in_the_package() -> None:
+    """pyproject's package-data takes every file of dashboard_static/ (an installed
+    daemon serves the page from the package)."""
+    import fnmatch
+    import tomllib
+
+    static = Path(dashboard.__file__).parent / "dashboard_static"
+    assert set(os.listdir(static)) == set(dashboard_files())
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["simpler_daemon"]
+    for name in dashboard_files():
+        path = f"server/dashboard_static/{name}"
+        assert any(fnmatch.fnmatch(path, p) for p in patterns), path
+
+
+def test_without_a_token_the_page_is_served_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    overrides = {"metrics": {"listen": f"127.0.0.1:{port}"}, "dashboard": {"enabled": True}}
+    with running_daemon(tmp_path / "open", overrides) as d:
+        assert f"dashboard on http://127.0.0.1:{port}/" in d.stdout()
+        code, _, body = fetch(d, "/", token=None)
+        assert code == 200 and b'<script src="/dashboard.js">' in body
+        code, _, body = fetch(d, "/api/overview", token=None)
+        assert code == 200 and json.loads(body)["caller"] == f"uid:{os.getuid()}"
+        assert fetch(d, "/metrics", token=None)[0] == 200
