@@ -107,6 +107,7 @@ def run_on(c: Client, hashid: str, wid: int, ms: int = 0) -> int:
     return c.submit_run(tasks).run_id
 
 
+@pytest.mark.slow
 def test_discovery_adds_retires_and_revives_workers(tmp_path: Path, hosts: RemoteHosts) -> None:
     ep = [hosts.endpoint(i) for i in range(3)]
     ip = [e.rpartition(":")[0] for e in ep]
@@ -231,6 +232,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_discovery_never_holds_up_start_and_shows_errors(tmp_path: Path) -> None:
     """No host needed: a silent DNS server at start (READY anyway), an address nobody
     listens on (kept "opening" with the error, retried), NXDOMAIN (no addresses)."""
@@ -309,6 +311,7 @@ def test_discovery_credentials_that_cannot_be_read_stop_the_start(tmp_path: Path
     d.kill()
 
 
+@pytest.mark.slow
 def test_discovery_with_the_system_resolver(tmp_path: Path) -> None:
     """No nameserver: getaddrinfo (in the executor) resolves the name; here "localhost",
     which /etc/hosts maps to the loopback worker's address."""
