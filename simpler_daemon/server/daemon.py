@@ -218,10 +218,6 @@ class Daemon:
             log.info("removed stale heap /dev/shm/%s", name)
         self._prepare_paths()
         self.load_credentials()
-        if cfg.daemon.level == 4 and cfg.workers.discovery.dns:
-            from simpler_daemon.server.discovery import check_discovery
-
-            check_discovery(cfg.workers.discovery)  # a table every session would fail on
         workers = cfg.workers
         worker = new_worker(cfg)  # the worker tree: server/topology.py
         self.notifier.status(
@@ -256,8 +252,14 @@ class Daemon:
 
     def load_credentials(self) -> None:
         """Read and check every credential file (tokens, TLS); ``ConfigError`` naming
-        the key (``check-config`` runs this too)."""
+        the key (``check-config`` runs this too). ``[workers.discovery]``'s files are
+        only read to check them: every discovered session reads them when it opens."""
         self._load_credentials()
+        cfg = self.config
+        if cfg.daemon.level == 4 and cfg.workers.discovery.dns:
+            from simpler_daemon.server.discovery import check_discovery
+
+            check_discovery(cfg.workers.discovery)  # a table every session would fail on
 
     def _load_credentials(self) -> None:
         g = self.config.grpc

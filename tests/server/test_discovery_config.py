@@ -120,3 +120,24 @@ def test_parse_helpers() -> None:
     assert parse_nameserver("127.0.0.1:5353") == ("127.0.0.1", 5353)
     assert parse_nameserver("[::1]:5353") == ("::1", 5353)
     assert parse_nameserver("::1") == ("::1", 53)
+
+
+def test_check_config_reads_the_discovery_credentials(tmp_path: Path) -> None:
+    """check-config (and serve, before it forks) refuses a token file every discovered
+    session would fail to read, naming the key; a readable one passes."""
+    from simpler_daemon.server.preflight import check_credentials
+
+    missing = tmp_path / "no-token"
+    config = load(tmp_path, L4 + D + f"dns = 'w.local:1'\ntoken_file = '{missing}'\n")
+    (err,) = check_credentials(config)
+    assert err.key == "workers.discovery.token_file"
+    assert f"cannot read '{missing}'" in str(err)
+    empty = tmp_path / "empty-token"
+    empty.write_text("\n")
+    config = load(tmp_path, L4 + D + f"dns = 'w.local:1'\ntoken_file = '{empty}'\n")
+    (err,) = check_credentials(config)
+    assert "is empty" in str(err)
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-16-bytes\n")
+    config = load(tmp_path, L4 + D + f"dns = 'w.local:1'\ntoken_file = '{token}'\n")
+    assert check_credentials(config) == []
