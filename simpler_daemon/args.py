@@ -12,6 +12,15 @@ range of the shared heap, and the child rebuilds a zero-copy NumPy view::
     location 0: this Worker's own shared heap
              1: a remote worker's heap (buffer_offset holds the owner worker id)
              2: the parent Worker's heap (a nested L3 forwards its L4's tensor down)
+
+A task with Python values or keyword arguments (``add_value``, ``set_kwargs``) has a
+values section after the scalars; a task without them has none (its blob is unchanged)::
+
+    values section = [u32 magic "SDV1"][u32 where][u64 V][u64 K][u64 heap_offset]
+                     then, when where == 0, V bytes of values and K bytes of kwargs
+
+    values: one msgpack array (V == 0: no values), kwargs: one msgpack map (K == 0: none)
+    where 0: inline, in the frame          1: on the shared heap at heap_offset
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+
+from simpler_daemon.taskvalues import TaskValues, encode_kwargs, encode_value, read_section
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -318,12 +329,57 @@ class TaskArgs:
     the decoded integers.
     """
 
-    __slots__ = ("scalars", "tags", "tensors")
+    __slots__ = ("_values", "scalars", "tags", "tensors")
 
     def __init__(self) -> None:
         self.tensors: list[Any] = []  # arrays, or RemoteTensorRef at L4
         self.tags: list[Tag] = []
         self.scalars: list[int] = []
+        #: Values and kwargs (``add_value`` / ``set_kwargs``); None: the task has none.
+        self._values: TaskValues | None = None
+
+    @property
+    def values(self) -> list[Any]:
+        """The task's positional values, in ``add_value`` order (in a child: decoded on
+        first access). Add to it with :meth:`add_value`, which checks and encodes."""
+        v = self._values
+        return [] if v is None else v.get_values()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The task's keyword arguments (:meth:`set_kwargs`; in a child: decoded on
+        first access)."""
+        v = self._values
+        return {} if v is None else v.get_kwargs()
+
+    def add_value(self, value: Any) -> TaskArgs:
+        """Append a Python value the callable reads from ``args.values``.
+
+        Any value msgpack carries: None, bool, int, float, str, bytes, and lists,
+        tuples and dicts with str keys of them, nested (a tuple comes back as a list).
+        It is encoded here, once; a value msgpack cannot carry (a NumPy array, a set,
+        an arbitrary object) is a ``TypeError`` naming ``values[k]`` and its type.
+        """
+        v = self._values
+        if v is None:
+            v = self._values = TaskValues()
+        position = len(v.items)
+        data = encode_value(value, f"values[{position}]", "add value")
+        v.items.append(value)
+        v.parts.append(data)
+        return self
+
+    def set_kwargs(self, **kwargs: Any) -> TaskArgs:
+        """Set the keyword arguments the callable reads from ``args.kwargs`` (replacing
+        any set before; ``set_kwargs()`` clears them). The values follow the rules of
+        :meth:`add_value`; a ``TypeError`` names ``kwargs['key']`` and the type."""
+        data = encode_kwargs(kwargs, "set kwargs")
+        v = self._values
+        if v is None:
+            v = self._values = TaskValues()
+        v.kwargs = dict(kwargs)
+        v.kw = data
+        return self
 
     def add_tensor(self, array: Any, tag: Tag = Tag.INPUT) -> TaskArgs:
         """Add an array from ``Worker.alloc`` or a ``RemoteTensorRef`` from ``alloc_remote``."""
@@ -352,7 +408,10 @@ class TaskArgs:
         return self
 
     def __repr__(self) -> str:
-        return f"TaskArgs(tensors={len(self.tensors)}, scalars={self.scalars!r})"
+        extra = ""
+        if self._values is not None:
+            extra = f", values={len(self.values)}, kwargs={sorted(self.kwargs)!r}"
+        return f"TaskArgs(tensors={len(self.tensors)}, scalars={self.scalars!r}{extra})"
 
 
 _CONFIG = struct.Struct("<QIIII")
@@ -458,6 +517,12 @@ def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
     return bytes(out)
 
 
+def args_end(blob: bytes) -> int:
+    """Where the descriptors and scalars of ``blob`` end (a values section may follow)."""
+    t, s = _HEADER.unpack_from(blob, 0)
+    return int(_HEADER.size + t * TENSOR_DESC_SIZE + 8 * s)
+
+
 def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
     """Decode a blob into descriptors and scalars; ``ValueError`` when malformed."""
     if len(blob) < _HEADER.size:
@@ -503,8 +568,11 @@ def decode_descs(blob: bytes) -> tuple[list[TensorDesc], list[int]]:
     return descs, scalars
 
 
-def decode_args(blob: bytes, view: Callable[[TensorDesc], np.ndarray[Any, Any]]) -> TaskArgs:
-    """Rebuild a child-side :class:`TaskArgs`; ``view`` maps a descriptor to an array."""
+def decode_args(
+    blob: bytes, view: Callable[[TensorDesc], np.ndarray[Any, Any]], heap: Any = None
+) -> TaskArgs:
+    """Rebuild a child-side :class:`TaskArgs`; ``view`` maps a descriptor to an array,
+    ``heap`` is the mapping a heap-backed values section is read from (``Heap.mmap``)."""
     args = TaskArgs()
     if blob == _EMPTY_BLOB:
         return args
@@ -513,6 +581,8 @@ def decode_args(blob: bytes, view: Callable[[TensorDesc], np.ndarray[Any, Any]])
         args.tensors.append(view(d))
         args.tags.append(d.tag)
     args.scalars = scalars
+    if len(blob) > (end := args_end(blob)):
+        args._values = read_section(blob, end, heap)
     return args
 
 

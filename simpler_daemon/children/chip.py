@@ -234,7 +234,7 @@ class ChipLoop(MailboxLoop):
             self.fail_frame(fr, ERR_NOT_REGISTERED, not_registered_message(digest))
             return True
         try:
-            fr.args = decode_args(blob, self.ctx.heap.view)
+            fr.args = decode_args(blob, self.ctx.heap.view, self.ctx.heap.mmap)
             fr.config = CallConfig.decode(cfg)
         except Exception as exc:
             self.fail_frame(fr, ERR_BAD_ARGS, format_exception("chip_worker: bad args", exc))

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from simpler_daemon.args import CallConfig, TaskArgs, decode_descs
+from simpler_daemon.args import CallConfig, TaskArgs, args_end, decode_descs
 from simpler_daemon.callables import (
     CallableHandle,
     CallableKind,
@@ -63,6 +63,7 @@ from simpler_daemon.mailbox.layout import (
     ControlOp,
     MailboxState,
 )
+from simpler_daemon.taskvalues import read_section
 
 if TYPE_CHECKING:
     from simpler_daemon.engine.worker import Worker
@@ -237,6 +238,8 @@ class NestedLoop(MailboxLoop):
                     args.tensors.append(self.ctx.heap.view(d))
                     args.tags.append(d.tag)
                 args.scalars = scalars
+                if len(blob) > (end := args_end(blob)):
+                    args._values = read_section(blob, end, self.ctx.heap.mmap)
                 error, text = self.run_inner(fn, args, CallConfig.decode(cfg_bytes), descs)
         except Exception as exc:  # malformed blob or descriptor: the task fails, not the child
             error, text = ERR_BAD_ARGS, format_exception(f"{self.prefix}: bad args", exc)

@@ -71,6 +71,8 @@ from simpler_daemon.mailbox.layout import (
     Mailbox,
     MailboxState,
 )
+from simpler_daemon.mailbox.results import LARGE_RESULT, pack_fd, write_large
+from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES
 
 TASK_READY = int(MailboxState.TASK_READY)
 TASK_DONE = int(MailboxState.TASK_DONE)
@@ -102,6 +104,8 @@ class ChildContext:
     error_prefix: str = "sub_worker"
     #: Test hook: runs after the snapshot is resolved, before INIT_READY.
     init_hook: Callable[[], None] | None = None
+    #: The most a return value may take encoded (``Worker(max_result_bytes=)``).
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 
 
 def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> None:
@@ -115,10 +119,13 @@ def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> No
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def write_value(buf: Any, frame: int, value: Any) -> None:
+def write_value(buf: Any, frame: int, value: Any, limit: int = MAX_RESULT_BYTES) -> int:
     """A task's non-None return value, msgpack-encoded, into the (now free) args area,
-    its length into ``reserved``; TASK_DONE. A value msgspec cannot encode, or one over
-    ``MAX_RESULT_BYTES`` encoded, fails the task instead (the parent names the task)."""
+    its length into ``reserved``; TASK_DONE. Past ``MAX_RESULT_BYTES`` (and up to
+    ``limit``) the bytes go into a memfd (``mailbox/results.py``) whose descriptor is
+    returned, for the caller to close once the parent read it; -1 otherwise. A value
+    msgspec cannot encode, or one over ``limit`` encoded, fails the task instead (the
+    parent names the task)."""
     try:
         data = _encode(value)
     except Exception as exc:
@@ -134,20 +141,37 @@ def write_value(buf: Any, frame: int, value: Any) -> None:
             f"msgspec cannot encode a {name} ({type(exc).__name__}: {exc}); return None or "
             "plain data (bool, int, float, str, bytes, list, tuple, dict, ...)",
         )
-        return
+        return -1
     n = len(data)
-    if n > MAX_RESULT_BYTES:
+    if n > limit:
         write_failure(
             buf,
             frame,
             TASK_DONE,
             ERR_RESULT,
-            f"{n} bytes encoded, the limit is {MAX_RESULT_BYTES} (MAX_RESULT_BYTES)",
+            f"the return value is {n} bytes encoded, more than max_result_bytes ({limit})",
         )
-        return
-    _mb.write_bytes(buf, frame + OFF_ARGS, data)
-    _mb.store64(buf, frame + OFF_RESERVED, n)
+        return -1
+    if n <= MAX_RESULT_BYTES:
+        _mb.write_bytes(buf, frame + OFF_ARGS, data)
+        _mb.store64(buf, frame + OFF_RESERVED, n)
+        _mb.write_result(buf, frame, TASK_DONE, 0, "")
+        return -1
+    try:
+        fd = write_large(data)
+    except OSError as exc:
+        write_failure(
+            buf,
+            frame,
+            TASK_DONE,
+            ERR_RESULT,
+            f"the return value of {n} bytes could not be stored for the parent: {exc}",
+        )
+        return -1
+    _mb.write_bytes(buf, frame + OFF_ARGS, pack_fd(fd))
+    _mb.store64(buf, frame + OFF_RESERVED, LARGE_RESULT | n)
     _mb.write_result(buf, frame, TASK_DONE, 0, "")
+    return fd
 
 
 def format_exception(prefix: str, exc: BaseException) -> str:
@@ -168,6 +192,8 @@ class MailboxLoop:
         self.table = SlotTable()
         self.tasks_done = 0
         self.frame = TASK_FRAMES[0]
+        #: The memfd of the last large result, open until the parent read it.
+        self.result_fd = -1
 
     def init(self) -> bool:
         buf = self.buf
@@ -226,6 +252,14 @@ class MailboxLoop:
 
     def on_idle(self) -> None:
         """Called after each idle park (``park_timeout``) with no work; a hook."""
+        if self.result_fd >= 0 and _mb.load32(self.buf, self.frame) != TASK_DONE:
+            self.close_result()
+
+    def close_result(self) -> None:
+        """Close the memfd of the last large result: the parent read it (the frame left
+        TASK_DONE), so its memory goes back to the kernel now."""
+        os.close(self.result_fd)
+        self.result_fd = -1
 
     def run_task(self) -> None:
         buf = self.buf
@@ -233,6 +267,8 @@ class MailboxLoop:
         # Picked up: one store before anything of the task runs. A child that dies before
         # it leaves the task unstarted, and the parent queues it again (docs/mailbox.md).
         _mb.store32(buf, frame + OFF_ACCEPTED, 1)
+        if self.result_fd >= 0:
+            self.close_result()
         try:
             (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
         except ValueError as exc:  # a malformed blob header fails the task, not the child
@@ -252,7 +288,11 @@ class MailboxLoop:
         else:
             try:
                 # An empty blob: decode_args's result, without its call (once per task).
-                args = TaskArgs() if blob == _EMPTY_BLOB else decode_args(blob, self.ctx.heap.view)
+                args = (
+                    TaskArgs()
+                    if blob == _EMPTY_BLOB
+                    else decode_args(blob, self.ctx.heap.view, self.ctx.heap.mmap)
+                )
             except Exception as exc:
                 write_failure(
                     buf,
@@ -298,7 +338,7 @@ class MailboxLoop:
                         if _mb.load32(bell.buf, OFF_PARKED):
                             bell.ring_parked()
                         return
-                    write_value(buf, frame, value)
+                    self.result_fd = write_value(buf, frame, value, self.ctx.max_result_bytes)
         self.tasks_done += 1
         self.ctx.doorbell.ring_if_parked()
 

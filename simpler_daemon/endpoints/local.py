@@ -85,6 +85,7 @@ from simpler_daemon.mailbox.layout import (
     Mailbox,
     MailboxState,
 )
+from simpler_daemon.mailbox.results import LARGE_RESULT, large_result_error, read_large
 
 if TYPE_CHECKING:
     from simpler_daemon.children.process import ChildProcess
@@ -528,13 +529,19 @@ class LocalMailboxEndpoint:
             # a chip kernel and a nested L3 task leave it 0).
             n = _mb.load64(self.buf, fr.off + OFF_RESERVED)
             if n:
-                if n > MAX_RESULT_BYTES:
+                if n & LARGE_RESULT:  # past the frame: in the child's memfd
+                    try:
+                        slot.set_result(d.group_index, read_large(self, fr.off, n))
+                    except (OSError, ValueError) as exc:
+                        error, message = ERR_RESULT, large_result_error(slot, d, n, self, exc)
+                elif n > MAX_RESULT_BYTES:
                     self.poison(
                         f"result length {n} in task frame {fr.index} exceeds "
                         f"MAX_RESULT_BYTES ({MAX_RESULT_BYTES})"
                     )
                     return
-                slot.set_result(d.group_index, _mb.read_bytes(self.buf, fr.off + OFF_ARGS, n))
+                else:
+                    slot.set_result(d.group_index, _mb.read_bytes(self.buf, fr.off + OFF_ARGS, n))
         if not fr.accepted:
             fr.accepted = True
             out.append(EndpointEvent(EventKind.ACCEPTED, d))

@@ -41,6 +41,7 @@ from simpler_daemon.remote.wire import (
     Task,
     WireConfig,
 )
+from simpler_daemon.taskvalues import read_section
 
 __all__ = ["WIRE_CONFIG_CACHE", "TaskCodec"]
 
@@ -126,6 +127,13 @@ class TaskCodec:
                         )
                     )
             scalars = list(struct.unpack_from(f"<{s}Q", blob, end)) if s else []
+            if len(blob) > end + 8 * s:
+                # Values in the frame go as they are; heap-backed ones were refused at submit.
+                v = read_section(blob, end + 8 * s, None)
+                assert v is not None
+                values, kwargs = v.encoded()
+                cfg, deadline_ms = self.wire_config(slot)
+                return Task(slot.digest, cfg, tensors, scalars, values, kwargs), deadline_ms
         except (ValueError, struct.error) as exc:
             raise EndpointError(f"cannot submit to {self.label}: {exc}") from exc
         cfg, deadline_ms = self.wire_config(slot)

@@ -176,6 +176,7 @@ class Lifecycle:
     admission: str
     max_active_runs: int
     trace: bool
+    max_value_bytes: int
     pipeline_depth: int | None
     registry: CallableRegistry
     manager: WorkerManager | None
@@ -338,6 +339,7 @@ class Lifecycle:
             self._runs = RunBuilder(self.scheduler, self._driver, trace=self.trace)
             if self.trace:
                 self.scheduler.on_task_event = traced(self.scheduler.on_task_event)
+            self.scheduler.max_value_bytes = self.max_value_bytes
             if self.level >= 4:
                 self.scheduler.remote = self._fleet
                 self.scheduler.next_level_orchestrations = True

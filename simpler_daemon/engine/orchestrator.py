@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from simpler_daemon.args import DEFAULT_CONFIG, CallConfig, Tag, TaskArgs, encode_args
+from simpler_daemon.args import (
+    DEFAULT_CONFIG,
+    MAILBOX_ARGS_CAPACITY,
+    CallConfig,
+    Tag,
+    TaskArgs,
+    encode_args,
+)
 from simpler_daemon.callables import CallableHandle
 from simpler_daemon.errors import WorkerClosedError
 from simpler_daemon.scheduler.runmodel import (
@@ -32,6 +39,8 @@ from simpler_daemon.scheduler.runmodel import (
 )
 from simpler_daemon.scheduler.sink import RemoteTensors, SubmitSink
 from simpler_daemon.scheduler.tensormap import TensorMap, overlaps, region
+from simpler_daemon.taskvalues import SECTION as VALUES_SECTION
+from simpler_daemon.taskvalues import section as values_section
 
 if TYPE_CHECKING:
     from simpler_daemon.args import TensorDesc
@@ -57,6 +66,7 @@ _new_int = int.__new__
 _EMPTY_BLOB: Final = encode_args((), ())
 
 
+_GROUPS: Final = (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
 _API: Final = {
     TaskKind.SUB: "submit_sub",
     TaskKind.SUB_GROUP: "submit_sub_group",
@@ -96,7 +106,15 @@ class Orchestrator:
         run = self.run
         if (
             config is None
-            and (args is None or (type(args) is TaskArgs and not args.tensors and not args.scalars))
+            and (
+                args is None
+                or (
+                    type(args) is TaskArgs
+                    and not args.tensors
+                    and not args.scalars
+                    and args._values is None
+                )
+            )
             and run.building
             and run.error is None
             and not run.terminal
@@ -204,31 +222,41 @@ class Orchestrator:
         heap = self._sink.heap
         blobs: list[bytes] = []
         member_descs: list[list[TensorDesc]] = []
-        for i, a in enumerate(args_list):
-            if not isinstance(a, TaskArgs):
-                raise TypeError(
-                    f"cannot submit: args[{i}] must be TaskArgs, got {type(a).__name__}"
-                )
-            if not a.tensors:
-                blobs.append(encode_args((), a.scalars))
-                continue
-            target = targets[i] if targets else None
-            remote = self._sink.remote
-            if remote is not None and (
-                (target is not None and remote.is_remote(target))
-                or any(not isinstance(t, np.ndarray) for t in a.tensors)
-            ):
-                descs = self._describe_remote(remote, a, i, kind, target)
-            else:
-                # A buffer the run's args held since submit stays usable after a free.
-                descs = [
-                    heap.describe(t, held=run.pins).with_tag(tag)
-                    for t, tag in zip(a.tensors, a.tags, strict=True)
-                ]
-            blobs.append(encode_args(descs, a.scalars))
-            member_descs.append(descs)
-        if member_descs:
-            _check_written_overlap(args_list, member_descs, _API[kind], handle, len(run.slots))
+        #: Heap buffers holding values sections: pinned by the slot, freed already.
+        value_pins: list[int] = []
+        try:
+            for i, a in enumerate(args_list):
+                if not isinstance(a, TaskArgs):
+                    raise TypeError(
+                        f"cannot submit: args[{i}] must be TaskArgs, got {type(a).__name__}"
+                    )
+                if not a.tensors:
+                    blob = encode_args((), a.scalars)
+                else:
+                    target = targets[i] if targets else None
+                    remote = self._sink.remote
+                    if remote is not None and (
+                        (target is not None and remote.is_remote(target))
+                        or any(not isinstance(t, np.ndarray) for t in a.tensors)
+                    ):
+                        descs = self._describe_remote(remote, a, i, kind, target)
+                    else:
+                        # A buffer the run's args held since submit stays usable after a free.
+                        descs = [
+                            heap.describe(t, held=run.pins).with_tag(tag)
+                            for t, tag in zip(a.tensors, a.tags, strict=True)
+                        ]
+                    blob = encode_args(descs, a.scalars)
+                    member_descs.append(descs)
+                if a._values is not None:
+                    blob += self._values_section(len(blob), kind, handle, a, i, targets, value_pins)
+                blobs.append(blob)
+            if member_descs:
+                _check_written_overlap(args_list, member_descs, _API[kind], handle, len(run.slots))
+        except BaseException:
+            for b in value_pins:  # nothing of a refused task stays on the heap
+                heap.unpin(b)
+            raise
         if not member_descs:
             # No tensors: no pins, no dependencies (the common case for pure SUB work).
             slot = TaskSlot(
@@ -240,7 +268,7 @@ class Orchestrator:
                 cfg,
                 blobs,
                 targets,
-                [],
+                value_pins,
             )
             run.slots.append(slot)
             run.remaining += 1
@@ -253,7 +281,15 @@ class Orchestrator:
 
         pins: list[Any] = list({d.key: None for descs in member_descs for d in descs})
         slot = TaskSlot(
-            self._sink.next_slot_id(), run, len(run.slots), kind, handle, cfg, blobs, targets, pins
+            self._sink.next_slot_id(),
+            run,
+            len(run.slots),
+            kind,
+            handle,
+            cfg,
+            blobs,
+            targets,
+            pins + value_pins,  # the values buffers are pinned already
         )
         for b in pins:
             if type(b) is int:
@@ -298,6 +334,58 @@ class Orchestrator:
         ref = _new_int(TaskRef, slot.index)
         ref.__dict__ = self._refs
         return ref
+
+    def _values_section(
+        self,
+        used: int,
+        kind: TaskKind,
+        handle: CallableHandle,
+        a: TaskArgs,
+        member: int,
+        targets: list[int],
+        pins: list[int],
+    ) -> bytes:
+        """The values section of member ``member``: inline when the frame has room after
+        ``used`` bytes, else a run-owned heap buffer (pinned by the slot, freed now: it is
+        released when the task retires, whatever its outcome). ``ValueError`` naming the
+        task past ``max_value_bytes``, or for heap-backed values to a remote worker."""
+        assert a._values is not None
+        values, kwargs = a._values.encoded()
+        n = len(values) + len(kwargs)
+        sink = self._sink
+        index = len(self.run.slots)
+        who = f"task {index}{f' member {member}' if len(targets) > 1 or kind in _GROUPS else ''}"
+        limit = sink.max_value_bytes
+        if n > limit:
+            raise ValueError(
+                f"cannot {_API[kind]} {who} ({handle.name}): its values and kwargs are {n} "
+                f"bytes encoded, more than max_value_bytes ({limit})"
+            )
+        if used + VALUES_SECTION.size + n <= MAILBOX_ARGS_CAPACITY:
+            return values_section(values, kwargs, None)
+        target = targets[member] if targets else None
+        if sink.remote is not None and target is not None and sink.remote.is_remote(target):
+            raise ValueError(
+                f"cannot {_API[kind]} {who} ({handle.name}) to remote worker {target}: its "
+                f"values and kwargs are {n} bytes encoded; a remote task carries at most "
+                f"{MAILBOX_ARGS_CAPACITY - used - VALUES_SECTION.size} in its frame (put "
+                "large data in a remote tensor, Worker.alloc_remote)"
+            )
+        heap = sink.heap
+        try:
+            buf = heap.alloc_buffer(n, "uint8")
+        except MemoryError as exc:
+            raise MemoryError(
+                f"cannot {_API[kind]} {who} ({handle.name}): its values and kwargs need {n} "
+                f"bytes of the shared heap: {exc}"
+            ) from None
+        view = heap.array(buf)
+        view[: len(values)] = np.frombuffer(values, np.uint8)
+        view[len(values) :] = np.frombuffer(kwargs, np.uint8)
+        heap.pin(buf.buffer_id)
+        heap.free(buf)
+        pins.append(buf.buffer_id)
+        return values_section(values, kwargs, buf.offset)
 
     # -- run-owned buffers ------------------------------------------------------------------
 

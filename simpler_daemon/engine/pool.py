@@ -48,6 +48,7 @@ from simpler_daemon.mailbox.layout import BASE_FRAME, Mailbox, MailboxState
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.driver import Driver
 from simpler_daemon.scheduler.lanes import WorkerManager, WorkerThread, WorkerType
+from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES
 
 # The logger of the Worker these children belong to (their messages predate this module).
 log = logging.getLogger("simpler_daemon.worker")
@@ -95,8 +96,10 @@ class ChildPool:
         chip_pipeline_depth: int,
         chip_trace_dir: str | None,
         restart_children: bool,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         self.heap = heap
+        self.max_result_bytes = max_result_bytes
         self.registry = registry
         self._driver = driver
         self.num_sub_workers = num_sub_workers
@@ -246,6 +249,7 @@ class ChildPool:
             specs=specs,
             parent_pid=self._pid,
             spin_ns=self.child_spin_ns,
+            max_result_bytes=self.max_result_bytes,
             **extra,
         )
 

@@ -78,6 +78,7 @@ from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.driver import Driver, retire_background_threads
 from simpler_daemon.scheduler.fair import ADMISSION_POLICIES, DEFAULT_MAX_ACTIVE_RUNS
 from simpler_daemon.scheduler.lanes import WorkerManager, WorkerThread, WorkerType
+from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES, DEFAULT_MAX_VALUE_BYTES
 
 Orch = Callable[[Orchestrator, Any, CallConfig], Any]
 Kind = Literal["sub", "chip", "orchestration"]
@@ -94,6 +95,10 @@ class Worker(Lifecycle, RemoteMethods):
     default one (forever), ``False`` for never; ``None`` follows ``restart_children``.
     ``trace=True`` records every run's task attempts for ``RunHandle.trace()`` (off by
     default: untraced SUB tasks complete in C without a Python call each).
+    ``max_value_bytes`` bounds one task's values and kwargs (``TaskArgs.add_value``,
+    ``set_kwargs``) encoded, ``max_result_bytes`` a SUB callable's return value encoded
+    (64 MiB each by default): a larger value is refused at submit, a larger result fails
+    its task.
     """
 
     def __init__(
@@ -116,6 +121,8 @@ class Worker(Lifecycle, RemoteMethods):
         max_active_runs: int = DEFAULT_MAX_ACTIVE_RUNS,
         reconnect: bool | ReconnectPolicy | None = None,
         trace: bool = False,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -154,6 +161,14 @@ class Worker(Lifecycle, RemoteMethods):
             raise ValueError(
                 f"cannot create Worker: max_active_runs={max_active_runs!r} must be an int >= 1"
             )
+        for name, limit in (
+            ("max_value_bytes", max_value_bytes),
+            ("max_result_bytes", max_result_bytes),
+        ):
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(
+                    f"cannot create Worker: {name}={limit!r} must be an int >= 0 (bytes)"
+                )
         # A startup without a finite budget lets one hung child hold init() forever.
         startup_timeout = check_budget(
             startup_timeout, "create Worker", "startup_timeout", positive=True
@@ -177,6 +192,8 @@ class Worker(Lifecycle, RemoteMethods):
         if not isinstance(trace, bool):
             raise TypeError(f"cannot create Worker: trace={trace!r} must be True or False")
         self.trace = trace
+        self.max_value_bytes = max_value_bytes
+        self.max_result_bytes = max_result_bytes
         self.registry = CallableRegistry()
         self._driver = Driver()
         self._pool = ChildPool(
@@ -190,6 +207,7 @@ class Worker(Lifecycle, RemoteMethods):
             chip_pipeline_depth=chip_pipeline_depth,
             chip_trace_dir=chip_trace_dir,
             restart_children=restart_children,
+            max_result_bytes=max_result_bytes,
         )
         if reconnect is None:
             reconnect = restart_children

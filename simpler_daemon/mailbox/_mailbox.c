@@ -119,6 +119,8 @@ mailbox_exec(PyObject *m)
         {"SUBPUMP_FIELDS", SUBPUMP_FIELDS},
         {"SUBPUMP_MAX_LANES", SUBPUMP_MAX_LANES},
         {"SUBPUMP_MAX_RESULT", SUBPUMP_MAX_RESULT},
+        {"VALUES_MAGIC", VALUES_MAGIC},
+        {"VALUES_SECTION_SIZE", VALUES_SECTION_SIZE},
     };
     static const struct {
         const char *name;

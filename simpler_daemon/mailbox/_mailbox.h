@@ -60,6 +60,11 @@
 
 #define TENSOR_DESC_SIZE 168
 #define ARGS_HEADER_SIZE 8   /* i32 T, i32 S */
+/* A values section may follow the scalars (simpler_daemon/taskvalues.py):
+ * [u32 magic][u32 where][u64 V][u64 K][u64 heap_offset], then V + K bytes when where is 0.
+ * Every publish zeroes the 4 bytes after its blob, so a magic there is this task's. */
+#define VALUES_MAGIC 0x31564453u
+#define VALUES_SECTION_SIZE 32
 
 #define STATE_IDLE 0
 #define STATE_TASK_READY 1

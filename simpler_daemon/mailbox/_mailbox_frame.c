@@ -82,6 +82,9 @@ mb_publish_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
         /* Never leave a stale T/S header behind a short blob. */
         memset(f + OFF_ARGS + blob.len, 0, (size_t)(ARGS_HEADER_SIZE - blob.len));
     }
+    if (blob.len + 4 <= MAILBOX_ARGS_CAPACITY) {
+        memset(f + OFF_ARGS + blob.len, 0, 4); /* no stale values magic after the blob */
+    }
 
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 0), protocol, __ATOMIC_RELAXED);
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 8), run_id, __ATOMIC_RELAXED);
@@ -140,6 +143,26 @@ mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
                      (int)s, need, MAILBOX_ARGS_CAPACITY);
         PyBuffer_Release(&view);
         return NULL;
+    }
+    if (need + VALUES_SECTION_SIZE <= MAILBOX_ARGS_CAPACITY &&
+        __atomic_load_n(U32_AT(f, OFF_ARGS + need), __ATOMIC_RELAXED) == VALUES_MAGIC) {
+        uint32_t where = __atomic_load_n(U32_AT(f, OFF_ARGS + need + 4), __ATOMIC_RELAXED);
+        uint64_t nv = __atomic_load_n(U64_AT(f, OFF_ARGS + need + 8), __ATOMIC_RELAXED);
+        uint64_t nk = __atomic_load_n(U64_AT(f, OFF_ARGS + need + 16), __ATOMIC_RELAXED);
+        long long total = need + VALUES_SECTION_SIZE;
+        if (where == 0) {
+            total = (nv > MAILBOX_ARGS_CAPACITY || nk > MAILBOX_ARGS_CAPACITY)
+                        ? MAILBOX_ARGS_CAPACITY + 1
+                        : total + (long long)(nv + nk);
+        }
+        if (where > 1 || total > MAILBOX_ARGS_CAPACITY) {
+            PyErr_Format(PyExc_ValueError,
+                         "malformed values section: where=%u, %llu + %llu bytes after %lld",
+                         (unsigned)where, (unsigned long long)nv, (unsigned long long)nk, need);
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        need = total;
     }
     PyObject *items[10];
     items[0] = PyBytes_FromStringAndSize(f + OFF_CONFIG, CONFIG_SIZE);

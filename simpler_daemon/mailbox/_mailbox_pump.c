@@ -261,6 +261,9 @@ pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *publishe
     if (blen < ARGS_HEADER_SIZE) {
         memset(f + OFF_ARGS + blen, 0, (size_t)(ARGS_HEADER_SIZE - blen));
     }
+    if (blen + 4 <= MAILBOX_ARGS_CAPACITY) {
+        memset(f + OFF_ARGS + blen, 0, 4); /* no stale values magic after the blob */
+    }
     uint64_t did = ln->next;
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 0), SUBPUMP_PROTOCOL, __ATOMIC_RELAXED);
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 8), run_id, __ATOMIC_RELAXED);

@@ -19,8 +19,9 @@ same bytes at the same address::
         16  config       1056  CallConfig (task) / control arguments (base)
       1072  lease        16    {u32 slot_id, u32 0, u64 generation}; base: chip pipeline depth
       1088  digest       32    raw sha256 of the callable descriptor
-      1120  args blob    <=64080  [i32 T][i32 S][Tensor x T][u64 x S]; at completion the
-                               full error text or the msgpack-encoded return value
+      1120  args blob    <=64080  [i32 T][i32 S][Tensor x T][u64 x S][values section];
+                               at completion the full error text, the msgpack-encoded
+                               return value, or the memfd number of a large one
      65200  wake seq     i32   base only: futex word the parked child sleeps on
      65208  child parked i32   base only: 1 while the child sleeps (Dekker flag)
      65216  shutdown     i32   base only: sticky 0 -> 1, written by a terminating parent
@@ -45,6 +46,7 @@ from enum import IntEnum
 from typing import Final
 
 from simpler_daemon import args as _args
+from simpler_daemon import taskvalues as _values
 from simpler_daemon.mailbox import _mailbox as _mb
 
 ABI_VERSION: Final = 1
@@ -64,6 +66,16 @@ if (
         f"{_mb.MAILBOX_ARGS_CAPACITY}, descriptor size {_mb.TENSOR_DESC_SIZE} or config size "
         f"{_mb.CONFIG_SIZE} does not match args.py ({_args.MAILBOX_ARGS_CAPACITY}, "
         f"{_args.TENSOR_DESC_SIZE}, {_args.CONFIG_BYTES}); rebuild the extension"
+    )
+
+# The values section behind the scalars (taskvalues.py) is found by the C read_task.
+if (
+    _mb.VALUES_MAGIC != _values.MAGIC or _values.SECTION.size != _mb.VALUES_SECTION_SIZE
+):  # pragma: no cover - build mismatch
+    raise ImportError(
+        "cannot load simpler_daemon.mailbox._mailbox: its values section "
+        f"({_mb.VALUES_MAGIC:#x}, {_mb.VALUES_SECTION_SIZE} bytes) does not match taskvalues.py; "
+        "rebuild the extension"
     )
 
 MAILBOX_FRAME_SIZE: Final = _mb.MAILBOX_FRAME_SIZE
@@ -179,8 +191,9 @@ ERR_INIT: Final = 8
 ERR_RESULT: Final = 9  # the callable's return value could not be sent back
 ERR_CANCELLED: Final = 10  # parent side: the child was killed to stop the task (terminate)
 
-#: The most a SUB callable's return value may take, msgpack-encoded (it travels back in
-#: the task frame's args area, ``MAILBOX_ARGS_CAPACITY`` bytes); larger is a TASK_FAILURE.
+#: The most a SUB callable's return value takes in the frame, msgpack-encoded (it travels
+#: back in the task frame's args area); a larger one goes through a memfd, up to the
+#: Worker's ``max_result_bytes`` (``mailbox/results.py``).
 MAX_RESULT_BYTES: Final = 32768
 assert MAX_RESULT_BYTES <= MAILBOX_ARGS_CAPACITY
 

@@ -210,11 +210,16 @@ class InlineTensor(
     tag: TensorTag
 
 
-class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     digest: Digest
     config: WireConfig
     tensors: Annotated[list[RemoteTensor | InlineTensor], msgspec.Meta(max_length=MAX_TENSORS)]
     scalars: Annotated[list[U64], msgspec.Meta(max_length=MAX_SCALARS)]
+    #: The task's values (one msgpack array) and kwargs (one msgpack map), as the args
+    #: blob's values section carries them (``taskvalues.py``); empty, and not sent, for
+    #: a task without them.
+    values: bytes = b""
+    kwargs: bytes = b""
 
 
 class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -43,6 +43,7 @@ from simpler_daemon.remote.wire import (
     clip_text,
 )
 from simpler_daemon.remote_worker.controls import BadTaskArgs, SessionControls, format_exception
+from simpler_daemon.taskvalues import checked_received
 
 log = logging.getLogger("simpler_daemon.remote.session")
 
@@ -117,6 +118,9 @@ class TaskRunner:
         try:
             config = self.config(task.config)
             args = controls.task_args(task.tensors, task.scalars)
+            if task.values or task.kwargs:
+                # Checked now: malformed bytes refuse the TASK here, naming it.
+                args._values = checked_received(task.values, task.kwargs, "task")
         except (BadTaskArgs, ValueError, TypeError) as exc:
             controls.counters.tasks_failed += 1
             return Completion(

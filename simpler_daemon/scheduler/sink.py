@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from simpler_daemon.taskvalues import DEFAULT_MAX_VALUE_BYTES
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -49,6 +51,8 @@ class SubmitSink:
     """What the Orchestrator needs from the Scheduler (kept narrow for tests)."""
 
     heap: Heap
+    #: The most one task's values and kwargs may take encoded (``Worker(max_value_bytes=)``).
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     #: Remote buffers of an L4 worker with remote children; ``None`` otherwise.
     remote: RemoteTensors | None = None
     #: The last handle ``validate_handle`` accepted for ``submit_sub`` and its registry

@@ -200,6 +200,22 @@ def test_import_from_host0_is_read_by_a_task_on_host1(hosts: RemoteHosts) -> Non
 
 
 @pytest.mark.slow
+def test_values_and_kwargs_reach_a_remote_orchestration(hosts: RemoteHosts) -> None:
+    """Values in the frame travel in the TASK; heap-backed ones are refused at submit."""
+    with level4([hosts.endpoint(0)], num_sub_workers=1) as (w4, ids):
+        job = orch(f"{JOBS}:fill_from_values", w4, ids)
+        x = w4.alloc_remote(worker=ids[0], shape=(16,), dtype="int64")
+        args = TaskArgs().add_tensor(x, Tag.OUTPUT).add_value(40).set_kwargs(add=2)
+        w4.run(next_level(job, ids[0], args))
+        assert (w4.copy_from_remote(x) == 42).all()
+        big = TaskArgs().add_tensor(x, Tag.OUTPUT).add_value(b"v" * 100_000).set_kwargs(add=1)
+        with pytest.raises(
+            ValueError, match=r"task 0 .*to remote worker .*: its values and kwargs"
+        ):
+            w4.run(next_level(job, ids[0], big))
+        w4.free(x)
+
+
 def test_a_task_longer_than_the_session_timeout_keeps_health_alive(hosts: RemoteHosts) -> None:
     with level4([hosts.endpoint(0)], session_timeout_s=1.5, num_sub_workers=1) as (w4, ids):
         sleep = orch(f"{EX}:sleep_for", w4, ids)

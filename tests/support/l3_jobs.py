@@ -83,3 +83,10 @@ DOUBLE = CallableHandle.for_import("tests.support.sub_tasks:sub_double")
 def orch_double(o: Any, a: Any, c: Any) -> None:
     """L3 orchestration that names its SUB callable by import path (installed after init)."""
     o.submit_sub(DOUBLE, TaskArgs().add_tensor(a.tensors[0], Tag.INOUT))
+
+
+def fill_from_values(o: Any, args: Any, config: Any) -> None:
+    """SUB ``tests.support.sub_tasks:fill`` of tensors[0] with values[0] + kwargs["add"]
+    (the TASK's values and kwargs reached the remote orchestration)."""
+    n = int(args.values[0]) + int(args.kwargs["add"])
+    o.submit_sub(_sub("fill"), TaskArgs().add_tensor(args.tensors[0], Tag.OUTPUT).add_scalar(n))
