@@ -248,8 +248,22 @@ def result_lines(status: Any) -> list[str]:
     lines = []
     for r in getattr(status, "results", ()):
         member = "" if r.member_index is None else f" member {r.member_index}"
-        lines.append(f"  task {r.task_index}{member} returned {r.value!r}")
+        lines.append(f"  task {r.task_index}{member} returned {shown_value(r.value)}")
     return lines
+
+
+#: Characters of a return value's repr a line shows.
+SHOWN_CHARS: Final = 200
+
+
+def shown_value(value: Any) -> str:
+    """``repr(value)``, cut at ``SHOWN_CHARS`` with the size of the whole (a result may
+    be megabytes: the terminal gets its head and size)."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    size = f"{len(value)} bytes" if isinstance(value, (bytes, str)) else f"{len(text)} chars"
+    return f"{text[:SHOWN_CHARS]}... ({type(value).__name__} of {size})"
 
 
 def worker_header() -> list[str]:

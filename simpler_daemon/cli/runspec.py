@@ -68,8 +68,10 @@ run spec (TOML when FILE ends in .toml, else JSON; '-' reads JSON from stdin):
   callable = "simpler_daemon.examples.tasks:scale"  # import path (registered if it is
                                   #   not yet) or a registered hashid "sha256:..."
   kind = "sub"                    # sub | sub_group | next_level | next_level_group
-  scalars = [3]                   # one call: scalars/tensors inline; a group: one
-  tensors = [{ buffer = "a", tag = "inout" }]  # [[tasks.members]] table per member
+  scalars = [3]                   # one call: scalars/tensors/values/kwargs inline; a
+  tensors = [{ buffer = "a", tag = "inout" }]  # group: one [[tasks.members]] table each
+  values = [1, "two", [3]]        # Python values the callable reads as args.values
+  kwargs = { mode = "fast" }      #   and keyword arguments as args.kwargs (plain data)
   workers = []                    # NEXT_LEVEL targets (worker ids)
   config = { deadline_ms = 1000 } # also threads, enable_profile, enable_dump_args,
                                   #   output_prefix
@@ -159,6 +161,8 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class MemberSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tensors: list[TensorSpec] = []
     scalars: list[U64] = []
+    values: list[Any] = []
+    kwargs: dict[str, Any] = {}
 
 
 class ConfigSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -174,6 +178,8 @@ class TaskSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kind: Kind = "sub"
     tensors: list[TensorSpec] | None = None
     scalars: list[U64] | None = None
+    values: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
     members: list[MemberSpec] | None = None
     workers: list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]] = []
     config: ConfigSpec | None = None
@@ -317,9 +323,11 @@ def _check(spec: RunSpec, prefix: str) -> None:
     if not spec.tasks:
         raise SpecError(f"{prefix}tasks: the run spec needs at least one task", "tasks")
     for i, t in enumerate(spec.tasks):
-        if t.members is not None and (t.tensors is not None or t.scalars is not None):
+        inline = (t.tensors, t.scalars, t.values, t.kwargs)
+        if t.members is not None and any(x is not None for x in inline):
             raise SpecError(
-                f"{prefix}tasks[{i}]: give either members or tensors/scalars, not both",
+                f"{prefix}tasks[{i}]: give either members or tensors/scalars/values/kwargs, "
+                "not both",
                 f"tasks[{i}]",
             )
         calls = [("", t.scalars or [])] if t.members is None else []
@@ -560,14 +568,24 @@ class SpecBuilder:
 
     def _members(self, t: TaskSpec, where: str) -> list[pb.Args]:
         if t.members is None:
-            one = MemberSpec(tensors=t.tensors or [], scalars=t.scalars or [])
+            one = MemberSpec(
+                tensors=t.tensors or [],
+                scalars=t.scalars or [],
+                values=t.values or [],
+                kwargs=t.kwargs or {},
+            )
             calls = [(where, one)]
         else:
             calls = [(f"{where}.members[{m}]", member) for m, member in enumerate(t.members)]
         out = []
         for mw, member in calls:
             refs = [self._tensor(x, f"{mw}.tensors[{i}]") for i, x in enumerate(member.tensors)]
-            out.append(make_args(refs, member.scalars))
+            try:
+                out.append(
+                    make_args(refs, member.scalars, values=member.values, kwargs=member.kwargs)
+                )
+            except (TypeError, ValueError) as exc:
+                raise SpecError(f"{mw}: {exc}", mw) from exc
         return out
 
     def _hashid(self, target: str, kind: str, where: str) -> str:

@@ -194,6 +194,8 @@ def _listening(path: str) -> bool:
 #: again and again: one serialization and a lookup instead of reading the message).
 _NATIVE: dict[bytes, NativeTask] = {}
 _NATIVE_KEPT: Final = 256
+#: Tasks longer than this (values, many tensors) are converted afresh, never kept.
+_NATIVE_KEY_BYTES: Final = 4096
 
 
 def _native_task(task: Any) -> NativeTask:
@@ -219,6 +221,8 @@ def _native_task(task: Any) -> NativeTask:
             tuple(task.workers),
             task.config.SerializeToString() if config else None,
         )
+    if len(key) > _NATIVE_KEY_BYTES:
+        return native  # a task with large values: not worth keeping
     if len(_NATIVE) >= _NATIVE_KEPT:
         _NATIVE.clear()
     _NATIVE[key] = native

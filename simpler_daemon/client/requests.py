@@ -11,7 +11,7 @@ functions over protobuf messages: no channel, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -19,6 +19,7 @@ import numpy as np
 from simpler_daemon.args import Tag, check_priority, scalar_word
 from simpler_daemon.errors import RunCancelled, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.taskvalues import array_header, encode_kwargs, encode_value
 
 __all__ = [
     "MAX_WAIT_S",
@@ -122,14 +123,42 @@ def tensor(
     )
 
 
-def make_args(tensors: Iterable[pb.TensorRef] = (), scalars: Iterable[int] = ()) -> pb.Args:
-    """The arguments of one call: tensors and u64 scalars, in order; ``TypeError`` for a
-    scalar that is not an integer (bool, float, str: nothing is converted silently),
-    ``ValueError`` for one outside 0 to 2**64 - 1, both naming ``scalars[k]`` (built
-    before any call, so the index of the task in its run is not known here: the
-    traceback shows it)."""
-    values = [scalar_word(s, k, what="build task arguments") for k, s in enumerate(scalars)]
-    return pb.Args(tensors=list(tensors), scalars=values)
+def make_args(
+    tensors: Iterable[pb.TensorRef] = (),
+    scalars: Iterable[int] = (),
+    *,
+    values: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> pb.Args:
+    """The arguments of one call: tensors and u64 scalars, in order, and the Python
+    ``values`` / ``kwargs`` the callable reads as ``args.values`` / ``args.kwargs``.
+
+    ``TypeError`` for a scalar that is not an integer (bool, float, str: nothing is
+    converted silently), ``ValueError`` for one outside 0 to 2**64 - 1, both naming
+    ``scalars[k]``; ``TypeError`` for a value that is not plain data (None, bool, int,
+    float, str, bytes, list, tuple, dict with str keys; a NumPy array goes in a tensor)
+    naming ``values[k]`` / ``kwargs['key']``. Built before any call, so the index of
+    the task in its run is not known here: the traceback shows it."""
+    words = [scalar_word(s, k, what="build task arguments") for k, s in enumerate(scalars)]
+    out = pb.Args(tensors=list(tensors), scalars=words)
+    if values:
+        if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+            raise TypeError(
+                "cannot build task arguments: values= must be a list or tuple of values, "
+                f"got {type(values).__name__}"
+            )
+        parts = [
+            encode_value(v, f"values[{k}]", "build task arguments") for k, v in enumerate(values)
+        ]
+        out.values = array_header(len(parts)) + b"".join(parts)
+    if kwargs:
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(
+                "cannot build task arguments: kwargs= must be a dict of str to values, "
+                f"got {type(kwargs).__name__}"
+            )
+        out.kwargs = encode_kwargs(kwargs, "build task arguments")
+    return out
 
 
 def call_config(
@@ -174,9 +203,15 @@ def sub_task(
     tensors: Iterable[pb.TensorRef] = (),
     scalars: Iterable[int] = (),
     config: pb.CallConfig | None = None,
+    *,
+    values: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> pb.Task:
-    """One SUB call of ``hashid``."""
-    return task("sub", hashid, [make_args(tensors, scalars)], config=config)
+    """One SUB call of ``hashid``; ``values`` and ``kwargs`` as :func:`make_args` takes
+    them (the callable reads ``args.values`` and ``args.kwargs``)."""
+    return task(
+        "sub", hashid, [make_args(tensors, scalars, values=values, kwargs=kwargs)], config=config
+    )
 
 
 def raise_for_status(status: pb.RunStatus) -> pb.RunStatus:

@@ -223,6 +223,13 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_tasks_per_run: int = 100_000
     max_tensors_per_task: int = 256
     max_scalars_per_task: int = 128
+    max_value_bytes: int = 64 * MIB
+    """Bytes one task's values and kwargs may take together, msgpack-encoded (a task past
+    it is refused at submit, INVALID_ARGUMENT naming the field, its size and this limit)."""
+    max_result_bytes: int = 64 * MIB
+    """Bytes one SUB task's return value may take msgpack-encoded (past it the task
+    fails, TASK_FAILURE naming its size and this limit). A run's results together are
+    bounded by max_run_result_bytes too."""
     max_buffer_bytes: int = 1 * GIB
     max_concurrent_runs: int = 256
     max_streams_per_client: int = 16

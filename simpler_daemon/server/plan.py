@@ -56,6 +56,7 @@ from simpler_daemon.protocol.fastwire import NativeTask
 from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.status import error_text
+from simpler_daemon.taskvalues import checked_received
 
 __all__ = [
     "MAX_KEY",
@@ -427,6 +428,20 @@ class Planner:
             )
         if scalars:
             out.scalars = list(scalars)
+        if msg.values or msg.kwargs:
+            size = len(msg.values) + len(msg.kwargs)
+            if size > limits.max_value_bytes:
+                raise LimitExceeded(
+                    f"{field}.values",
+                    f"values and kwargs of {size} bytes, limits.max_value_bytes = "
+                    f"{limits.max_value_bytes}",
+                )
+            try:
+                out._values = checked_received(msg.values, msg.kwargs, field)
+            except ValueError as exc:
+                text = str(exc)
+                name = "kwargs" if text.startswith(f"{field}.kwargs") else "values"
+                raise InvalidField(f"{field}.{name}", text.split(": ", 1)[-1]) from None
         if not tensors:
             return out
         heap = self._worker.heap
@@ -726,7 +741,7 @@ class Planner:
             for m, member in enumerate(members):
                 if slicer.due():
                     await slicer.pause()
-                if not member.tensors and not member.scalars:
+                if not (member.tensors or member.scalars or member.values or member.kwargs):
                     args_list.append(empty)
                 else:
                     plain = False

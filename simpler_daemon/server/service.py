@@ -115,6 +115,8 @@ class DaemonService(RunsRpc, BuffersRpc, CallablesRpc, pb_grpc.DaemonServicer):
                 per_client_heap_bytes=lim.per_client_heap_bytes,
                 per_client_registrations=lim.per_client_registrations,
                 max_group_members=lim.max_group_members,
+                max_value_bytes=lim.max_value_bytes,
+                max_result_bytes=lim.max_result_bytes,
                 admission=self._config.scheduler.admission,
             ),
             num_sub_workers=w.num_sub_workers,

@@ -64,6 +64,8 @@ def new_worker(cfg: DaemonConfig) -> Worker:
             close_timeout=CLOSE_TIMEOUT,
             admission=cfg.scheduler.admission,
             max_active_runs=cfg.limits.max_concurrent_runs,
+            max_value_bytes=cfg.limits.max_value_bytes,
+            max_result_bytes=cfg.limits.max_result_bytes,
             scheduler_spin_s=cfg.scheduler.spin_us / 1e6,
             child_spin_ns=cfg.scheduler.child_spin_us * 1000,
             reconnect=ReconnectPolicy(

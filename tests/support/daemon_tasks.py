@@ -50,3 +50,21 @@ def segfault(args: Any) -> None:
 def vanish(args: Any) -> None:
     """Leave at once: no exception, no traceback, exit status 3."""
     os._exit(3)
+
+
+# -- tasks that read values and kwargs (tests/server/test_task_values.py) --------------------
+
+
+def echo_values(args: Any) -> dict[str, Any]:
+    """Return the values and kwargs the task received."""
+    return {"values": args.values, "kwargs": args.kwargs}
+
+
+def value_sizes(args: Any) -> list[int]:
+    """The length of each bytes value."""
+    return [len(v) for v in args.values]
+
+
+def sized(args: Any) -> bytes:
+    """``values[0]`` bytes: a result of a chosen size."""
+    return b"r" * int(args.values[0])

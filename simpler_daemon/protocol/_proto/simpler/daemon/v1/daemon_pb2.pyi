@@ -191,7 +191,7 @@ class HeapInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_tasks_per_run", "max_tensors_per_task", "max_scalars_per_task", "max_buffer_bytes", "max_concurrent_runs", "max_streams_per_client", "per_client_runs", "per_client_heap_bytes", "per_client_registrations", "max_group_members", "admission")
+    __slots__ = ("max_message_bytes", "max_tasks_per_run", "max_tensors_per_task", "max_scalars_per_task", "max_buffer_bytes", "max_concurrent_runs", "max_streams_per_client", "per_client_runs", "per_client_heap_bytes", "per_client_registrations", "max_group_members", "admission", "max_value_bytes", "max_result_bytes")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_PER_RUN_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSORS_PER_TASK_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class Limits(_message.Message):
     PER_CLIENT_REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_tasks_per_run: int
     max_tensors_per_task: int
@@ -216,7 +218,9 @@ class Limits(_message.Message):
     per_client_registrations: int
     max_group_members: int
     admission: str
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_tasks_per_run: _Optional[int] = ..., max_tensors_per_task: _Optional[int] = ..., max_scalars_per_task: _Optional[int] = ..., max_buffer_bytes: _Optional[int] = ..., max_concurrent_runs: _Optional[int] = ..., max_streams_per_client: _Optional[int] = ..., per_client_runs: _Optional[int] = ..., per_client_heap_bytes: _Optional[int] = ..., per_client_registrations: _Optional[int] = ..., max_group_members: _Optional[int] = ..., admission: _Optional[str] = ...) -> None: ...
+    max_value_bytes: int
+    max_result_bytes: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_tasks_per_run: _Optional[int] = ..., max_tensors_per_task: _Optional[int] = ..., max_scalars_per_task: _Optional[int] = ..., max_buffer_bytes: _Optional[int] = ..., max_concurrent_runs: _Optional[int] = ..., max_streams_per_client: _Optional[int] = ..., per_client_runs: _Optional[int] = ..., per_client_heap_bytes: _Optional[int] = ..., per_client_registrations: _Optional[int] = ..., max_group_members: _Optional[int] = ..., admission: _Optional[str] = ..., max_value_bytes: _Optional[int] = ..., max_result_bytes: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -537,12 +541,16 @@ class TensorRef(_message.Message):
     def __init__(self, buffer_id: _Optional[int] = ..., generation: _Optional[int] = ..., byte_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., tag: _Optional[_Union[Tag, str]] = ...) -> None: ...
 
 class Args(_message.Message):
-    __slots__ = ("tensors", "scalars")
+    __slots__ = ("tensors", "scalars", "values", "kwargs")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SCALARS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorRef]
     scalars: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorRef, _Mapping]]] = ..., scalars: _Optional[_Iterable[int]] = ...) -> None: ...
+    values: bytes
+    kwargs: bytes
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorRef, _Mapping]]] = ..., scalars: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., kwargs: _Optional[bytes] = ...) -> None: ...
 
 class CallConfig(_message.Message):
     __slots__ = ("deadline_ms", "threads", "enable_profile", "enable_dump_args", "output_prefix")
