@@ -226,6 +226,25 @@ def _empty_tasks(eng: Any, n: int) -> Setup:
     return setup
 
 
+def _value_tasks(eng: Any, n: int) -> Setup:
+    """A Worker with ``take_value_task`` registered and an orch submitting ``n`` SUB
+    tasks of one small value each (W1v, W2v: the value is added per task, as a caller
+    building its arguments would)."""
+
+    @contextmanager
+    def setup(close: Closer) -> Iterator[tuple[Any, Orch]]:
+        with worker(eng, [tasks.take_value_task], close) as (w, (h,)):
+            task_args, value = eng.TaskArgs, tasks.VALUE
+
+            def orch(o: Any, args: Any = None, config: Any = None) -> None:
+                for _ in range(n):
+                    o.submit_sub(h, task_args().add_value(value))
+
+            yield w, orch
+
+    return setup
+
+
 def _w1(eng: Any, p: dict[str, int], repeat: int, profile: Path | None) -> dict[str, Result]:
     out = _both_variants(_empty_tasks(eng, 1), p["n"], repeat, latency_rep, profile)
     # W1 nested: the same one empty task one level down (L4 -> local L3 -> SUB), in the
@@ -341,6 +360,13 @@ def run(workload: str, repeat: int, smoke: bool, profile: Path | None = None) ->
             return _w1(eng, p, repeat, profile)
         if workload == "W2":
             return _w2(eng, p, repeat, profile)
+        if workload == "W1v":
+            return _both_variants(_value_tasks(eng, 1), p["n"], repeat, latency_rep, None)
+        if workload == "W2v":
+            n = p["n"]
+            return _both_variants(
+                _value_tasks(eng, n), 1, repeat, lambda s: throughput_rep(n, s[0]), None
+            )
         if workload == "W6":
             from benchmarks import w6
 

@@ -21,6 +21,20 @@ def empty(*_args: Any) -> None:
     return None
 
 
+#: The value W1v and W2v pass to each task (a small record, as a real task's input).
+VALUE: dict[str, Any] = {"id": 7, "name": "item-7", "xs": [1.5, 2.5, 3.5], "ok": True}
+
+
+def take_value(value: Any) -> None:
+    """Read the one value it is given (the peers' task of W1v and W2v)."""
+    value["id"]
+
+
+def take_value_task(args: Any) -> None:
+    """The engine's twin of :func:`take_value`: ``args.values[0]`` (decoded here)."""
+    args.values[0]["id"]
+
+
 def spin(us: int) -> None:
     """Burn ``us`` microseconds of this thread's CPU time (not wall time).
 

@@ -191,6 +191,23 @@ WORKLOADS: dict[str, Workload] = {
             ours_variants=("ours", "ours_async"),
         ),
         Workload(
+            "W1v",
+            "W1 with one small value argument (a 4-key dict: TaskArgs.add_value; peers "
+            "pass the same dict), read by the task",
+            LATENCY,
+            full={"n": 2000},
+            smoke={"n": 200},
+            ours_variants=("ours", "ours_async"),
+        ),
+        Workload(
+            "W2v",
+            "W2 with one small value per task (the same dict), read by the task",
+            THROUGHPUT,
+            full={"n": 20000},
+            smoke={"n": 2000},
+            ours_variants=("ours", "ours_async"),
+        ),
+        Workload(
             "W3",
             "tasks that each spin CPU",
             (Metric("efficiency", "efficiency", "", higher_is_better=True),),
@@ -758,6 +775,35 @@ def peer_w2(peer: Peer, p: dict[str, int], repeat: int) -> Result:
     return ok(reps)
 
 
+def peer_w1v(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    n = p["n"]
+    warm_up(peer)
+    reps = []
+    submit, result, take, clock = peer.submit, peer.result, tasks.take_value, time.perf_counter_ns
+    value = tasks.VALUE
+    for _ in range(repeat):
+        samples = []
+        for _ in range(n):
+            t0 = clock()
+            result(submit(take, value))
+            samples.append(clock() - t0)
+        reps.append(latency_rep(samples))
+    return ok(reps)
+
+
+def peer_w2v(peer: Peer, p: dict[str, int], repeat: int) -> Result:
+    n = p["n"]
+    warm_up(peer)
+    reps = []
+    value = tasks.VALUE
+    for _ in range(repeat):
+        wall, _ = _timed(
+            lambda: peer.results([peer.submit(tasks.take_value, value) for _ in range(n)])
+        )
+        reps.append(throughput_rep(n, wall))
+    return ok(reps)
+
+
 def peer_w3(peer: Peer, p: dict[str, int], repeat: int) -> Result:
     n, us = p["n"], p["spin_us"]
     warm_up(peer, us)
@@ -815,6 +861,8 @@ def peer_w8(peer: Peer, p: dict[str, int], repeat: int) -> Result:
 PEER_LOOPS: dict[str, Callable[[Peer, dict[str, int], int], Result]] = {
     "W1": peer_w1,
     "W2": peer_w2,
+    "W1v": peer_w1v,
+    "W2v": peer_w2v,
     "W3": peer_w3,
     "W4": peer_w4,
     "W5": peer_w5,

@@ -132,6 +132,8 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_tasks_per_run": 5,
         "max_tensors_per_task": 6,
         "max_scalars_per_task": 7,
+        "max_value_bytes": 1 << 20,
+        "max_result_bytes": 2 << 20,
         "max_buffer_bytes": 8,
         "max_concurrent_runs": 9,
         "max_streams_per_client": 10,
