@@ -347,51 +347,115 @@ def identify(context: Any, relay: UnixRelay | None, policy: AdminPolicy) -> Iden
 # --------------------------------------------------------------------------- TCP on loopback
 
 
-def _proc_net_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """``"0100007F:1F90"`` of ``/proc/net/tcp{,6}`` -> ``(127.0.0.1, 8080)`` (the address
-    is in the kernel's byte order, 32-bit word by word; IPv4-mapped IPv6 as IPv4)."""
-    host, _, port = text.partition(":")
-    raw = bytes.fromhex(host)
-    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(packed)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped, int(port, 16)
-    return address, int(port, 16)
+def _kernel_hex(address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
+    """``address:port`` as ``/proc/net/tcp{,6}`` writes it: the address in the kernel's
+    byte order, 32-bit word by word, in upper-case hex (``127.0.0.1:8080`` ->
+    ``0100007F:1F90``)."""
+    packed = address.packed
+    words = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
+    return f"{words.hex().upper()}:{port:04X}"
 
 
-def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+def _forms(host: str, port: int) -> dict[str, str]:
+    """How ``host:port`` appears in each of ``/proc/net/tcp`` and ``tcp6`` (an IPv4
+    address also as IPv4-mapped IPv6, the form of an IPv6 socket's IPv4 peer)."""
     address = ipaddress.ip_address(host.partition("%")[0])
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
+        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv4Address):
+        mapped = ipaddress.IPv6Address("::ffff:" + str(address))
+        return {
+            "/proc/net/tcp": _kernel_hex(address, port),
+            "/proc/net/tcp6": _kernel_hex(mapped, port),
+        }
+    return {"/proc/net/tcp6": _kernel_hex(address, port)}
+
+
+_NETLINK_SOCK_DIAG: Final = 4
+_SOCK_DIAG_BY_FAMILY: Final = 20
+_NLMSG_ERROR: Final = 2
+_NLMSG_HEADER: Final = struct.Struct("=IHHII")
+#: inet_diag_req_v2: family, protocol, ext, pad, states; then inet_diag_sockid:
+#: sport, dport (network order: htons), src[16], dst[16], interface, cookie[2] (none).
+_DIAG_REQUEST: Final = struct.Struct("=BBBxIHH16s16sIII")
+_DIAG_UID_AT: Final = _NLMSG_HEADER.size + 4 + 48 + 12  # family..retrans, sockid, expires..wqueue
+
+
+def _diag_uid(
+    family: int, peer: bytes, peer_port: int, local: bytes, local_port: int
+) -> int | None:
+    """The uid of the TCP socket ``peer:peer_port`` -> ``local:local_port`` of ``family``,
+    asked of the kernel by its exact address (sock_diag: one hash lookup, where reading
+    ``/proc/net/tcp`` walks every socket); None when there is none."""
+    request = _DIAG_REQUEST.pack(
+        family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF, socket.htons(peer_port), socket.htons(local_port),
+        peer.ljust(16, b"\0"), local.ljust(16, b"\0"), 0, 0xFFFFFFFF, 0xFFFFFFFF,
+    )  # fmt: skip
+    header = _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, 1, 1, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(1.0)
+        sock.send(header + request)
+        answer = sock.recv(8192)
+    if len(answer) < _NLMSG_HEADER.size:
+        return None
+    kind = _NLMSG_HEADER.unpack_from(answer)[1]
+    if kind != _SOCK_DIAG_BY_FAMILY or len(answer) < _DIAG_UID_AT + 4:
+        return None  # NLMSG_ERROR: no such socket
+    return int(struct.unpack_from("=I", answer, _DIAG_UID_AT)[0])
 
 
 def loopback_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
-    """The uid owning the client end of a TCP connection that came over loopback, as the
-    kernel lists it in ``/proc/net/tcp`` and ``tcp6`` (the row whose local address is the
-    peer's and whose remote address is ``local``, our end); None for a peer not on
-    loopback or not found (it closed meanwhile). HTTP has no ``SO_PEERCRED``: this is
-    how the dashboard names a local browser's user (an identd lookup, without a daemon)."""
-    peer_ip, local_ip = _address(peer[0]), _address(local[0])
-    if not peer_ip.is_loopback:
+    """The uid owning the client end of a TCP connection that came over loopback (the
+    socket whose address is the peer's and whose peer is ``local``, our end), as the
+    kernel's sock_diag tells it; None for a peer not on loopback or not found (it closed
+    meanwhile). HTTP has no ``SO_PEERCRED``: this is how the dashboard names a local
+    browser's user (an identd lookup, without a daemon). Where sock_diag is refused, the
+    rows of ``/proc/net/tcp`` and ``tcp6`` are searched instead."""
+    peer_ip = ipaddress.ip_address(peer[0].partition("%")[0])
+    local_ip = ipaddress.ip_address(local[0].partition("%")[0])
+    if isinstance(peer_ip, ipaddress.IPv6Address) and peer_ip.ipv4_mapped is not None:
+        peer_ip = peer_ip.ipv4_mapped
+    if isinstance(local_ip, ipaddress.IPv6Address) and local_ip.ipv4_mapped is not None:
+        local_ip = local_ip.ipv4_mapped
+    if not peer_ip.is_loopback or peer_ip.version != local_ip.version:
         return None
-    want = ((peer_ip, int(peer[1])), (local_ip, int(local[1])))
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+    # The client's socket: IPv4 (most), or IPv6 holding an IPv4-mapped address.
+    tries = [(socket.AF_INET6, peer_ip.packed, local_ip.packed)]
+    if isinstance(peer_ip, ipaddress.IPv4Address):
+        mapped = b"\0" * 10 + b"\xff\xff"
+        tries = [
+            (socket.AF_INET, peer_ip.packed, local_ip.packed),
+            (socket.AF_INET6, mapped + peer_ip.packed, mapped + local_ip.packed),
+        ]
+    try:
+        for family, mine, ours in tries:
+            uid = _diag_uid(family, mine, int(peer[1]), ours, int(local[1]))
+            if uid is not None:
+                return uid
+        return None
+    except OSError:
+        return _proc_net_uid(peer, local)
+
+
+def _proc_net_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
+    """:func:`loopback_peer_uid` from ``/proc/net/tcp{,6}``, its rows matched as text."""
+    ours, theirs = _forms(local[0], int(local[1])), _forms(peer[0], int(peer[1]))
+    for name, mine in theirs.items():
+        if name not in ours:
+            continue
         try:
             with open(name, encoding="ascii") as f:
-                lines = f.readlines()[1:]
+                text = f.read()
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 8:
-                continue
-            try:
-                row = (_proc_net_address(fields[1]), _proc_net_address(fields[2]))
-            except ValueError:
-                continue
-            if row == want:
-                return int(fields[7])
+        needle = f" {mine} {ours[name]} "
+        at = text.find(needle)
+        if at < 0:
+            continue
+        line = text[at : text.find("\n", at)].split()
+        # local, remote, state, tx:rx, tr:when, retransmits, uid
+        if len(line) >= 7 and line[6].isdigit():
+            return int(line[6])
     return None
 
 

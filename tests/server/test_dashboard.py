@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import types
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 
 from simpler_daemon.client import sub_task, tensor
 from simpler_daemon.errors import Precondition
-from simpler_daemon.server import dashboard
+from simpler_daemon.server import dashboard, peers
 from simpler_daemon.server.dashboard import (
     MAX_RUNS,
     MAX_SPANS,
@@ -47,8 +48,6 @@ EVIL = "<script>alert('label')</script>&amp;\"'"
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -349,3 +348,32 @@ def test_without_a_token_the_page_is_served_at_once(tmp_path: Path) -> None:
         code, _, body = fetch(d, "/api/overview", token=None)
         assert code == 200 and json.loads(body)["caller"] == f"uid:{os.getuid()}"
         assert fetch(d, "/metrics", token=None)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("family", "listen", "connect"),
+    [
+        (socket.AF_INET, "127.0.0.1", "127.0.0.1"),
+        (socket.AF_INET6, "::1", "::1"),
+        (socket.AF_INET6, "::", "127.0.0.1"),  # dual stack: an IPv4 client, IPv4-mapped here
+        (socket.AF_INET6, "::", "::ffff:127.0.0.1"),  # an IPv6 client with a mapped address
+    ],
+)
+def test_a_loopback_peer_is_named_by_its_uid(family: int, listen: str, connect: str) -> None:
+    """sock_diag and the /proc/net/tcp fallback agree on the uid behind a connection; a
+    closed one (or another host) has none."""
+    with socket.socket(family) as server:
+        if listen == "::":
+            server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        server.bind((listen, 0))
+        server.listen()
+        kind = socket.AF_INET if "." in connect and ":" not in connect else socket.AF_INET6
+        with socket.socket(kind) as client:
+            client.connect((connect, server.getsockname()[1]))
+            accepted, _ = server.accept()
+            with accepted:
+                peer, local = accepted.getpeername()[:2], accepted.getsockname()[:2]
+                assert peers.loopback_peer_uid(peer, local) == os.getuid()
+                assert peers._proc_net_uid(peer, local) == os.getuid()
+        assert peers.loopback_peer_uid(("10.1.2.3", 5000), local) is None
+    assert peers.loopback_peer_uid(("127.0.0.1", 1), ("127.0.0.1", 2)) is None
