@@ -79,6 +79,11 @@ def cmd_info(c: Client, a: argparse.Namespace, out: Out) -> int:
         f"{human_bytes(lim.max_message_bytes)}/message, "
         f"{human_bytes(lim.max_buffer_bytes)}/buffer, {lim.max_concurrent_runs} concurrent runs"
     )
+    if lim.max_value_bytes or lim.max_result_bytes:  # an older daemon sends neither
+        out.line(
+            f"values:   {human_bytes(lim.max_value_bytes)} of values and kwargs/task, "
+            f"{human_bytes(lim.max_result_bytes)}/result"
+        )
     out.line(
         f"quotas:   {lim.per_client_runs} runs, {human_bytes(lim.per_client_heap_bytes)} heap, "
         f"{lim.per_client_registrations} registrations, {lim.max_streams_per_client} streams "

@@ -8,6 +8,7 @@ One module daemon: small limits so that each shows with small data.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from simpler_daemon.client import Client, make_args, sub_task, task
+from simpler_daemon.client import AsyncClient, Client, make_args, sub_task, task
 from simpler_daemon.client.errors import InvalidArgument, ResourceExhausted
 from simpler_daemon.errors import TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
@@ -176,6 +177,8 @@ def test_a_run_spec_takes_values_and_kwargs(
     daemon: DaemonProcess, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     ctl = Ctl(daemon.socket, capsys)
+    code, out, _ = ctl("info")
+    assert code == 0 and "values:   1.0 MiB of values and kwargs/task, 4.0 MiB/result" in out
     spec = tmp_path / "values.toml"
     spec.write_text(
         f"""\
@@ -212,3 +215,22 @@ kwargs = {{ m = 1 }}
     code, _out, err = ctl("submit", str(bad), "--wait")
     assert code != 0
     assert "tasks[0]: cannot build task arguments: values[0] is a datetime.datetime" in err
+
+
+def test_the_async_client_sends_values_and_gets_large_results(daemon: DaemonProcess) -> None:
+    async def go() -> None:
+        async with AsyncClient(daemon.socket, timeout=60) as ac:
+            echo = await ac.register(f"{TASKS}:echo_values")
+            sized = await ac.register(f"{TASKS}:sized")
+            result = await ac.run(
+                [
+                    sub_task(echo, values=[b"v" * 100_000], kwargs={"k": 1}),
+                    sub_task(sized, values=[1 << 20]),
+                ],
+                timeout=60,
+            )
+            got = result.values()
+            assert got[0] == {"values": [b"v" * 100_000], "kwargs": {"k": 1}}
+            assert got[1] == b"r" * (1 << 20)
+
+    asyncio.run(go())
