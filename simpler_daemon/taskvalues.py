@@ -60,10 +60,30 @@ def _refuse(what: str, where: str, obj: object, why: str = "") -> TypeError:
 _MAX_DEPTH: Final = 512
 
 
+def _is_plain(o: Any, depth: int) -> bool:
+    """Whether ``o`` is plain data, without naming anything (the fast first pass)."""
+    t = type(o)
+    if t is list or t is tuple:
+        if depth > _MAX_DEPTH:
+            return True
+        for x in o:  # noqa: SIM110 - a loop: about twice as fast as all() over a generator
+            if type(x) not in _LEAF_SET and not _is_plain(x, depth + 1):
+                return False
+        return True
+    if t is dict:
+        if depth > _MAX_DEPTH:
+            return True
+        for k, x in o.items():
+            if type(k) is not str or (type(x) not in _LEAF_SET and not _is_plain(x, depth + 1)):
+                return False
+        return True
+    return t in _LEAF_SET or isinstance(o, _LEAF)
+
+
 def check_plain(obj: Any, where: str, what: str) -> None:
     """``TypeError`` naming the part of ``obj`` (``values[0]['k'][2]``) that is not plain
     data. Parts nested deeper than ``_MAX_DEPTH`` are not looked at (a cycle)."""
-    if type(obj) in _LEAF_SET:
+    if type(obj) in _LEAF_SET or _is_plain(obj, 0):
         return
     stack: list[tuple[Any, str, int]] = [(obj, where, 0)]
     while stack:

@@ -72,7 +72,7 @@ from simpler_daemon.mailbox.layout import (
     MailboxState,
 )
 from simpler_daemon.mailbox.results import LARGE_RESULT, pack_fd, write_large
-from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES
+from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES, read_section
 
 TASK_READY = int(MailboxState.TASK_READY)
 TASK_DONE = int(MailboxState.TASK_DONE)
@@ -82,6 +82,7 @@ CONTROL_REQUEST = int(MailboxState.CONTROL_REQUEST)
 CONTROL_DONE = int(MailboxState.CONTROL_DONE)
 #: The args blob of a task without tensors or scalars (the common SUB case).
 _EMPTY_BLOB = encode_args((), ())
+_ARGS_END = len(_EMPTY_BLOB)
 
 
 class DeadlineExceeded(Exception):
@@ -288,11 +289,13 @@ class MailboxLoop:
         else:
             try:
                 # An empty blob: decode_args's result, without its call (once per task).
-                args = (
-                    TaskArgs()
-                    if blob == _EMPTY_BLOB
-                    else decode_args(blob, self.ctx.heap.view, self.ctx.heap.mmap)
-                )
+                if blob == _EMPTY_BLOB:
+                    args = TaskArgs()
+                elif blob.startswith(_EMPTY_BLOB):  # values alone (no tensors, no scalars)
+                    args = TaskArgs()
+                    args._values = read_section(blob, _ARGS_END, self.ctx.heap.mmap)
+                else:
+                    args = decode_args(blob, self.ctx.heap.view, self.ctx.heap.mmap)
             except Exception as exc:
                 write_failure(
                     buf,

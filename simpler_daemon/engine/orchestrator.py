@@ -66,6 +66,8 @@ _new_int = int.__new__
 _EMPTY_BLOB: Final = encode_args((), ())
 
 
+#: The most values and kwargs bytes a task without tensors or scalars carries in its frame.
+_INLINE_VALUES: Final = MAILBOX_ARGS_CAPACITY - len(_EMPTY_BLOB) - VALUES_SECTION.size
 _GROUPS: Final = (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
 _API: Final = {
     TaskKind.SUB: "submit_sub",
@@ -106,21 +108,22 @@ class Orchestrator:
         run = self.run
         if (
             config is None
-            and (
-                args is None
-                or (
-                    type(args) is TaskArgs
-                    and not args.tensors
-                    and not args.scalars
-                    and args._values is None
-                )
-            )
+            and (args is None or (type(args) is TaskArgs and not args.tensors and not args.scalars))
             and run.building
             and run.error is None
             and not run.terminal
         ):
             # A plain task (no tensors, no scalars, the default config; W1, W2): what
-            # ``_submit`` does for it, inline: no pins, no dependencies, the shared blob.
+            # ``_submit`` does for it, inline: no pins, no dependencies, the shared blob;
+            # with values that fit the frame (W1v, W2v), the blob with its values section.
+            if args is None or args._values is None:
+                blob = _EMPTY_BLOB
+            else:
+                values, kwargs = args._values.encoded()
+                n = len(values) + len(kwargs)
+                if n > _INLINE_VALUES or n > sink.max_value_bytes:
+                    return self._submit(TaskKind.SUB, h, [args], config, [])
+                blob = _EMPTY_BLOB + values_section(values, kwargs, None)
             slot = TaskSlot(
                 sink.next_slot_id(),
                 run,
@@ -128,7 +131,7 @@ class Orchestrator:
                 TaskKind.SUB,
                 h,
                 DEFAULT_CONFIG,
-                [_EMPTY_BLOB],
+                [blob],
                 [],
                 [],
             )
