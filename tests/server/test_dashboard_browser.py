@@ -203,3 +203,41 @@ def test_a_killed_worker_shows_its_restart(daemon: DaemonProcess) -> None:
         assert "last restart:" in cause and "SIGKILL" in cause, cause
     with daemon.client() as c:
         daemon.worker_pids = [w.pid for w in c.list_workers() if w.pid]
+
+
+def test_runs_filters_survive_the_refresh(daemon: DaemonProcess) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    with daemon.client() as c:
+        fail = c.register(f"{EXAMPLES}:fail")
+        empty = c.register(f"{EXAMPLES}:empty")
+        bad = int(c.submit([sub_task(fail, [], [3])], label="filter: fails"))
+        good = int(c.submit([sub_task(empty)], label="filter: works"))
+        c.wait_run(bad, timeout=20)
+        c.wait(good, timeout=20)
+    with browser() as driver:
+        logged_in(driver, daemon, "#/runs")
+        poll(
+            lambda: driver.find_elements(By.CSS_SELECTOR, f"tr.run-row[data-run-id='{good}']"),
+            "no runs",
+        )
+        Select(driver.find_element(By.ID, "state-filter")).select_by_value("failed")
+        poll(
+            lambda: (
+                driver.find_elements(By.CSS_SELECTOR, f"tr.run-row[data-run-id='{bad}']")
+                and not driver.find_elements(By.CSS_SELECTOR, f"tr.run-row[data-run-id='{good}']")
+            ),
+            "the state filter did not apply",
+        )
+        states = {t for t in texts(driver, "tr.run-row td:nth-child(2)")}
+        assert states == {"failed"}, states
+        owner = driver.find_element(By.ID, "owner-filter")
+        owner.send_keys("uid:42")
+        stamp = driver.find_element(By.ID, "status-line").text
+        poll(lambda: driver.find_element(By.ID, "status-line").text != stamp, "no refresh")
+        # Half typed across a refresh: still there, and the filter applies once entered.
+        assert driver.find_element(By.ID, "owner-filter").get_attribute("value") == "uid:42"
+        driver.find_element(By.ID, "owner-filter").send_keys("4242", Keys.ENTER)
+        poll(lambda: "no runs to show" in texts(driver, "p.note"), "the owner filter did not apply")

@@ -177,9 +177,15 @@
   }
   function runs(main) {
     return api(runsQuery()).then(function (data) {
-      var focused = document.activeElement && document.activeElement.id;
-      clear(main).appendChild(el("h2", { text: "Runs" }));
-      runFilters(main, data.caller_is_admin);
+      // The filters are drawn once per visit: a refresh must not wipe what is being typed.
+      var box = document.getElementById("runs-view");
+      if (!box) {
+        clear(main).appendChild(el("h2", { text: "Runs" }));
+        runFilters(main, data.caller_is_admin);
+        box = el("div", { id: "runs-view" });
+        main.appendChild(box);
+      }
+      clear(box);
       var rows = data.runs.map(function (r) {
         var link = el("a", { href: "#/runs/" + Number(r.run_id), text: String(r.run_id) });
         return el("tr", { cls: "run-row", "data-run-id": r.run_id },
@@ -187,8 +193,8 @@
           cell(progress(r.counts)), cell(age(r.age_seconds), "num"),
           cell(r.error.length > 240 ? r.error.slice(0, 240) + "… (the run's page has all of it)" : r.error, "text error-text"));
       });
-      main.appendChild(table(["run", "state", "label", "owner", "progress", "age", "error"], rows));
-      if (!rows.length) main.appendChild(el("p", { cls: "note", text: "no runs to show" }));
+      box.appendChild(table(["run", "state", "label", "owner", "progress", "age", "error"], rows));
+      if (!rows.length) box.appendChild(el("p", { cls: "note", text: "no runs to show" }));
       var pager = el("div", { cls: "filters" });
       if (runFilter.before.length) {
         var newer = el("button", { text: "newest" });
@@ -200,8 +206,7 @@
         older.addEventListener("click", function () { runFilter.before.push(data.next_before); refresh(); });
         pager.appendChild(older);
       }
-      main.appendChild(pager);
-      if (focused) { var again = document.getElementById(focused); if (again) again.focus(); }
+      box.appendChild(pager);
     });
   }
 
