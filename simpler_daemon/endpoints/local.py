@@ -86,6 +86,7 @@ from simpler_daemon.mailbox.layout import (
     MailboxState,
 )
 from simpler_daemon.mailbox.results import LARGE_RESULT, large_result_error, read_large
+from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES
 
 if TYPE_CHECKING:
     from simpler_daemon.children.process import ChildProcess
@@ -186,6 +187,9 @@ def proc_state(pid: int) -> str:
 
 class LocalMailboxEndpoint:
     """One lane's transport to one local child (SUB, chip or nested Worker)."""
+
+    #: The largest return value read back (``Worker(max_result_bytes=)``); more: refused.
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 
     def __init__(
         self,

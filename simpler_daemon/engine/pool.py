@@ -220,9 +220,11 @@ class ChildPool:
             raise StartupError(f"cannot start worker: {type(exc).__name__}: {exc}") from exc
         for kind, index, mb, child in starting:
             if kind == "sub":
-                self.sub_endpoints.append(
-                    LocalMailboxEndpoint(index, mb, child, label=child.label, marks_pickup=True)
+                sub_ep = LocalMailboxEndpoint(
+                    index, mb, child, label=child.label, marks_pickup=True
                 )
+                sub_ep.max_result_bytes = self.max_result_bytes
+                self.sub_endpoints.append(sub_ep)
             elif kind == "l3":
                 self.l3_endpoints.append(LocalMailboxEndpoint(index, mb, child, label=child.label))
             else:
@@ -493,6 +495,7 @@ class ChildPool:
             label=old.label,
             marks_pickup=old.marks_pickup,
         )
+        ep.max_result_bytes = old.max_result_bytes
         try:
             if kind == "l3":
                 await self.l3.replay(ep, ctx.specs, self.registry)

@@ -65,8 +65,14 @@ def read_large(endpoint: Any, frame_off: int, word: int) -> bytes:
     child = endpoint.child
     if child is None:
         raise OSError("the child is gone")
+    size = word & ~LARGE_RESULT
+    if size > endpoint.max_result_bytes:
+        raise ValueError(
+            f"the child announced {size} bytes, more than max_result_bytes "
+            f"({endpoint.max_result_bytes})"
+        )
     fd = int(_FD.unpack(_mb.read_bytes(endpoint.buf, frame_off + OFF_ARGS, _FD.size))[0])
-    return read_memfd(child.pid, fd, word & ~LARGE_RESULT)
+    return read_memfd(child.pid, fd, size)
 
 
 def large_result_error(slot: Any, d: Any, word: int, endpoint: Any, exc: BaseException) -> str:

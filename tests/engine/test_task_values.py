@@ -371,3 +371,38 @@ def test_large_results_hold_one_memfd_and_a_killed_child_leaks_nothing(worker: W
         assert w.heap.free_bytes() == w.heap.size
     finally:
         w.close()
+
+
+def test_the_parent_believes_no_forged_large_result() -> None:
+    """``read_large`` (the parent's side of mailbox/results.py) reads only a regular file
+    of the announced size, at most ``max_result_bytes``: a child naming more, a pipe or
+    a closed descriptor gets a clear error, never a read of the parent's memory's worth."""
+    import mmap
+    from types import SimpleNamespace
+
+    from simpler_daemon.mailbox.layout import MAILBOX_SIZE, OFF_ARGS, TASK_FRAMES
+    from simpler_daemon.mailbox.results import LARGE_RESULT, pack_fd, read_large, write_large
+
+    buf = mmap.mmap(-1, MAILBOX_SIZE)
+    frame = TASK_FRAMES[0]
+    ep = SimpleNamespace(buf=buf, child=SimpleNamespace(pid=os.getpid()), max_result_bytes=1 << 20)
+    fd = write_large(b"z" * 100_000)
+    r, w = os.pipe()
+    try:
+        buf[frame + OFF_ARGS : frame + OFF_ARGS + 8] = pack_fd(fd)
+        assert read_large(ep, frame, LARGE_RESULT | 100_000) == b"z" * 100_000
+        with pytest.raises(ValueError, match="more than max_result_bytes"):
+            read_large(ep, frame, LARGE_RESULT | (2 << 20))
+        with pytest.raises(ValueError, match="not a result memfd of 200000 bytes"):
+            read_large(ep, frame, LARGE_RESULT | 200_000)  # larger than the file
+        buf[frame + OFF_ARGS : frame + OFF_ARGS + 8] = pack_fd(r)
+        with pytest.raises(ValueError, match="not a result memfd"):
+            read_large(ep, frame, LARGE_RESULT | 10)
+    finally:
+        os.close(fd)
+        os.close(r)
+        os.close(w)
+    buf[frame + OFF_ARGS : frame + OFF_ARGS + 8] = pack_fd(1 << 20)  # no such descriptor
+    with pytest.raises(OSError):
+        read_large(ep, frame, LARGE_RESULT | 10)
+    buf.close()
