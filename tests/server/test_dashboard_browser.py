@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,10 @@ from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
     module_leak_guard,
+    running_daemon,
     wait_until,
 )
+from tests.support.remote_worker import RemoteWorkerProcess
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -241,3 +244,42 @@ def test_runs_filters_survive_the_refresh(daemon: DaemonProcess) -> None:
         assert driver.find_element(By.ID, "owner-filter").get_attribute("value") == "uid:42"
         driver.find_element(By.ID, "owner-filter").send_keys("4242", Keys.ENTER)
         poll(lambda: "no runs to show" in texts(driver, "p.note"), "the owner filter did not apply")
+
+
+def test_remote_hosts_at_level_4(tmp_path: Path) -> None:
+    """A level-4 daemon with a real simpler-remote-worker on loopback: the workers view
+    shows its health, the remote hosts view its session."""
+    from selenium.webdriver.common.by import By
+
+    remote = RemoteWorkerProcess(tmp_path)
+    try:
+        port = free_port()
+        overrides = {
+            "daemon": {"level": 4},
+            "workers": {
+                "num_sub_workers": 1,
+                "remote": [
+                    {
+                        "endpoint": remote.address,
+                        "num_sub_workers": 1,
+                        "session_timeout_s": 10.0,
+                        "heap_bytes": 4 << 20,
+                        "callables": [{"target": f"{EXAMPLES}:scale", "kind": "sub"}],
+                    }
+                ],
+            },
+            "metrics": {"listen": f"127.0.0.1:{port}"},
+            "dashboard": {"enabled": True},
+        }
+        with running_daemon(tmp_path / "l4", overrides), browser() as driver:
+            driver.get(f"http://127.0.0.1:{port}/#/workers")
+            row = "tr.worker-row[data-kind=remote_l3]"
+            poll(lambda: driver.find_elements(By.CSS_SELECTOR, row), "no remote worker row")
+            text = driver.find_element(By.CSS_SELECTOR, row).text
+            assert remote.address in text and "health " in text and "reconnects" in text, text
+            driver.execute_script("window.location.hash = '#/remote'")
+            cells = poll(lambda: texts(driver, "tr.remote-row td"), "no remote hosts row")
+            assert cells[1] == remote.address and cells[2] == "ready", cells
+            assert int(cells[3]) > 0  # the session runner's pid on the remote host
+    finally:
+        remote.stop()

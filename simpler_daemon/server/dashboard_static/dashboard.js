@@ -132,10 +132,12 @@
     var kind = short(w.kind, "WORKER_KIND_");
     var remote = w.remote && w.remote.host ? w.remote : null;
     var where = remote ? remote.host + ":" + remote.port : (w.pid ? "pid " + w.pid : "");
+    var health = remote ? "health " + age(remote.health_age_seconds) + ", round trip " +
+      (Number(remote.round_trip_us || 0) / 1000).toFixed(2) + " ms, " + remote.reconnects + " reconnects" : "";
     var cause = w.message || (w.last_restart_cause ? "last restart: " + w.last_restart_cause : "");
     var row = el("tr", { cls: "worker-row" + (child ? " child" : ""), "data-worker-id": w.worker_id, "data-kind": kind },
       cell(String(w.worker_id)), cell(kind), cell(badge(short(w.state, "WORKER_STATE_"))), cell(where, "where"),
-      cell(w.current_task || "", "text"), cell(String(w.tasks_completed), "num"),
+      cell(w.current_task || health, "text"), cell(String(w.tasks_completed), "num"),
       cell(String(w.restarts), "num restarts"), cell(cause, "text cause"));
     return row;
   }
