@@ -377,3 +377,13 @@ def test_a_loopback_peer_is_named_by_its_uid(family: int, listen: str, connect: 
                 assert peers._proc_net_uid(peer, local) == os.getuid()
         assert peers.loopback_peer_uid(("10.1.2.3", 5000), local) is None
     assert peers.loopback_peer_uid(("127.0.0.1", 1), ("127.0.0.1", 2)) is None
+
+
+def test_the_browser_tests_say_why_they_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Chromium or its driver the reason names the Debian package to install."""
+    from simpler_daemon.testing import browser
+
+    monkeypatch.setattr(browser.os, "access", lambda path, mode: path != browser.CHROMEDRIVER)
+    why = browser.missing_browser()
+    assert why.startswith("no /usr/bin/chromedriver: install Debian's chromium-driver"), why
+    assert "apt-get install -y chromium chromium-driver" in why
