@@ -57,6 +57,9 @@ def check_chrome_trace(doc: Any) -> list[dict[str, Any]]:
 
 
 def task_events(doc: Any) -> list[dict[str, Any]]:
-    """The task attempts of a checked trace, by (task, attempt)."""
+    """The task attempts of a checked trace, by (task, member, attempt)."""
     events = [ev for ev in check_chrome_trace(doc) if ev.get("cat") == "task"]
-    return sorted(events, key=lambda ev: (ev["args"]["task"], ev["args"]["attempt"]))
+    return sorted(
+        events,
+        key=lambda ev: (ev["args"]["task"], ev["args"].get("member", 0), ev["args"]["attempt"]),
+    )
