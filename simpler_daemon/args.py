@@ -32,6 +32,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from simpler_daemon.retrypolicy import (
+    DEFAULT_RETRY_ON,
+    MAX_RETRIES,
+    check_retry_exceptions,
+    check_retry_on,
+)
 from simpler_daemon.taskvalues import TaskValues, encode_kwargs, encode_value, read_section
 
 if TYPE_CHECKING:
@@ -423,6 +429,13 @@ class CallConfig:
 
     ``enable_profile`` and ``enable_dump_args`` are the diagnostic flags: a task
     with either set is never staged ahead of its run.
+
+    Retries (``retrypolicy.py``; the parent's policy, not in the frame): a failed
+    attempt whose cause is in ``retry_on`` (``"crash"``, ``"deadline"``,
+    ``"exception"``; default a crash only) runs again, up to ``max_retries`` times
+    (default 0: never). ``retry_exceptions`` (classes or qualified names) narrows
+    ``"exception"`` to those classes and their subclasses. A task that writes a
+    tensor in place (INOUT, OUTPUT_EXISTING) is retried only with ``idempotent=True``.
     """
 
     deadline_ms: int = 0
@@ -430,6 +443,10 @@ class CallConfig:
     enable_profile: bool = False
     enable_dump_args: bool = False
     output_prefix: str = ""
+    max_retries: int = 0
+    retry_on: tuple[str, ...] = DEFAULT_RETRY_ON
+    retry_exceptions: tuple[type[BaseException] | str, ...] = ()
+    idempotent: bool = False
     #: The frame bytes, packed once (a config is immutable and shared by many tasks).
     encoded: bytes = field(init=False, repr=False, compare=False)
 
@@ -454,10 +471,42 @@ class CallConfig:
                 f"cannot build CallConfig: output_prefix is {len(self.output_prefix.encode())} "
                 f"bytes, the limit is {MAX_OUTPUT_PREFIX}"
             )
+        if (
+            self.max_retries != 0
+            or self.retry_on is not DEFAULT_RETRY_ON
+            or self.retry_exceptions != ()
+            or self.idempotent is not False
+        ):
+            self._check_retries()
         prefix = self.output_prefix.encode()
         flags = int(self.enable_profile) | (int(self.enable_dump_args) << 1)
         packed = _CONFIG.pack(self.deadline_ms, self.threads, flags, len(prefix), 0) + prefix
         object.__setattr__(self, "encoded", packed)
+
+    def _check_retries(self) -> None:
+        n = self.max_retries
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(
+                f"cannot build CallConfig: max_retries must be an int, got {type(n).__name__} {n!r}"
+            )
+        if not 0 <= n <= MAX_RETRIES:
+            raise ValueError(
+                f"cannot build CallConfig: max_retries={n} must be between 0 (no retry) and "
+                f"{MAX_RETRIES}"
+            )
+        object.__setattr__(self, "max_retries", int(n))
+        object.__setattr__(self, "retry_on", check_retry_on(self.retry_on))
+        object.__setattr__(self, "retry_exceptions", check_retry_exceptions(self.retry_exceptions))
+        if self.retry_exceptions and "exception" not in self.retry_on:
+            raise ValueError(
+                "cannot build CallConfig: retry_exceptions narrows retry_on='exception', "
+                f"which retry_on={self.retry_on!r} does not have"
+            )
+        if not isinstance(self.idempotent, bool):
+            raise TypeError(
+                f"cannot build CallConfig: idempotent must be True or False, got "
+                f"{self.idempotent!r}"
+            )
 
     @property
     def diagnostic(self) -> bool:

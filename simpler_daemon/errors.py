@@ -58,7 +58,9 @@ class ControlError(SimplerError, RuntimeError):
 
 
 class TaskError(SimplerError, RuntimeError):
-    """A run failed. Carries the identity of the first failing task."""
+    """A run failed. Carries the identity of the first failing task, and with
+    ``CallConfig.max_retries`` how many ``attempts`` it had and one line per failed
+    attempt (``attempt_causes``, the last one's included)."""
 
     def __init__(
         self,
@@ -71,8 +73,12 @@ class TaskError(SimplerError, RuntimeError):
         outcome: str = "TASK_FAILURE",
         remote_text: str = "",
         pid: int | None = None,
+        attempts: int = 1,
+        attempt_causes: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
+        self.attempts = attempts
+        self.attempt_causes = tuple(attempt_causes)
         self.run_id = run_id
         self.worker_id = worker_id
         self.hashid = hashid

@@ -72,6 +72,7 @@ from simpler_daemon.mailbox.layout import (
     MailboxState,
 )
 from simpler_daemon.mailbox.results import LARGE_RESULT, pack_fd, write_large
+from simpler_daemon.retrypolicy import classes_line, qualified_name
 from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES, read_section
 
 TASK_READY = int(MailboxState.TASK_READY)
@@ -176,8 +177,11 @@ def write_value(buf: Any, frame: int, value: Any, limit: int = MAX_RESULT_BYTES)
 
 
 def format_exception(prefix: str, exc: BaseException) -> str:
+    """``<prefix>: <qualified class name>: <message>``, the class and its bases
+    (``retrypolicy.classes_line``: what ``retry_exceptions`` matches, in the parent that
+    may not have the class), then the traceback."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return f"{prefix}: {type(exc).__name__}: {exc}\n{tb}"
+    return f"{prefix}: {qualified_name(type(exc))}: {exc}\n{classes_line(type(exc))}\n{tb}"
 
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:

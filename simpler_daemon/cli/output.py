@@ -363,7 +363,8 @@ def progress_line(ev: pb.RunEvent, elapsed: float = 0.0, width: int = 30) -> str
     return (
         f"run {ev.run_id} [{bar}] {finished}/{c.total} {100 * finished // total}%  "
         f"done {c.done}  failed {c.failed}  running {c.running}  "
-        f"{human_seconds(elapsed)} elapsed  {f['rate_per_second']:.1f} tasks/s  ETA {eta}  "
+        + (f"retried {c.retried}  " if c.retried else "")
+        + f"{human_seconds(elapsed)} elapsed  {f['rate_per_second']:.1f} tasks/s  ETA {eta}  "
         f"{state_name(ev.state)}"
     )
 
@@ -376,10 +377,13 @@ def event_line(ev: pb.RunEvent) -> str:
         parts.append(f"member {ev.member_index}")
     if ev.HasField("worker_id"):
         parts.append(f"worker {ev.worker_id}")
+    if ev.attempt > 1 or ev.type == pb.RUN_EVENT_TYPE_TASK_RETRYING:
+        parts.append(f"attempt {ev.attempt}")
     if ev.outcome:
         parts.append(ev.outcome)
     c = ev.counts
-    parts.append(f"(done {c.done}/{c.total}, failed {c.failed}, running {c.running})")
+    retried = f", retried {c.retried}" if c.retried else ""
+    parts.append(f"(done {c.done}/{c.total}, failed {c.failed}, running {c.running}{retried})")
     parts.append(state_name(ev.state))
     if ev.message:
         parts.append("- " + ev.message.splitlines()[0])

@@ -31,6 +31,7 @@ import numpy as np
 
 from simpler_daemon.client import Client, call_config, make_args, task, tensor
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.retrypolicy import MAX_RETRIES
 
 __all__ = [
     "SPEC_FORMAT",
@@ -74,7 +75,9 @@ run spec (TOML when FILE ends in .toml, else JSON; '-' reads JSON from stdin):
   kwargs = { mode = "fast" }      #   and keyword arguments as args.kwargs (plain data)
   workers = []                    # NEXT_LEVEL targets (worker ids)
   config = { deadline_ms = 1000 } # also threads, enable_profile, enable_dump_args,
-                                  #   output_prefix
+                                  #   output_prefix, and retries: max_retries = 2,
+                                  #   retry_on = ["crash", "deadline", "exception"],
+                                  #   retry_exceptions = ["ValueError"], idempotent
 
   a tensor: buffer = a name under [buffers] or the id of an existing buffer;
   tag = input | output | inout | output_existing | no_dep (required);
@@ -171,6 +174,10 @@ class ConfigSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enable_profile: bool = False
     enable_dump_args: bool = False
     output_prefix: str = ""
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)] = 0
+    retry_on: list[Literal["crash", "deadline", "exception"]] = []
+    retry_exceptions: list[str] = []
+    idempotent: bool = False
 
 
 class TaskSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -614,7 +621,10 @@ class SpecBuilder:
             members = self._members(t, where)
             config = None
             if t.config is not None:
-                config = call_config(**msgspec.structs.asdict(t.config))
+                try:
+                    config = call_config(**msgspec.structs.asdict(t.config))
+                except (TypeError, ValueError) as exc:
+                    raise SpecError(f"{where}.config: {exc}", f"{where}.config") from None
             hashid = self._hashid(t.callable, t.kind, where)
             out.append(task(t.kind, hashid, members, workers=t.workers, config=config))
         return out

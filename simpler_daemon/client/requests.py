@@ -16,9 +16,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from simpler_daemon.args import Tag, check_priority, scalar_word
+from simpler_daemon.args import CallConfig, Tag, check_priority, scalar_word
 from simpler_daemon.errors import RunCancelled, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.retrypolicy import DEFAULT_RETRY_ON, qualified_name
 from simpler_daemon.taskvalues import array_header, encode_kwargs, encode_value
 
 __all__ = [
@@ -168,13 +169,33 @@ def call_config(
     enable_profile: bool = False,
     enable_dump_args: bool = False,
     output_prefix: str = "",
+    max_retries: int = 0,
+    retry_on: Iterable[str] = (),
+    retry_exceptions: Iterable[type[BaseException] | str] = (),
+    idempotent: bool = False,
 ) -> pb.CallConfig:
+    """A task's ``CallConfig`` message. Retries as in-process (``CallConfig``):
+    ``retry_on`` ``"crash"`` (the default), ``"deadline"``, ``"exception"``;
+    ``retry_exceptions`` classes or qualified names, sent as names. The same checks as
+    the engine's, before anything is sent (``ValueError``/``TypeError``)."""
+    if max_retries or retry_on or retry_exceptions or idempotent:
+        # The engine's own checks (one message for the same mistake in both APIs).
+        CallConfig(
+            max_retries=max_retries,
+            retry_on=tuple(retry_on) or DEFAULT_RETRY_ON,
+            retry_exceptions=tuple(retry_exceptions),
+            idempotent=idempotent,
+        )
     return pb.CallConfig(
         deadline_ms=deadline_ms,
         threads=threads,
         enable_profile=enable_profile,
         enable_dump_args=enable_dump_args,
         output_prefix=output_prefix,
+        max_retries=max_retries,
+        retry_on=list(retry_on),
+        retry_exceptions=[e if isinstance(e, str) else qualified_name(e) for e in retry_exceptions],
+        idempotent=idempotent,
     )
 
 
@@ -232,6 +253,8 @@ def raise_for_status(status: pb.RunStatus) -> pb.RunStatus:
         dispatch_id=err.dispatch_id or None,
         outcome=err.outcome or "TASK_FAILURE",
         remote_text=err.remote_text,
+        attempts=err.attempts or 1,
+        attempt_causes=tuple(err.attempt_causes),
     )
 
 

@@ -95,6 +95,8 @@ class RunCountsInfo:
     done: int = 0
     failed: int = 0
     running: int = 0
+    #: Failed attempts that ran again (CallConfig.max_retries).
+    retried: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +110,9 @@ class RunErrorInfo:
     outcome: str = ""
     remote_text: str = ""
     task_index: int | None = None
+    #: Attempts the failing task had (1 without retries) and one line per failed one.
+    attempts: int = 1
+    attempt_causes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -193,7 +198,13 @@ def _time(msg: Any, has: bool) -> datetime | None:
 
 
 def _counts(msg: Any) -> RunCountsInfo:
-    return RunCountsInfo(total=msg.total, done=msg.done, failed=msg.failed, running=msg.running)
+    return RunCountsInfo(
+        total=msg.total,
+        done=msg.done,
+        failed=msg.failed,
+        running=msg.running,
+        retried=msg.retried,
+    )
 
 
 def _error(status: Any) -> RunErrorInfo | None:
@@ -208,6 +219,8 @@ def _error(status: Any) -> RunErrorInfo | None:
         outcome=err.outcome,
         remote_text=err.remote_text,
         task_index=err.task_index if err.HasField("task_index") else None,
+        attempts=err.attempts or 1,
+        attempt_causes=tuple(err.attempt_causes),
     )
 
 
@@ -273,6 +286,8 @@ def check_result(result: RunResult) -> RunResult:
         dispatch_id=err.dispatch_id,
         outcome=err.outcome or "TASK_FAILURE",
         remote_text=err.remote_text,
+        attempts=err.attempts,
+        attempt_causes=err.attempt_causes,
     )
 
 

@@ -256,6 +256,8 @@ class Orchestrator:
                 blobs.append(blob)
             if member_descs:
                 _check_written_overlap(args_list, member_descs, _API[kind], handle, len(run.slots))
+                if cfg.max_retries and not cfg.idempotent:
+                    _check_retry_safe(args_list, cfg, _API[kind], handle, len(run.slots))
         except BaseException:
             for b in value_pins:  # nothing of a refused task stays on the heap
                 heap.unpin(b)
@@ -492,6 +494,23 @@ class Orchestrator:
 
 #: The tags whose tensors a task writes.
 _WRITTEN: Final = frozenset((Tag.OUTPUT, Tag.OUTPUT_EXISTING, Tag.INOUT))
+
+
+def _check_retry_safe(
+    args_list: list[TaskArgs], cfg: CallConfig, api: str, handle: CallableHandle, index: int
+) -> None:
+    """A task that writes a tensor in place may not be retried unless it says it is
+    idempotent: a failed attempt's partial write would be read by the next one."""
+    for m, a in enumerate(args_list):
+        for k, tag in enumerate(a.tags):
+            if tag in (Tag.INOUT, Tag.OUTPUT_EXISTING):
+                where = f"args_list[{m}].tensors[{k}]" if len(args_list) > 1 else f"tensors[{k}]"
+                raise ValueError(
+                    f"cannot {api}: task {index} ({handle.name}) has max_retries="
+                    f"{cfg.max_retries} and writes {where} in place ({tag.name}): a failed "
+                    "attempt's partial write would be read by the next attempt; pass "
+                    "CallConfig(idempotent=True) if running it again is safe"
+                )
 
 
 def _check_written_overlap(

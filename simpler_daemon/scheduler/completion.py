@@ -27,12 +27,14 @@ from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
 from simpler_daemon.endpoints.local import NOT_PICKED_UP, LocalMailboxEndpoint
 from simpler_daemon.errors import RunCancelled
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerThread, WorkerType
+from simpler_daemon.scheduler.retries import attempt_text, retry_cause
 from simpler_daemon.scheduler.runmodel import (
     RETIRED_RUN,
     FailureInfo,
     Run,
     RunState,
     SlotState,
+    TaskKind,
     TaskSlot,
 )
 from simpler_daemon.scheduler.sink import SubmitSink
@@ -101,6 +103,8 @@ class RunCompletion(SchedulerState, SubmitSink):
         for slot in run.slots:
             if slot.state in (SlotState.PENDING, SlotState.READY) and slot.members_started == 0:
                 self._fail_slot(slot, FailureInfo(Outcome.SKIPPED, "run cancelled"), record=False)
+        if self.member_retries:
+            self._drop_member_retries(run, "run cancelled before the retry of this member")
         self._drop_partitions(run.run_id)
         self.finish_if_done(run)
         if not run.terminal:
@@ -250,6 +254,8 @@ class RunCompletion(SchedulerState, SubmitSink):
         if c.dispatch.issued_at:
             # Dispatch-to-completion latency: decides whether spinning pays (spingate.py).
             self.spin_gate.observe(c.dispatch.issued_at, time.monotonic())
+        if c.outcome is not Outcome.SUCCESS and slot.config.max_retries and self._retry(slot, c):
+            return  # it runs again: its consumers wait for the next attempt
         if c.outcome is Outcome.SUCCESS:
             self.stats["completed"] += 1
         else:
@@ -270,6 +276,8 @@ class RunCompletion(SchedulerState, SubmitSink):
                     getattr(child, "pid", None),
                     f"{label} {c.worker_id}",
                 )
+                if slot.config.max_retries:
+                    self._note_attempts(slot, c, slot.failure)
         if self.on_task_event is not None:
             self.on_task_event(slot, "completed", c)
         if slot.is_group:
@@ -343,6 +351,145 @@ class RunCompletion(SchedulerState, SubmitSink):
                 run.counts["done"] += 1
             if not run.remaining:
                 self.finish_if_done(run)
+
+    # -- retries (CallConfig.max_retries; scheduler/retries.py) ---------------------------------
+
+    def _retry(self, slot: TaskSlot, c: WorkerCompletion) -> bool:
+        """Run failed attempt ``c`` of ``slot`` again when its config says so and attempts
+        are left: a single goes back to the head of its queue (READY), a group member
+        waits in ``member_retries``. False: the attempt fails the task as before."""
+        run = slot.run
+        if run.cancelled or run.terminal or slot.state != SlotState.RUNNING:
+            return False
+        cause = retry_cause(c, slot.config)
+        if cause is None:
+            return False
+        member = c.dispatch.group_index
+        used = slot.retries.get(member, 0) if slot.retries is not None else 0
+        if used >= slot.config.max_retries:
+            return False
+        if slot.retries is None:
+            slot.retries = {}
+            slot.causes = []
+        slot.retries[member] = used + 1
+        assert slot.causes is not None
+        slot.causes.append(
+            attempt_text(used + 1, member if slot.is_group else None, c, self._where(c))
+        )
+        self.stats["retried"] += 1
+        if c.outcome is Outcome.ENDPOINT_FAILURE:
+            lane = self._lane_of(c)
+            if lane is not None:
+                self._suspect.add(lane)  # replaced by the usual path before it is used
+        if self.on_task_event is not None:
+            self.on_task_event(slot, "retried", c)
+        if slot.is_group:
+            self.member_retries.append((slot, member))
+        else:
+            slot.state = SlotState.READY
+            slot.members_started = 0
+            run.counts["running"] -= 1
+            if slot.kind is TaskKind.SUB:
+                q = self.subs.get(run.run_id)
+                if q is None:
+                    q = self.subs[run.run_id] = deque()
+                q.appendleft(slot)
+            else:
+                per = self.singles.setdefault(slot.targets[0], {})
+                per.setdefault(run.run_id, deque()).appendleft(slot)
+        self.wake()
+        return True
+
+    def _where(self, c: WorkerCompletion) -> str:
+        """``sub worker 0 (pid 123)``: where attempt ``c`` ran."""
+        label = "sub worker" if c.worker_type is WorkerType.SUB else "worker"
+        pid = getattr(
+            getattr(getattr(self._lane_of(c), "endpoint", None), "child", None), "pid", None
+        )
+        return f"{label} {c.worker_id}" + (f" (pid {pid})" if pid is not None else "")
+
+    def _note_attempts(self, slot: TaskSlot, c: WorkerCompletion, failure: FailureInfo) -> None:
+        """The last attempt of a task that may retry failed: its error counts them all."""
+        member = c.dispatch.group_index
+        used = slot.retries.get(member, 0) if slot.retries is not None else 0
+        last = attempt_text(used + 1, member if slot.is_group else None, c, self._where(c))
+        failure.attempts = used + 1
+        failure.causes = (*(slot.causes or ()), last)
+
+    def dispatch_member_retries(self) -> bool:
+        """Send each group member waiting for its retry to a lane: an idle SUB lane for a
+        SUB group, its own NEXT_LEVEL target otherwise (once that is idle again: a dead
+        one is replaced first). A member whose lane will never come back fails."""
+        did = False
+        waiting: list[tuple[TaskSlot, int]] = []
+        manager = self.manager
+        for slot, member in self.member_retries:
+            if slot.run.terminal or slot.state != SlotState.RUNNING:
+                continue
+            lane: WorkerThread | None
+            if slot.kind is TaskKind.SUB_GROUP:
+                lane = next(
+                    (
+                        m
+                        for m in manager.sub
+                        if m.active is None and m.idle() and not m.lacks(slot.digest)
+                    ),
+                    None,
+                )
+                gone = all(m.gone is not None for m in manager.sub)
+                why = "no SUB worker is left"
+            else:
+                lane = manager.next_level.get(slot.targets[member])
+                gone = lane is None or lane.gone is not None
+                why = f"worker {slot.targets[member]} is gone"
+                if lane is not None and not lane.idle():
+                    lane = None
+            if gone:
+                self._member_failed(slot, member, f"cannot retry member {member}: {why}")
+                did = True
+                continue
+            if lane is None:
+                waiting.append((slot, member))
+                continue
+            d = WorkerDispatch(slot, member)
+            self.stats["dispatched"] += 1
+            d.issued_at = time.monotonic()
+            lane.dispatch(d)
+            if self.on_task_event is not None:
+                done = WorkerCompletion(d, lane.worker_id, lane.worker_type, Outcome.SUCCESS)
+                self.on_task_event(slot, "redispatched", done)
+            did = True
+        self.member_retries = waiting
+        return did
+
+    def _drop_member_retries(self, run: Run, why: str) -> None:
+        """The members of ``run`` waiting for a retry will not get one."""
+        keep: list[tuple[TaskSlot, int]] = []
+        for slot, member in self.member_retries:
+            if slot.run is run:
+                self._member_failed(slot, member, why)
+            else:
+                keep.append((slot, member))
+        self.member_retries = keep
+
+    def _member_failed(self, slot: TaskSlot, member: int, why: str) -> None:
+        """A member that would have been retried ends failed: what the completion of a
+        failed member does (the group fails once its last member is done)."""
+        if slot.failure is None:
+            slot.failure = FailureInfo(
+                Outcome.ENDPOINT_FAILURE,
+                why,
+                attempts=(slot.retries or {}).get(member, 0) + 1,
+                causes=tuple(slot.causes or ()),
+            )
+        slot.members_done += 1
+        if slot.members_done < slot.members_started:
+            return
+        run = slot.run
+        run.counts["running"] -= 1
+        failure, slot.failure = slot.failure, None
+        self._fail_slot(slot, failure, running=True)
+        self.finish_if_done(run)
 
     def _requeue_staged(self, slot: TaskSlot, c: WorkerCompletion) -> None:
         """A staged single that never started goes back to the head of its run's queue

@@ -243,6 +243,8 @@ class Scheduler(ProgressLoop):
                 q = self._pump_queue() if pumping and not self._held else None
                 if q:
                     pump.drive(self, q, self.manager.sub, self._pump_spin, chain=chain)
+            if self.member_retries and self.dispatch_member_retries():
+                progressed = True
             if self.fair is not None:
                 if self._dispatch_fair(self.fair):
                     progressed = True

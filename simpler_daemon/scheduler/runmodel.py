@@ -74,6 +74,10 @@ class FailureInfo:
     dispatch_id: int | None = None
     pid: int | None = None
     worker_label: str | None = None
+    #: How many attempts the task (this member) had, and one line per failed attempt,
+    #: the last one's included (``scheduler/retries.py``); 1 and () without retries.
+    attempts: int = 1
+    causes: tuple[str, ...] = ()
 
 
 #: The TaskSlot fields the C SUB pump reads to publish a slot (``mailbox/_mailbox_pump.c``
@@ -101,6 +105,7 @@ class TaskSlot:
 
     __slots__ = (
         "blobs",
+        "causes",
         "config",
         "config_bytes",
         "consumers",
@@ -118,6 +123,7 @@ class TaskSlot:
         "members_started",
         "pins",
         "result",
+        "retries",
         "run",
         "run_id",
         "slot_id",
@@ -159,6 +165,10 @@ class TaskSlot:
         self.members_started = 0
         self.members_done = 0
         self.failure: FailureInfo | None = None
+        #: Retries used so far, per member (None until the first): ``CallConfig.max_retries``.
+        self.retries: dict[int, int] | None = None
+        #: One line per failed attempt that was retried (``retries.attempt_text``).
+        self.causes: list[str] | None = None
         #: What the task returned, msgpack-encoded: ``None`` (nothing, the usual case),
         #: its bytes, or for a group a list with one entry (bytes or None) per member.
         self.result: bytes | list[bytes | None] | None = None
@@ -309,9 +319,12 @@ class Run:
         if failure.pid is not None:
             where += f" (pid {failure.pid})"
         dispatch = f", dispatch {failure.dispatch_id}" if failure.dispatch_id is not None else ""
+        tries = ""
+        if failure.attempts > 1:
+            tries = f" after {failure.attempts} attempts ({'; '.join(failure.causes[:-1])})"
         msg = (
             f"run {self.run_id} failed: task {slot.index} ({slot.kind.name} "
-            f"{slot.handle.name}, hashid {slot.hashid}) on {where}{dispatch}: "
+            f"{slot.handle.name}, hashid {slot.hashid}) on {where}{dispatch}{tries}: "
             f"{failure.outcome.name}: {failure.message}"
         )
         cls = RunCancelled if self.cancelled else TaskError
@@ -324,6 +337,8 @@ class Run:
             outcome=failure.outcome.name,
             remote_text=failure.message,
             pid=failure.pid,
+            attempts=failure.attempts,
+            attempt_causes=failure.causes,
         )
 
     def raise_if_failed(self) -> None:

@@ -102,7 +102,16 @@ class SchedulerState:
         self.replaces_dead_subs = False
         self.on_admit: Callable[[Run], None] | None = None
         self.on_task_event: Callable[[TaskSlot, str, WorkerCompletion | None], None] | None = None
-        self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "rounds": 0, "parks": 0}
+        self.stats = {
+            "dispatched": 0,
+            "completed": 0,
+            "failed": 0,
+            "retried": 0,
+            "rounds": 0,
+            "parks": 0,
+        }
+        #: Group members whose failed attempt runs again (completion.py), waiting for a lane.
+        self.member_retries: list[tuple[TaskSlot, int]] = []
         #: Every lane, and those whose completions do not bump the doorbell word (remote
         #: sessions); the Scheduler fills both once the manager started.
         self._lanes: list[WorkerThread] = []

@@ -8,8 +8,10 @@ on the C pump's path and pay nothing. The timestamps are the ones the Scheduler 
 an attempt starts when the task is handed to its lane and ends when its completion is
 drained (tasks the C pump completes in a batch end at the batch's drain)::
 
-    dispatched  -> open[(slot, member)] = (t, attempt)
-    completed   -> attempts += (index, member, attempt, t0, t1, lane, outcome, name)
+    dispatched, redispatched (a group member's retry)
+                -> open[(slot, member)] = (t, attempt)
+    completed, retried (a failed attempt that runs again)
+                -> attempts += (index, member, attempt, t0, t1, lane, outcome, name)
     requeued    -> the open attempt is dropped (the child never picked it up)
 
 :meth:`RunTrace.chrome` gives the Chrome Trace Event format (``{"traceEvents": [...]}``)
@@ -75,12 +77,13 @@ class RunTrace:
 
     def on_event(self, slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
         """The Scheduler's task event for a slot of this run."""
-        if event == "dispatched":
-            key = (slot.slot_id, max(slot.members_started - 1, 0))
+        if event == "dispatched" or (event == "redispatched" and c is not None):
+            member = max(slot.members_started - 1, 0) if c is None else c.dispatch.group_index
+            key = (slot.slot_id, member)
             n = self.tries.get(key, 0) + 1
             self.tries[key] = n
             self.open[key] = (time.perf_counter_ns(), n)
-        elif event == "completed" and c is not None:
+        elif (event == "completed" or event == "retried") and c is not None:
             member = c.dispatch.group_index
             started = self.open.pop((slot.slot_id, member), None)
             now = time.perf_counter_ns()

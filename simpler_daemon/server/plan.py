@@ -55,6 +55,7 @@ from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.fastwire import NativeTask
 from simpler_daemon.remote.spec import RemoteWorkerSpec, parse_endpoint
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
+from simpler_daemon.server.retry_config import check_retry_safe, retry_fields
 from simpler_daemon.server.status import error_text
 from simpler_daemon.taskvalues import checked_received
 
@@ -393,6 +394,7 @@ class Planner:
                 f"{field}.output_prefix",
                 f"{prefix_len} bytes, the limit is {MAX_OUTPUT_PREFIX}",
             )
+        retry = retry_fields(msg, field)
         try:
             return CallConfig(
                 deadline_ms=self.task_deadline_ms(msg.deadline_ms),
@@ -400,8 +402,9 @@ class Planner:
                 enable_profile=msg.enable_profile,
                 enable_dump_args=msg.enable_dump_args,
                 output_prefix=msg.output_prefix,
+                **retry,
             )
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             raise InvalidField(field, str(exc)) from exc
 
     def task_args(self, msg: Any, field: str, pins: set[int]) -> TaskArgs:
@@ -746,6 +749,8 @@ class Planner:
                 else:
                     plain = False
                     args_list.append(self.task_args(member, f"{where}.members[{m}]", pins))
+            if config is not None and config.max_retries and not config.idempotent:
+                check_retry_safe(args_list, config, where)
             total += len(args_list)
             prev, prev_planned = task, Planned(kind, handle, args_list, config, workers)
             plan.append(prev_planned)

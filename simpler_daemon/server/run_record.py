@@ -20,8 +20,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Final
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.engine.orchestrator import FailureInfo, Run, RunState, SlotState, TaskSlot
 from simpler_daemon.engine.worker import RunHandle
@@ -31,6 +29,7 @@ from simpler_daemon.scheduler.trace import RunTrace
 from simpler_daemon.server.history import StoredRun
 from simpler_daemon.server.keys import fingerprint
 from simpler_daemon.server.metrics import Metrics
+from simpler_daemon.server.run_events import TERMINAL_STATES, RunEvents, now_ts
 
 __all__ = [
     "RESULT_FRAMING",
@@ -46,9 +45,6 @@ log = logging.getLogger("simpler_daemon.service")
 
 #: Events a watcher may fall behind by before it is sent a fresh snapshot instead.
 WATCH_QUEUE_LIMIT: Final = 65_536
-_TERMINAL: Final = frozenset(
-    {pb.RUN_STATE_COMPLETED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST}
-)
 #: States whose RunStatus carries the run's error.
 _WITH_ERROR: Final = frozenset({pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_LOST})
 #: Room in a response for what surrounds the results (the RunStatus itself).
@@ -70,13 +66,6 @@ def _time_up(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def now_ts(ns: int | None = None) -> Timestamp:
-    """A Timestamp of ``ns`` (None: now); not ``FromNanoseconds``, Python code that
-    costs several times more."""
-    seconds, nanos = divmod(time.time_ns() if ns is None else ns, 1_000_000_000)
-    return Timestamp(seconds=seconds, nanos=nanos)
-
-
 class Watcher:
     """One WatchRun stream's queue; a watcher that falls too far behind gets a snapshot."""
 
@@ -96,13 +85,13 @@ class Watcher:
         self.wake.set()
 
 
-class RunRecord:
+class RunRecord(RunEvents):
     """What the daemon knows about one run: identity, counts, state, watchers.
 
     Counts are per task *call* (a group counts one per member), driven by the
-    Scheduler's events: ``dispatched`` (+running), ``completed`` (-running,
-    +done or +failed), and a slot that fails without being dispatched
-    (+failed per member).
+    Scheduler's events (``run_events.py``): ``dispatched`` (+running), ``completed``
+    (-running, +done or +failed), ``retried`` (-running, +retried), and a slot that
+    fails without being dispatched (+failed per member).
     """
 
     # Slotted: the daemon keeps up to limits.max_finished_runs_kept of them.
@@ -115,7 +104,6 @@ class RunRecord:
         "_results",
         "_slots_seen",
         "_static_total",
-        "_t0",
         "_terminal_event",
         "_terminal_message",
         "_waiters",
@@ -123,10 +111,8 @@ class RunRecord:
         "cancel_reason",
         "cancel_requested",
         "client",
-        "done",
         "error_before_cancel",
         "error_task_index",
-        "failed",
         "finish_ns",
         "finished",
         "handle",
@@ -140,9 +126,6 @@ class RunRecord:
         "results_dropped",
         "run",
         "run_id",
-        "running",
-        "seq",
-        "state",
         "status_bytes",
         "submit_ns",
         "total",
@@ -173,11 +156,7 @@ class RunRecord:
         self._static_total = total is not None
         self.total = total or 0
         self._slots_seen = 0
-        self.done = 0
-        self.failed = 0
-        self.running = 0
-        self.seq = 0
-        self.state: pb.RunState = pb.RUN_STATE_QUEUED
+        super().__init__()  # the counts, seq and state (run_events.py)
         self.watchers: set[Watcher] = set()
         self.submit_ns = time.time_ns()
         self.finish_ns = 0
@@ -199,7 +178,6 @@ class RunRecord:
         self.on_finished: Callable[[RunRecord], None] | None = None
         self.on_bind: Callable[[RunRecord], None] | None = None
         self._metrics = metrics
-        self._t0: dict[tuple[int, int], int] = {}
         #: Bytes of task results this run keeps (each counted as in one WaitRun reply).
         self.result_bytes = 0
         #: Why the results were dropped (limits.max_finished_result_bytes), "" while kept.
@@ -424,6 +402,7 @@ class RunRecord:
             done=max(self.done, 0),
             failed=max(self.failed, 0),
             running=max(self.running, 0),
+            retried=self.retried,
         )
 
     def error_proto(self) -> Any:
@@ -440,6 +419,8 @@ class RunRecord:
             dispatch_id=err.dispatch_id or 0,
             outcome="CANCELLED" if cancelled else err.outcome,
             remote_text=err.remote_text,
+            attempts=err.attempts,
+            attempt_causes=err.attempt_causes,
         )
         if err.worker_id is not None:
             out.worker_id = err.worker_id
@@ -467,6 +448,8 @@ class RunRecord:
         counts.done = max(self.done, 0)
         counts.failed = max(self.failed, 0)
         counts.running = max(self.running, 0)
+        if self.retried:
+            counts.retried = self.retried
         out.label = self.label
         stamp = out.submit_time
         stamp.seconds, stamp.nanos = divmod(self.submit_ns, 1_000_000_000)
@@ -479,7 +462,7 @@ class RunRecord:
         if self.finish_ns:
             stamp = out.finish_time
             stamp.seconds, stamp.nanos = divmod(self.finish_ns, 1_000_000_000)
-        if include_results and state in _TERMINAL:
+        if include_results and state in TERMINAL_STATES:
             self._add_results(out, max_bytes)
         return out
 
@@ -631,82 +614,7 @@ class RunRecord:
         if self.trace is not None:  # kept with the status: limits.max_finished_run_bytes
             self.status_bytes += self.trace.nbytes()
 
-    # -- events from the Scheduler (all on the loop) -----------------------------------
-
-    def _event(self, etype: pb.RunEventType, **fields: Any) -> Any:
-        self.seq += 1
-        return pb.RunEvent(
-            run_id=self.run_id,
-            sequence=self.seq,
-            type=etype,
-            counts=self.counts(),
-            state=self.state,
-            time=now_ts(),
-            **fields,
-        )
-
-    def _publish(self, event: Any, *, force: bool = False) -> None:
-        for w in self.watchers:
-            w.push(event, force=force)
-
-    def _state_changed(self) -> None:
-        state = self.proto_state()
-        if state != self.state and state not in _TERMINAL:
-            self.state = state
-            self._publish(self._event(pb.RUN_EVENT_TYPE_RUN_STATE))
-
-    def on_task_event(self, slot: TaskSlot, event: str, completion: Any) -> None:
-        metrics = self._metrics
-        if event == "dispatched":
-            self.running += 1
-            member = max(slot.members_started - 1, 0)
-            if metrics is not None:
-                kind = slot.kind.name.lower()
-                metrics.task_dispatched(kind)
-                self._t0[(slot.slot_id, member)] = time.perf_counter_ns()
-            if self.watchers:
-                self._state_changed()
-                self._publish(
-                    self._event(
-                        pb.RUN_EVENT_TYPE_TASK_DISPATCHED,
-                        task_index=slot.index,
-                        member_index=member,
-                    )
-                )
-            else:
-                self.seq += 1
-        elif event == "completed" and completion is not None:
-            self.running -= 1
-            ok = completion.outcome is Outcome.SUCCESS
-            if ok:
-                self.done += 1
-            else:
-                self.failed += 1
-            member = completion.dispatch.group_index
-            if metrics is not None:
-                t0 = self._t0.pop((slot.slot_id, member), None)
-                latency = None if t0 is None else (time.perf_counter_ns() - t0) / 1e9
-                metrics.task_completed(slot.kind.name.lower(), completion.outcome.name, latency)
-            if self.watchers:
-                self._state_changed()
-                fields: dict[str, Any] = {
-                    "task_index": slot.index,
-                    "member_index": member,
-                    "worker_id": completion.worker_id,
-                    "dispatch_id": completion.dispatch.dispatch_id,
-                    "outcome": completion.outcome.name,
-                }
-                if not ok:
-                    fields["message"] = completion.message
-                etype = pb.RUN_EVENT_TYPE_TASK_COMPLETED if ok else pb.RUN_EVENT_TYPE_TASK_FAILED
-                self._publish(self._event(etype, **fields))
-            else:
-                self.seq += 1
-        elif event == "requeued":
-            # A chip task only staged behind a terminated one never started: it goes
-            # back to its queue and is dispatched (and counted) again later.
-            self.running -= 1
-            self._t0.pop((slot.slot_id, max(slot.members_started - 1, 0)), None)
+    # -- events from the Scheduler (all on the loop; the task events: run_events.py) ----
 
     def _on_slot(self, run: Run, event: str, slot: TaskSlot | None) -> None:
         """Run listener: a slot became terminal (``task``) or the run did (``run``)."""

@@ -225,7 +225,12 @@ def test_format_exception() -> None:
         raise KeyError("k")
     except KeyError as exc:
         text = format_exception("sub_worker", exc)
-    assert text.startswith("sub_worker: KeyError: 'k'\nTraceback (most recent call last)")
+    # The class and its bases on the second line: what retry_exceptions matches.
+    assert text.startswith(
+        "sub_worker: KeyError: 'k'\n"
+        "[exception classes: KeyError < LookupError < Exception < BaseException]\n"
+        "Traceback (most recent call last)"
+    )
 
 
 # -- raw controls --------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_submit_toml_and_wait(ctl: Ctl, tmp_path: Path) -> None:
     spec.write_text(RUN_SPEC)
     result = ctl.json("submit", str(spec), "--wait", "--timeout", "20")
     assert result["state"] == "COMPLETED" and result["label"] == "ctl-demo"
-    assert result["counts"] == {"total": 3, "done": 3, "failed": 0, "running": 0}
+    assert result["counts"] == {"total": 3, "done": 3, "failed": 0, "running": 0, "retried": 0}
     assert result["contents"]["out"] == [(i + 10) * 2 for i in range(8)]
     assert set(result["buffers"]) == {"a", "b", "out"}
 

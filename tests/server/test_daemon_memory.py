@@ -30,6 +30,7 @@ from simpler_daemon.client.errors import NotFound
 from simpler_daemon.engine.orchestrator import Run, TaskRef
 from simpler_daemon.errors import InvalidField, TaskError, UnknownObject
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.scheduler.trace import ATTEMPT_BYTES, RunTrace
 from simpler_daemon.server.config import CallablesConfig, LimitsConfig
 from simpler_daemon.server.plan import Planner
 from simpler_daemon.server.run_record import STATUS_BYTES
@@ -279,7 +280,9 @@ async def test_plan_validates_repeated_identical_tasks_once() -> None:
 
 # --------------------------------------------------------------------------- one daemon
 
-STATUS_LIMIT = 3 * STATUS_BYTES + 1500  # limits.max_finished_run_bytes: three statuses fit
+# A finished run of 50 tasks keeps its status and its trace (one attempt per task).
+KEPT_RUN = STATUS_BYTES + RunTrace().nbytes() + 50 * ATTEMPT_BYTES
+STATUS_LIMIT = 3 * KEPT_RUN + 1500  # limits.max_finished_run_bytes: three such runs fit
 CONFIG: dict[str, dict[str, Any]] = {
     "workers": {"num_sub_workers": 2},
     "limits": {"max_finished_run_bytes": STATUS_LIMIT},

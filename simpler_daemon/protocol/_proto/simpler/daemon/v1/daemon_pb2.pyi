@@ -57,6 +57,7 @@ class RunEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_EVENT_TYPE_TASK_COMPLETED: _ClassVar[RunEventType]
     RUN_EVENT_TYPE_TASK_FAILED: _ClassVar[RunEventType]
     RUN_EVENT_TYPE_RUN_STATE: _ClassVar[RunEventType]
+    RUN_EVENT_TYPE_TASK_RETRYING: _ClassVar[RunEventType]
 
 class WorkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -121,6 +122,7 @@ RUN_EVENT_TYPE_TASK_DISPATCHED: RunEventType
 RUN_EVENT_TYPE_TASK_COMPLETED: RunEventType
 RUN_EVENT_TYPE_TASK_FAILED: RunEventType
 RUN_EVENT_TYPE_RUN_STATE: RunEventType
+RUN_EVENT_TYPE_TASK_RETRYING: RunEventType
 WORKER_KIND_UNSPECIFIED: WorkerKind
 WORKER_KIND_SUB: WorkerKind
 WORKER_KIND_CHIP: WorkerKind
@@ -553,18 +555,26 @@ class Args(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorRef, _Mapping]]] = ..., scalars: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., kwargs: _Optional[bytes] = ...) -> None: ...
 
 class CallConfig(_message.Message):
-    __slots__ = ("deadline_ms", "threads", "enable_profile", "enable_dump_args", "output_prefix")
+    __slots__ = ("deadline_ms", "threads", "enable_profile", "enable_dump_args", "output_prefix", "max_retries", "retry_on", "retry_exceptions", "idempotent")
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PROFILE_FIELD_NUMBER: _ClassVar[int]
     ENABLE_DUMP_ARGS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    RETRY_ON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_EXCEPTIONS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENT_FIELD_NUMBER: _ClassVar[int]
     deadline_ms: int
     threads: int
     enable_profile: bool
     enable_dump_args: bool
     output_prefix: str
-    def __init__(self, deadline_ms: _Optional[int] = ..., threads: _Optional[int] = ..., enable_profile: _Optional[bool] = ..., enable_dump_args: _Optional[bool] = ..., output_prefix: _Optional[str] = ...) -> None: ...
+    max_retries: int
+    retry_on: _containers.RepeatedScalarFieldContainer[str]
+    retry_exceptions: _containers.RepeatedScalarFieldContainer[str]
+    idempotent: bool
+    def __init__(self, deadline_ms: _Optional[int] = ..., threads: _Optional[int] = ..., enable_profile: _Optional[bool] = ..., enable_dump_args: _Optional[bool] = ..., output_prefix: _Optional[str] = ..., max_retries: _Optional[int] = ..., retry_on: _Optional[_Iterable[str]] = ..., retry_exceptions: _Optional[_Iterable[str]] = ..., idempotent: _Optional[bool] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("kind", "hashid", "members", "workers", "config")
@@ -631,19 +641,21 @@ class RunOrchestrationResponse(_message.Message):
     def __init__(self, run_id: _Optional[int] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
 
 class RunCounts(_message.Message):
-    __slots__ = ("total", "done", "failed", "running")
+    __slots__ = ("total", "done", "failed", "running", "retried")
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RETRIED_FIELD_NUMBER: _ClassVar[int]
     total: int
     done: int
     failed: int
     running: int
-    def __init__(self, total: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+    retried: int
+    def __init__(self, total: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., running: _Optional[int] = ..., retried: _Optional[int] = ...) -> None: ...
 
 class RunError(_message.Message):
-    __slots__ = ("message", "worker_id", "hashid", "dispatch_id", "outcome", "remote_text", "task_index")
+    __slots__ = ("message", "worker_id", "hashid", "dispatch_id", "outcome", "remote_text", "task_index", "attempts", "attempt_causes")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HASHID_FIELD_NUMBER: _ClassVar[int]
@@ -651,6 +663,8 @@ class RunError(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TEXT_FIELD_NUMBER: _ClassVar[int]
     TASK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_CAUSES_FIELD_NUMBER: _ClassVar[int]
     message: str
     worker_id: int
     hashid: str
@@ -658,7 +672,9 @@ class RunError(_message.Message):
     outcome: str
     remote_text: str
     task_index: int
-    def __init__(self, message: _Optional[str] = ..., worker_id: _Optional[int] = ..., hashid: _Optional[str] = ..., dispatch_id: _Optional[int] = ..., outcome: _Optional[str] = ..., remote_text: _Optional[str] = ..., task_index: _Optional[int] = ...) -> None: ...
+    attempts: int
+    attempt_causes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, message: _Optional[str] = ..., worker_id: _Optional[int] = ..., hashid: _Optional[str] = ..., dispatch_id: _Optional[int] = ..., outcome: _Optional[str] = ..., remote_text: _Optional[str] = ..., task_index: _Optional[int] = ..., attempts: _Optional[int] = ..., attempt_causes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchRunRequest(_message.Message):
     __slots__ = ("run_id", "after_sequence")
@@ -669,7 +685,7 @@ class WatchRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[int] = ..., after_sequence: _Optional[int] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("run_id", "sequence", "type", "task_index", "member_index", "worker_id", "dispatch_id", "outcome", "message", "counts", "state", "time")
+    __slots__ = ("run_id", "sequence", "type", "task_index", "member_index", "worker_id", "dispatch_id", "outcome", "message", "counts", "state", "time", "attempt")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -682,6 +698,7 @@ class RunEvent(_message.Message):
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     run_id: int
     sequence: int
     type: RunEventType
@@ -694,7 +711,8 @@ class RunEvent(_message.Message):
     counts: RunCounts
     state: RunState
     time: _timestamp_pb2.Timestamp
-    def __init__(self, run_id: _Optional[int] = ..., sequence: _Optional[int] = ..., type: _Optional[_Union[RunEventType, str]] = ..., task_index: _Optional[int] = ..., member_index: _Optional[int] = ..., worker_id: _Optional[int] = ..., dispatch_id: _Optional[int] = ..., outcome: _Optional[str] = ..., message: _Optional[str] = ..., counts: _Optional[_Union[RunCounts, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, run_id: _Optional[int] = ..., sequence: _Optional[int] = ..., type: _Optional[_Union[RunEventType, str]] = ..., task_index: _Optional[int] = ..., member_index: _Optional[int] = ..., worker_id: _Optional[int] = ..., dispatch_id: _Optional[int] = ..., outcome: _Optional[str] = ..., message: _Optional[str] = ..., counts: _Optional[_Union[RunCounts, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class WaitRunRequest(_message.Message):
     __slots__ = ("run_id", "timeout_seconds", "include_results")
