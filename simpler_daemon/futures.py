@@ -21,18 +21,20 @@ The subclass answers ``done()``, ``result()``, ``exception()``, ``cancel()`` and
 ``add_done_callback()`` itself; ``set_result`` and its siblings belong to an executor
 and are refused: a run is settled by the run, not by its holder.
 
-:func:`gather` waits for several such futures and returns their results in order.
+:func:`gather` waits for several such futures and returns their results in order;
+:func:`as_completed` yields them as they finish.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures._base import CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 from typing import Any
 
-__all__ = ["BridgedFuture", "gather"]
+__all__ = ["BridgedFuture", "as_completed", "gather"]
 
 #: Guards the creation of ``_condition`` against the settle step (one lock for all
 #: futures: both sides hold it for a few instructions).
@@ -153,3 +155,49 @@ def gather(
                 raise
             out.append(exc)
     return out
+
+
+def as_completed(
+    futures: Iterable[concurrent.futures.Future[Any]], timeout: float | None = None
+) -> Iterator[concurrent.futures.Future[Any]]:
+    """Yield each future (``RunHandle``, ``RunFuture``, or any ``concurrent.futures``
+    one) as it finishes, the finished ones first; a future given twice is yielded once.
+
+    ``TimeoutError`` names how many were still pending when ``timeout`` (seconds from
+    the call, None = no limit) passed; nothing is cancelled. The futures are checked at
+    the call: anything else (an ``AsyncRunFuture``: use ``asyncio.as_completed``) is a
+    ``TypeError`` naming its position.
+    """
+    fs = list(futures)
+    for i, f in enumerate(fs):
+        if not isinstance(f, concurrent.futures.Future):
+            hint = " (await it, or use asyncio.as_completed)" if hasattr(f, "__await__") else ""
+            raise TypeError(
+                f"cannot wait for futures[{i}]: {type(f).__name__} {f!r} is not a RunHandle, "
+                f"RunFuture or concurrent.futures.Future{hint}"
+            )
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or math.isnan(timeout)
+        or timeout < 0
+    ):
+        raise ValueError(
+            f"cannot wait for futures: timeout={timeout!r} must be >= 0 seconds or None"
+        )
+    return _as_completed(fs, timeout)
+
+
+def _as_completed(
+    fs: list[concurrent.futures.Future[Any]], timeout: float | None
+) -> Iterator[concurrent.futures.Future[Any]]:
+    total = len(set(fs))
+    done = 0
+    try:
+        for f in concurrent.futures.as_completed(fs, timeout):
+            done += 1
+            yield f
+    except TimeoutError:
+        raise TimeoutError(
+            f"{total - done} of {total} futures not finished within {timeout}s"
+        ) from None

@@ -66,6 +66,7 @@ from simpler_daemon.client.fastpath import (
     AsyncFastTransport,
     FastTransport,
 )
+from simpler_daemon.client.mapping import map_items
 from simpler_daemon.client.requests import (
     add_remote_request,
     alloc_request,
@@ -98,6 +99,7 @@ from simpler_daemon.client.results import (
 )
 from simpler_daemon.client.retry import new_key, safe_to_repeat
 from simpler_daemon.client.session import AsyncSessionLease, SessionLease, session_lost
+from simpler_daemon.mapcommon import DEFAULT_CHUNKSIZE
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 
 __all__ = ["AsyncClient", "Client"]
@@ -444,6 +446,30 @@ class Client(_Base):
         running ones (their workers are killed and replaced)."""
         request = cancel_request(run, reason, terminate)
         return cancel_result(self._call("CancelRun", request))
+
+    def map(
+        self,
+        hashid: str,
+        iterable: Iterable[Any],
+        *,
+        chunksize: int = DEFAULT_CHUNKSIZE,
+        config: pb.CallConfig | None = None,
+        timeout: float | None = None,
+        label: str = "map",
+    ) -> Iterator[Any]:
+        """Run SUB callable ``hashid`` once per item (the item as its single value,
+        ``args.values[0]``) and yield the results in order: runs of ``chunksize`` tasks,
+        two in flight ahead of the results taken (``client/mapping.py``). A failed task
+        raises its ``TaskError`` there; ``timeout`` bounds each run's wait."""
+        return map_items(
+            self,
+            hashid,
+            iterable,
+            chunksize=chunksize,
+            config=config,
+            timeout=timeout,
+            label=label,
+        )
 
     def trace(self, run: int) -> dict[str, Any]:
         """The run's task stream in Chrome Trace Event format (``{"traceEvents": [...]}``:

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -56,6 +56,7 @@ from simpler_daemon.engine.lifecycle import (
     check_timeout,
 )
 from simpler_daemon.engine.local_l3 import installs_into_l3, plan_install
+from simpler_daemon.engine.mapping import map_tasks
 from simpler_daemon.engine.orchestrator import Orchestrator, Run
 from simpler_daemon.engine.pool import ChildPool
 from simpler_daemon.engine.registration import (
@@ -73,6 +74,7 @@ from simpler_daemon.errors import RunCancelled, WorkerClosedError, WorkerStateEr
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.mailbox.layout import ControlOp, Mailbox
+from simpler_daemon.mapcommon import DEFAULT_CHUNKSIZE
 from simpler_daemon.remote.spec import ReconnectPolicy, RemoteCallable, RemoteTensorRef
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.driver import Driver, retire_background_threads
@@ -704,6 +706,23 @@ class Worker(Lifecycle, RemoteMethods):
         with driver.lock:
             driver.poll_now()
             driver.run_tasks()
+
+    def map(
+        self,
+        handle: CallableHandle,
+        iterable: Iterable[Any],
+        *,
+        chunksize: int = DEFAULT_CHUNKSIZE,
+        config: CallConfig | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[Any]:
+        """Run SUB callable ``handle`` once per item (the item as its single value,
+        ``args.values[0]``) and yield the results in order: runs of ``chunksize`` tasks,
+        two in flight ahead of the results taken (``engine/mapping.py``). A failed task
+        raises its ``TaskError`` there; ``timeout`` bounds each run's wait."""
+        return map_tasks(
+            self, handle, iterable, chunksize=chunksize, config=config, timeout=timeout
+        )
 
     def _drive_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         """Unbound mode: run Scheduler rounds on this thread until ``done()`` or the timeout."""

@@ -1,5 +1,6 @@
 """SUB callables that fail on their first attempts and succeed later, for the retry
-tests (tests/engine/test_retries.py, tests/server/test_daemon_retries.py).
+tests (tests/engine/test_retries.py, tests/server/test_daemon_retries.py), and the one
+the map tests run per item (``square``).
 
 State shared across attempts lives in a NO_DEP heap tensor the test allocates
 (``tensors[0]``): ``[0]`` counts the attempts started, ``[1 + k]`` holds attempt k's pid.
@@ -91,3 +92,13 @@ def write_then_hang(args: Any) -> None:
 def read_sum(args: Any) -> float:
     """The sum of tensors[0] (an INPUT)."""
     return float(args.tensors[0].sum())
+
+
+def square(args: Any) -> Any:
+    """The square of the task's single value; None for None; raises for a negative one."""
+    x = args.values[0]
+    if x is None:
+        return None
+    if x < 0:
+        raise ValueError(f"negative item {x}")
+    return x * x
