@@ -457,25 +457,13 @@ class Client(_Base):
         timeout: float | None = None,
         label: str = "map",
     ) -> Iterator[Any]:
-        """Run SUB callable ``hashid`` once per item (the item as its single value,
-        ``args.values[0]``) and yield the results in order: runs of ``chunksize`` tasks,
-        two in flight ahead of the results taken (``client/mapping.py``). A failed task
-        raises its ``TaskError`` there; ``timeout`` bounds each run's wait."""
-        return map_items(
-            self,
-            hashid,
-            iterable,
-            chunksize=chunksize,
-            config=config,
-            timeout=timeout,
-            label=label,
-        )
+        """SUB callable ``hashid`` once per item (its single value), the results yielded
+        in order; runs of ``chunksize`` tasks (``client/mapping.py``)."""
+        return map_items(self, hashid, iterable, chunksize, config, timeout, label)
 
     def trace(self, run: int) -> dict[str, Any]:
-        """The run's task stream in Chrome Trace Event format (``{"traceEvents": [...]}``:
-        one complete event per task attempt; ``json.dump`` it and open it in Perfetto or
-        chrome://tracing), as far as the run has got. Kept while the daemon keeps the
-        run's status; FAILED_PRECONDITION for a run finished before its last restart."""
+        """The run's task stream as a Chrome trace (``{"traceEvents": [...]}``, one event
+        per task attempt; Perfetto opens it), kept while the daemon keeps the run."""
         response = self._call("GetRunTrace", trace_request(run))
         return json.loads(response.trace_json)  # type: ignore[no-any-return]
 

@@ -29,7 +29,6 @@ def map_items(
     client: Client,
     hashid: str,
     iterable: Iterable[Any],
-    *,
     chunksize: int,
     config: pb.CallConfig | None,
     timeout: float | None,
