@@ -38,13 +38,13 @@ from typing import Any
 from benchmarks import baseline as baseline_mod
 from benchmarks import report
 from benchmarks.baseline import Baseline, BaselineError
+from benchmarks.proctree import process_table
 from benchmarks.workloads import (
     ADMISSION_ENV,
     LABELS,
     PEER_KEYS,
     SMOKE_PEERS,
     WORKLOADS,
-    process_table,
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import tasks
+from benchmarks.proctree import measure_idle_cpu
 from benchmarks.workloads import (
     ADMISSION_ENV,
     NUM_WORKERS,
@@ -33,7 +34,6 @@ from benchmarks.workloads import (
     Result,
     efficiency_rep,
     latency_rep,
-    measure_idle_cpu,
     ok,
     per_task_rep,
     throughput_rep,

@@ -81,13 +81,12 @@ from benchmarks.ours import (
     event_loop_runner,
     unavailable,
 )
+from benchmarks.proctree import descendants, process_table
 from benchmarks.workloads import (
     WORKLOADS,
     Result,
-    descendants,
     latency_rep,
     ok,
-    process_table,
 )
 
 READY_TIMEOUT = 30.0  # s for the service to print its listening address
