@@ -424,7 +424,7 @@ class SpecBuilder:
         self.key = key
         #: name -> buffer, in spec order: what the submit must free (unless --keep).
         self.created: dict[str, CreatedBuffer] = {}
-        self._registered: dict[tuple[str, int], str] | None = None
+        self._registered: dict[tuple[str, str], str] = {}  # (path, role) -> hashid
         self._listed: dict[int, pb.BufferInfo] | None = None
 
     # -- buffers ------------------------------------------------------------------------
@@ -596,18 +596,16 @@ class SpecBuilder:
         return out
 
     def _hashid(self, target: str, kind: str, where: str) -> str:
-        """A hashid as is; an import path: the registration already in the daemon (so
-        submits do not pile up references), else a new one."""
+        """A hashid as is; an import path: registered in this client's session, once per
+        path and kind. Never a registration found in the daemon's list: another session
+        may hold it alone and release it before this run is submitted (a simplerctl
+        that has just exited, say). The session's reference goes when this process
+        exits, so submits do not pile up references."""
         if target.startswith("sha256:"):
             return target
         role = "sub" if kind in _SUB_KINDS else "chip"
-        callable_kind = pb.CALLABLE_KIND_SUB if role == "sub" else pb.CALLABLE_KIND_CHIP
+        key = (target, role)
         try:
-            if self._registered is None:
-                self._registered = {
-                    (x.import_path, int(x.kind)): x.hashid for x in self.client.list_callables()
-                }
-            key = (target, int(callable_kind))
             if key not in self._registered:
                 self._registered[key] = self.client.register(target, role)
         except grpc.RpcError as exc:
