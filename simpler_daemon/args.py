@@ -432,7 +432,7 @@ class CallConfig:
 
     Retries (``retrypolicy.py``; the parent's policy, not in the frame): a failed
     attempt whose cause is in ``retry_on`` (``"crash"``, ``"deadline"``,
-    ``"exception"``; default a crash only) runs again, up to ``max_retries`` times
+    ``"exception"``; default all three) runs again, up to ``max_retries`` times
     (default 0: never). ``retry_exceptions`` (classes or qualified names) narrows
     ``"exception"`` to those classes and their subclasses. A task that writes a
     tensor in place (INOUT, OUTPUT_EXISTING) is retried only with ``idempotent=True``.

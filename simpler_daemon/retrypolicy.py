@@ -38,9 +38,9 @@ __all__ = [
 
 #: The causes ``retry_on`` may name.
 RETRY_CAUSES: Final = ("crash", "deadline", "exception")
-#: What ``retry_on`` is when not given: a worker's death only (a task that raised or
-#: ran past its deadline would usually do it again).
-DEFAULT_RETRY_ON: Final = ("crash",)
+#: What ``retry_on`` is when not given: every cause. Retrying is asked for with
+#: ``max_retries``; ``retry_on`` and ``retry_exceptions`` narrow what is retried.
+DEFAULT_RETRY_ON: Final = RETRY_CAUSES
 #: The most retries one task may ask for (a crash loop must end).
 MAX_RETRIES: Final = 100
 #: A dotted Python name: ``ValueError``, ``json.JSONDecodeError``, ``pkg.mod.Cls.Inner``.

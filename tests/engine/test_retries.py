@@ -115,12 +115,19 @@ def test_exceptions_retried_only_when_listed(w: Worker) -> None:
     with pytest.raises(TaskError) as info:
         h.wait(60)
     assert state[0] == 1 and info.value.attempts == 1  # a KeyError is not retried
-    # The default retry_on is a crash only: an exception is not retried.
+    # The default retry_on has every cause: an exception is retried.
     state[:] = 0
     h = w.submit(
         lambda o, a, c: o.submit_sub(
             flaky, targs((state, Tag.NO_DEP), scalars=(1,)), CallConfig(max_retries=5)
         )
+    )
+    assert h.result(60) == ["ok"] and state[0] == 2
+    # retry_on=("crash",): an exception is not retried.
+    state[:] = 0
+    crash_only = CallConfig(max_retries=5, retry_on=("crash",))
+    h = w.submit(
+        lambda o, a, c: o.submit_sub(flaky, targs((state, Tag.NO_DEP), scalars=(1,)), crash_only)
     )
     with pytest.raises(TaskError):
         h.wait(60)
@@ -157,7 +164,7 @@ def test_deadline_retried(w: Worker) -> None:
     assert [a[1] for a in _attempts(h.trace())] == [1, 2]
     # Without "deadline" in retry_on the deadline fails the task at once.
     state[:] = 0
-    crash_only = CallConfig(deadline_ms=200, max_retries=1)
+    crash_only = CallConfig(deadline_ms=200, max_retries=1, retry_on=("crash",))
     h = w.submit(
         lambda o, a, c: o.submit_sub(
             slow, targs((state, Tag.NO_DEP), scalars=(10_000,)), crash_only
@@ -273,7 +280,7 @@ def test_cancel_stops_a_pending_retry(w: Worker) -> None:
             "not a qualified name",
         ),
         (
-            {"retry_exceptions": (ValueError,)},
+            {"retry_on": ("crash",), "retry_exceptions": (ValueError,)},
             ValueError,
             "retry_exceptions narrows retry_on='exception'",
         ),

@@ -136,7 +136,7 @@ def test_bad_retry_settings_are_refused_naming_the_field(c: Client) -> None:
                 "not a qualified exception class name",
             ),
             (
-                pb.CallConfig(max_retries=1, retry_exceptions=["ValueError"]),
+                pb.CallConfig(max_retries=1, retry_on=["crash"], retry_exceptions=["ValueError"]),
                 "tasks[0].config",
                 "retry_exceptions narrows retry_on='exception'",
             ),
