@@ -187,7 +187,7 @@ class RunCompletion(SchedulerState, SubmitSink):
             return
         run.end(RunState.FAILED if run.error is not None else RunState.COMPLETED)
         if run.trace is not None:
-            run.trace.ended_ns = time.perf_counter_ns()
+            run.trace.end()
         self._drop_partitions(run.run_id)
         admitted = self.admission.release(run)
         if admitted:
@@ -214,7 +214,7 @@ class RunCompletion(SchedulerState, SubmitSink):
         run.building = False
         run.end(RunState.FAILED)
         if run.trace is not None:
-            run.trace.ended_ns = time.perf_counter_ns()
+            run.trace.end()
         self.release_run_memory(run)
         run.fire_done()
 

@@ -24,6 +24,7 @@ Worker, ``tid`` = the lane (0 is the run itself: its queueing and its execution)
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -40,22 +41,33 @@ MAX_TRACE_ATTEMPTS: Final = 100_000
 #: lane ``i`` is ``tid`` 1 + i, NEXT_LEVEL lane ``i`` is NEXT_LEVEL_TID + i).
 RUN_TID: Final = 0
 NEXT_LEVEL_TID: Final = 100_001
-#: Bytes one kept attempt costs in memory (its tuple and ints; names are shared), for the
-#: daemon's accounting of finished runs.
-ATTEMPT_BYTES: Final = 160
+#: Integers kept per attempt (``RunTrace.ints``).
+FIELDS: Final = 7
+#: Bytes one kept attempt costs in memory (its integers and its name's reference, with
+#: the containers' spare room), for the daemon's accounting of finished runs.
+ATTEMPT_BYTES: Final = 72
+#: Outcome names by code, for every trace of the process (a handful of enum names).
+_OUTCOME_NAMES: list[str] = []
+_OUTCOME_CODES: dict[str, int] = {}
 
 TaskEvent = Callable[["TaskSlot", str, "WorkerCompletion | None"], None]
 
 
 class RunTrace:
     """The task attempts of one run, and when it was submitted, admitted and ended
-    (``time.perf_counter_ns``; ``wall_ns``: ``time.time_ns`` at submission)."""
+    (``time.perf_counter_ns``; ``wall_ns``: ``time.time_ns`` at submission).
+
+    A finished run keeps its trace as long as its status (``limits.max_finished_run_bytes``
+    counts it), so an attempt is stored compactly: :data:`FIELDS` integers in one
+    ``array`` and a reference to its callable's (shared) name; the bookkeeping of the
+    attempts under way is dropped when the run ends (:meth:`end`)."""
 
     __slots__ = (
         "admitted_ns",
-        "attempts",
         "dropped",
         "ended_ns",
+        "ints",
+        "names",
         "open",
         "submitted_ns",
         "tries",
@@ -67,13 +79,21 @@ class RunTrace:
         self.wall_ns = time.time_ns()
         self.admitted_ns = 0
         self.ended_ns = 0
-        #: (index, member, attempt, start ns, end ns, sub lane?, lane id, outcome, callable)
-        self.attempts: list[tuple[int, int, int, int, int, bool, int, str, str]] = []
+        #: FIELDS integers per attempt: task index, member, attempt number, start and end
+        #: (ns after submission), lane (SUB lane i: i; NEXT_LEVEL lane i: -1 - i), outcome
+        #: (an index into the module's outcome names).
+        self.ints = array("q")
+        #: The callable's name per attempt (the handle's own string: shared, not copied).
+        self.names: list[str] = []
         #: (slot id, member) -> (start ns, attempt number) of the attempt running now.
         self.open: dict[tuple[int, int], tuple[int, int]] = {}
-        #: (slot id, member) -> attempts started so far (the next one's number - 1).
+        #: (slot id, member) -> attempts started so far, while the task may run again.
         self.tries: dict[tuple[int, int], int] = {}
         self.dropped = 0
+
+    def __len__(self) -> int:
+        """Attempts kept."""
+        return len(self.names)
 
     def on_event(self, slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
         """The Scheduler's task event for a slot of this run."""
@@ -85,37 +105,38 @@ class RunTrace:
             self.open[key] = (time.perf_counter_ns(), n)
         elif (event == "completed" or event == "retried") and c is not None:
             member = c.dispatch.group_index
-            started = self.open.pop((slot.slot_id, member), None)
+            key = (slot.slot_id, member)
+            started = self.open.pop(key, None)
+            if event == "completed":  # its last attempt: no number to give any more
+                self.tries.pop(key, None)
             now = time.perf_counter_ns()
             t0, n = started if started is not None else (now, 1)
-            if len(self.attempts) >= MAX_TRACE_ATTEMPTS:
+            if len(self.names) >= MAX_TRACE_ATTEMPTS:
                 self.dropped += 1
                 return
-            self.attempts.append(
-                (
-                    slot.index,
-                    member,
-                    n,
-                    t0,
-                    now,
-                    c.worker_type.value == "sub",
-                    c.worker_id,
-                    c.outcome.name,
-                    slot.handle.name,
-                )
-            )
+            name = c.outcome.name
+            code = _OUTCOME_CODES.get(name)
+            if code is None:
+                code = _OUTCOME_CODES[name] = len(_OUTCOME_NAMES)
+                _OUTCOME_NAMES.append(name)
+            lane = c.worker_id if c.worker_type.value == "sub" else -1 - c.worker_id
+            base = self.submitted_ns
+            self.ints.extend((slot.index, member, n, t0 - base, now - base, lane, code))
+            self.names.append(slot.handle.name)
         elif event == "requeued":
             key = (slot.slot_id, max(slot.members_started - 1, 0))
             if self.open.pop(key, None) is not None:
                 self.tries[key] -= 1  # never picked up: not an attempt
 
-    def attempts_of(self, index: int) -> int:
-        """How many attempts task ``index`` has had (its members' most)."""
-        return max((a[2] for a in self.attempts if a[0] == index), default=0)
+    def end(self) -> None:
+        """The run ended: note when, and drop the bookkeeping of attempts under way."""
+        self.ended_ns = time.perf_counter_ns()
+        self.open = {}
+        self.tries = {}
 
     def nbytes(self) -> int:
         """About what the kept trace costs in memory."""
-        return 512 + ATTEMPT_BYTES * len(self.attempts)
+        return 512 + ATTEMPT_BYTES * len(self.names)
 
     def chrome(self, run_id: int, *, state: str = "", worker: str = "Worker") -> dict[str, Any]:
         """The trace in Chrome Trace Event format (see the module docstring); ``state``
@@ -123,9 +144,14 @@ class RunTrace:
         base = self.submitted_ns
         lanes: dict[int, str] = {}
         events: list[dict[str, Any]] = []
-        for index, member, attempt, t0, t1, sub, lane_id, outcome, name in self.attempts:
+        ints = self.ints
+        for k, name in enumerate(self.names):
+            index, member, attempt, t0, t1, lane, code = ints[k * FIELDS : (k + 1) * FIELDS]
+            sub = lane >= 0
+            lane_id = lane if sub else -1 - lane
             tid = (1 + lane_id) if sub else (NEXT_LEVEL_TID + lane_id)
             lanes.setdefault(tid, f"sub worker {lane_id}" if sub else f"worker {lane_id}")
+            outcome = _OUTCOME_NAMES[code]
             args: dict[str, Any] = {"task": index, "attempt": attempt, "outcome": outcome}
             if member:
                 args["member"] = member
@@ -134,7 +160,7 @@ class RunTrace:
                     "name": name,
                     "cat": "task",
                     "ph": "X",
-                    "ts": (t0 - base) / 1000,
+                    "ts": t0 / 1000,
                     "dur": max(t1 - t0, 0) / 1000,
                     "pid": 1,
                     "tid": tid,
@@ -162,7 +188,7 @@ class RunTrace:
         other: dict[str, Any] = {
             "run_id": run_id,
             "submitted_unix_ns": self.wall_ns,
-            "attempts": len(self.attempts),
+            "attempts": len(self.names),
         }
         if self.dropped:
             other["attempts_dropped"] = self.dropped
