@@ -31,6 +31,7 @@ from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.layout import MAX_RESULT_BYTES, OFF_ARGS, OFF_RESERVED, TASK_FRAMES
 from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
+from tests.support.worker_pool import run_to_end
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,16 +77,6 @@ def worker(request: pytest.FixtureRequest) -> Iterator[Worker]:
         w.close()
 
 
-def _run(w: Worker, orch: Any) -> Any:
-    h = w.submit(orch)
-    try:
-        h.wait(60)
-    except TaskError:
-        pass
-    assert h.run.terminal
-    return h.run
-
-
 # -- tests ------------------------------------------------------------------------------------
 
 
@@ -102,7 +93,7 @@ def test_values_per_task_and_per_group_member(worker: Worker) -> None:
         refs.append(o.submit_sub_group(value, [targs(scalars=(i,)) for i in (1, 2)]))
         refs.append(o.submit_sub_group(noop, [targs(), targs()]))
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert run.error is None
     expect = [value_of(targs(scalars=(i,))) for i in (7, 1, 2)]
     # TaskRef is the old index (an int), with the task's value once the run is terminal.
@@ -129,9 +120,9 @@ def test_none_writes_nothing_and_no_stale_value(worker: Worker) -> None:
     noop = w.register(tasks.noop)
     w.init()
     for i in range(3):
-        r1 = _run(w, lambda o, a, c, i=i: o.submit_sub(value, targs(scalars=(i,))))
+        r1 = run_to_end(w, lambda o, a, c, i=i: o.submit_sub(value, targs(scalars=(i,))))
         assert r1.task_results() == [value_of(targs(scalars=(i,)))]
-        r2 = _run(w, lambda o, a, c: o.submit_sub(noop, targs(scalars=(5, 6))))
+        r2 = run_to_end(w, lambda o, a, c: o.submit_sub(noop, targs(scalars=(5, 6))))
         assert r2.error is None
         assert r2.task_results() == [None] and r2.encoded_results() == []
     # Both runs of the last round ran on the first idle worker (worker 0): its frame
@@ -156,7 +147,7 @@ def test_result_past_the_frame_comes_back(worker: Worker) -> None:
         refs.append(o.submit_sub(big, targs(scalars=(AT_LIMIT,))))
         refs.append(o.submit_sub(big, targs(scalars=(AT_LIMIT + 1,))))
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert refs[0].result() == b"x" * AT_LIMIT  # exactly MAX_RESULT_BYTES encoded: the frame
     assert refs[1].result() == b"x" * (AT_LIMIT + 1)  # one more: the memfd
     assert run.error is None
@@ -174,7 +165,7 @@ def test_unencodable_result_fails_clearly(worker: Worker) -> None:
         refs.append(o.submit_sub(value, targs(scalars=(3,))))
         refs.append(o.submit_sub(arr))
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert refs[0].result() == value_of(targs(scalars=(3,)))
     with pytest.raises(TaskError) as ei:
         refs[1].result()

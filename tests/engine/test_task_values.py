@@ -24,6 +24,7 @@ from simpler_daemon.engine.orchestrator import Orchestrator
 from simpler_daemon.taskvalues import TaskValues, section
 from simpler_daemon.testing import poll_for
 from tests.support import sub_tasks as tasks
+from tests.support.worker_pool import run_to_end
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,16 +74,6 @@ def worker() -> Iterator[Worker]:
         yield w
     finally:
         w.close()
-
-
-def _run(w: Worker, orch: Any) -> Any:
-    h = w.submit(orch)
-    try:
-        h.wait(60)
-    except TaskError:
-        pass
-    assert h.run.terminal
-    return h.run
 
 
 def _heap_settled(w: Worker, free: int) -> None:
@@ -169,7 +160,7 @@ def test_values_and_kwargs_reach_the_child(worker: Worker) -> None:
             o.submit_sub_group(h, [TaskArgs().add_value(i).set_kwargs(m=i) for i in range(2)])
         )
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert run.error is None
     assert refs[0].result() == {"values": [1, "two", [3, 4]], "kwargs": {}, "scalars": []}
     r1 = refs[1].result()
@@ -194,7 +185,7 @@ def test_values_with_tensors_keep_dependencies(worker: Worker) -> None:
         o.submit_sub(fill, TaskArgs().add_tensor(x, Tag.OUTPUT).add_scalar(7).add_value("v"))
         refs.append(o.submit_sub(h, TaskArgs().add_tensor(x, Tag.INPUT).add_value(BIG)))
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert run.error is None
     assert list(x) == [7] * 4
     assert refs[0].result()["values"] == [BIG]
@@ -212,7 +203,7 @@ def test_many_small_values_through_the_sub_pump(worker: Worker) -> None:
             refs.append(o.submit_sub(h, TaskArgs().add_value(b"x" * (i % 40))))
         refs.append(o.submit_sub(h, TaskArgs()))  # a plain one after: no stale values seen
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert run.error is None
     assert [r.result() for r in refs[:-1]] == [[i % 40] for i in range(300)]
     assert refs[-1].result() == []
@@ -229,11 +220,11 @@ def test_heap_backed_values_are_freed_after_success_failure_and_cancel(worker: W
     free = w.heap.free_bytes()
 
     refs: list[Any] = []
-    run = _run(w, lambda o, a, c: refs.append(o.submit_sub(h, TaskArgs().add_value(BIG))))
+    run = run_to_end(w, lambda o, a, c: refs.append(o.submit_sub(h, TaskArgs().add_value(BIG))))
     assert run.error is None and refs[0].result() == [len(BIG)]
     _heap_settled(w, free)
 
-    run = _run(w, lambda o, a, c: o.submit_sub(bad, TaskArgs().add_value(BIG)))
+    run = run_to_end(w, lambda o, a, c: o.submit_sub(bad, TaskArgs().add_value(BIG)))
     assert run.error is not None and "refused 1 values" in str(run.error)
     _heap_settled(w, free)
 
@@ -274,7 +265,7 @@ def test_value_past_the_limit_is_refused_at_submit(worker: Worker) -> None:
         except ValueError as exc:
             seen.append(exc)
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert run.error is None
     text = str(seen[0])
     assert "cannot submit_sub task 1 (" in text and "sizes" in text
@@ -304,7 +295,7 @@ def test_results_of_any_size_come_back(worker: Worker) -> None:
         refs.append(o.submit_sub(lst, TaskArgs().add_value(100_000)))
         refs.append(o.submit_sub_group(h, [TaskArgs().add_value(50_000)] * 2))
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     assert run.error is None
     for r, n in zip(refs, sizes_, strict=False):
         got = r.result()
@@ -324,7 +315,7 @@ def test_result_past_max_result_bytes_is_a_task_failure(worker: Worker) -> None:
     def orch(o: Orchestrator, _a: Any, _c: Any) -> None:
         refs.append(o.submit_sub(h, TaskArgs().add_value(n)))
 
-    run = _run(w, orch)
+    run = run_to_end(w, orch)
     with pytest.raises(TaskError) as ei:
         refs[0].result()
     err = ei.value
@@ -353,18 +344,20 @@ def test_large_results_hold_one_memfd_and_a_killed_child_leaks_nothing(worker: W
         w.init()
         pid = w.children[0].pid
         for _ in range(3):
-            run = _run(w, lambda o, a, c: [o.submit_sub(h, TaskArgs().add_value(1 << 20))])
+            run = run_to_end(w, lambda o, a, c: [o.submit_sub(h, TaskArgs().add_value(1 << 20))])
             assert run.error is None
             assert _memfds(pid) <= 1  # the last one, until the next task or an idle park
         poll_for(lambda: _memfds(pid) == 0, 20, message="the idle child to close its result memfd")
         # A child SIGKILLed right after handing back a large result (its memfd open).
-        run = _run(w, lambda o, a, c: [o.submit_sub(h, TaskArgs().add_value(1 << 20))])
+        run = run_to_end(w, lambda o, a, c: [o.submit_sub(h, TaskArgs().add_value(1 << 20))])
         assert run.error is None and run.task_results() == [b"r" * (1 << 20)]
         os.kill(pid, signal.SIGKILL)
         # The next task runs on the replacement (a task the dead child never picked up is
         # queued again).
         refs: list[Any] = []
-        run = _run(w, lambda o, a, c: refs.append(o.submit_sub(h, TaskArgs().add_value(40_000))))
+        run = run_to_end(
+            w, lambda o, a, c: refs.append(o.submit_sub(h, TaskArgs().add_value(40_000)))
+        )
         assert run.error is None and refs[0].result() == b"r" * 40_000
         assert w._pool.restarts["sub"] == 1
         # The memfd died with the child (the kernel's); the heap holds nothing of it.

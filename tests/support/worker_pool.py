@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from simpler_daemon import CallableHandle, RunHandle, Tag, Worker
+from simpler_daemon.errors import TaskError
 from tests.support import sub_tasks
 from tests.support.sub_tasks import targs
 
@@ -118,3 +119,15 @@ class Pool:
             )
 
         return self.w.submit(orch), started
+
+
+def run_to_end(w: Worker, orch: Any) -> Any:
+    """Submit the orchestration ``orch`` and wait until its run is terminal, failed or
+    not (a ``TaskError`` is the run's outcome, not the test's): the engine's Run."""
+    h = w.submit(orch)
+    try:
+        h.wait(60)
+    except TaskError:
+        pass
+    assert h.run.terminal
+    return h.run
