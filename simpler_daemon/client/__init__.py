@@ -9,8 +9,8 @@
         ...
 
 The parts, one concept per module: ``clients.py`` (the calls of both clients),
-``base.py`` (target, TLS, token, transport choice), ``fastpath.py`` (the local fast
-path's transports), ``requests.py`` (every request, built without a channel),
+``base.py`` (target, TLS, token, transport choice), ``fastpath.py`` and
+``asyncfast.py`` (the local fast path's blocking and asyncio transports), ``requests.py`` (every request, built without a channel),
 ``results.py`` (what the calls return: ``RunResult``, ``RunFuture``...),
 ``errors.py`` (``DaemonError`` and one subclass per status code), ``heapview.py``
 (same-host zero-copy views of heap buffers) and ``discovery.py`` (where the daemon's
@@ -20,6 +20,7 @@ Importing this package loads no engine, scheduler, child or C extension module: 
 client process needs only the vocabulary, ``protocol/`` and ``system/``.
 """
 
+from simpler_daemon.client.asyncfast import AsyncFastTransport
 from simpler_daemon.client.base import (
     CLIENT_ID_METADATA,
     DEFAULT_TIMEOUT,
@@ -43,12 +44,7 @@ from simpler_daemon.client.errors import (
     Unavailable,
     daemon_error,
 )
-from simpler_daemon.client.fastpath import (
-    ENV_TRANSPORT,
-    TRANSPORTS,
-    AsyncFastTransport,
-    FastTransport,
-)
+from simpler_daemon.client.fastpath import ENV_TRANSPORT, TRANSPORTS, FastTransport
 from simpler_daemon.client.requests import (
     TERMINAL_STATES,
     add_remote_request,

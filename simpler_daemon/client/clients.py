@@ -56,16 +56,14 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from simpler_daemon.client.asyncfast import AsyncFastTransport
 from simpler_daemon.client.base import (
     DEFAULT_TIMEOUT,
     _Base,
     mapped_errors,
 )
 from simpler_daemon.client.errors import DaemonError
-from simpler_daemon.client.fastpath import (
-    AsyncFastTransport,
-    FastTransport,
-)
+from simpler_daemon.client.fastpath import FastTransport
 from simpler_daemon.client.mapping import map_items
 from simpler_daemon.client.requests import (
     add_remote_request,

@@ -19,14 +19,12 @@ answers exactly what gRPC would; a refusal is the same
   every call stays a ``Call``. A submit of more than ``_NATIVE_TASKS`` tasks or
   ``_NATIVE_BYTES`` bytes also stays a ``Call`` (whose oversize reply the daemon
   answers per call, as gRPC does).
-* :class:`AsyncFastTransport`: one connection multiplexed by call id, read by one
-  task; a cancelled or timed-out call sends ``Cancel`` for its handler. Not usable
-  after fork() (like grpc.aio): a call in a child raises ``Unavailable``.
+* ``AsyncFastTransport`` (asyncio, :mod:`simpler_daemon.client.asyncfast`): one
+  connection multiplexed by call id, with the same protocol version 2 frames.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import os
@@ -34,7 +32,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any, Final
 
 import grpc
@@ -49,7 +47,6 @@ from simpler_daemon.protocol.fastwire import (
     NATIVE_VERSION,
     PROTOCOL_VERSION,
     Call,
-    Cancel,
     End,
     FrameDecoder,
     Hello,
@@ -68,7 +65,6 @@ from simpler_daemon.system.runtimedir import fast_socket_path
 __all__ = [
     "ENV_TRANSPORT",
     "TRANSPORTS",
-    "AsyncFastTransport",
     "FastTransport",
     "pick_fast_socket",
     "status_error",
@@ -564,205 +560,3 @@ class FastTransport:
             self._drop(conn)
             raise status_error(frame.code, frame.details, frame.field)
         return method.response.FromString(frame.data), lambda: self._drop(conn)
-
-
-# --------------------------------------------------------------------------- asyncio
-
-
-class _AsyncProtocol(asyncio.Protocol):
-    def __init__(self, owner: AsyncFastTransport) -> None:
-        self._owner = owner
-        self._decoder = FrameDecoder(CLIENT_FRAMES, _MAX_FRAME)
-        self.transport: Any = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except ProtocolError as exc:
-            self.transport.abort()
-            self._owner.lost(exc)
-            return
-        deliver = self._owner.deliver
-        for frame in frames:
-            deliver(frame)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._owner.lost(exc)
-
-
-class AsyncFastTransport:
-    """Calls multiplexed on one connection to the fast socket at ``path``, opened by
-    the first call (so the transport may be made outside the event loop)."""
-
-    def __init__(self, path: str, label: str) -> None:
-        self.path = path
-        self.label = label
-        self._proto: _AsyncProtocol | None = None
-        self._connecting: asyncio.Lock | None = None
-        self._ids = itertools.count(1)
-        self._waiters: dict[int, asyncio.Future[Any]] = {}
-        self._queues: dict[int, asyncio.Queue[Any]] = {}
-        self._closed = False
-        self._pid = os.getpid()
-
-    async def _connection(self) -> _AsyncProtocol:
-        if self._pid != os.getpid():
-            # Its connection and event loop belong to the parent (as with grpc.aio).
-            raise Unavailable(
-                grpc.StatusCode.UNAVAILABLE,
-                "cannot call: an AsyncClient is not usable after fork(); open a new one "
-                "in the child",
-            )
-        proto = self._proto
-        if proto is not None:
-            return proto
-        if self._closed:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            if self._proto is None:
-                loop = asyncio.get_running_loop()
-                try:
-                    _, proto = await loop.create_unix_connection(
-                        lambda: _AsyncProtocol(self), self.path
-                    )
-                except OSError as exc:
-                    raise Unavailable(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"cannot connect to the daemon's fast socket {self.path}: "
-                        f"{exc.strerror or exc}",
-                    ) from exc
-                proto.transport.write(encode(Hello(PROTOCOL_VERSION, self.label[:MAX_LABEL])))
-                self._proto = proto
-            return self._proto
-
-    def deliver(self, frame: Any) -> None:
-        queue = self._queues.get(frame.id)
-        if queue is not None:
-            queue.put_nowait(frame)
-            return
-        waiter = self._waiters.pop(frame.id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(frame)
-        # else: a late frame of a call given up on
-
-    def lost(self, exc: BaseException | None) -> None:
-        """The connection ended: every call in flight fails with UNAVAILABLE; the next
-        call opens a new connection."""
-        self._proto = None
-        why = "the daemon closed the connection" if exc is None else str(exc)
-        error = Unavailable(
-            grpc.StatusCode.UNAVAILABLE, f"cannot call the daemon on {self.path}: {why}"
-        )
-        waiters, self._waiters = self._waiters, {}
-        for waiter in waiters.values():
-            if not waiter.done():
-                waiter.set_exception(error)
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-
-    def _give_up(self, proto: _AsyncProtocol, call_id: int) -> None:
-        self._waiters.pop(call_id, None)
-        self._queues.pop(call_id, None)
-        if self._proto is proto and not proto.transport.is_closing():
-            proto.transport.write(encode(Cancel(call_id)))
-
-    async def unary(self, name: str, request: Any, timeout: float | None) -> Any:
-        method = _method(name)
-        proto = await self._connection()
-        call_id = next(self._ids)
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiters[call_id] = waiter
-        write = proto.transport.write
-        if method.client_stream:
-            write(encode(Call(call_id, name, b"", timeout, True)))
-            for message in request:
-                write(encode(Item(call_id, message.SerializeToString())))
-            write(encode(End(call_id)))
-        else:
-            write(encode(Call(call_id, name, request.SerializeToString(), timeout)))
-        try:
-            async with asyncio.timeout(timeout):
-                frame = await waiter
-        except TimeoutError as exc:
-            self._give_up(proto, call_id)
-            raise _deadline_error() from exc
-        except BaseException:
-            self._give_up(proto, call_id)
-            raise
-        if frame.code:
-            raise status_error(frame.code, frame.details, frame.field)
-        return method.response.FromString(frame.data)
-
-    async def stream(self, name: str, request: Any, timeout: float | None) -> AsyncIterator[Any]:
-        method = _method(name)
-        proto = await self._connection()
-        call_id = next(self._ids)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[call_id] = queue
-        proto.transport.write(encode(Call(call_id, name, request.SerializeToString(), timeout)))
-        done = False
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    frame = await queue.get()
-                    if isinstance(frame, BaseException):
-                        done = True
-                        raise frame
-                    if type(frame) is Item:
-                        yield method.response.FromString(frame.data)
-                        continue
-                    done = True
-                    if frame.code:
-                        raise status_error(frame.code, frame.details, frame.field)
-                    return
-        except TimeoutError as exc:
-            if isinstance(exc, DaemonError):  # the daemon's own DEADLINE_EXCEEDED
-                raise
-            raise _deadline_error() from exc
-        finally:
-            if done:
-                self._queues.pop(call_id, None)
-            else:
-                self._give_up(proto, call_id)
-
-    async def hold(self, name: str, request: Any, timeout: float | None) -> tuple[Any, Any]:
-        """Open a long-lived bidirectional call (KeepSession) with ``request`` as its
-        first message: ``(its first response, release)``. It lasts until ``release()``
-        (a Cancel frame), the connection ends, or this process dies."""
-        method = _method(name)
-        proto = await self._connection()
-        call_id = next(self._ids)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[call_id] = queue
-        write = proto.transport.write
-        write(encode(Call(call_id, name, b"", None, True)))
-        write(encode(Item(call_id, request.SerializeToString())))
-        try:
-            async with asyncio.timeout(timeout):
-                frame = await queue.get()
-        except TimeoutError as exc:
-            self._give_up(proto, call_id)
-            raise _deadline_error() from exc
-        except BaseException:
-            self._give_up(proto, call_id)
-            raise
-        if isinstance(frame, BaseException):
-            self._queues.pop(call_id, None)
-            raise frame
-        if type(frame) is not Item:
-            self._queues.pop(call_id, None)
-            raise status_error(frame.code, frame.details, frame.field)
-        return method.response.FromString(frame.data), lambda: self._give_up(proto, call_id)
-
-    async def close(self) -> None:
-        self._closed = True
-        proto, self._proto = self._proto, None
-        if proto is not None and proto.transport is not None:
-            proto.transport.close()
-            with contextlib.suppress(Exception):
-                await asyncio.sleep(0)  # let the transport's close run

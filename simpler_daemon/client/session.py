@@ -157,12 +157,18 @@ class AsyncSessionLease:
 
     def __init__(self) -> None:
         self.id = ""
+        self._pid = 0
         self._release: Callable[[], None] | None = None
         self._opening: asyncio.Lock | None = None
 
     async def current(self, fast: Any, stub: Callable[[], Any], metadata: Any) -> str:
-        if self.id:
+        """The open session's id, opening it first when there is none (or it is the
+        parent's, after a fork: a child over the fast path opens its own)."""
+        if self.id and self._pid == os.getpid():
             return self.id
+        if self._pid != os.getpid():
+            # A parent's lease (and the lock of its event loop) are the parent's.
+            self.id, self._release, self._opening, self._pid = "", None, None, os.getpid()
         if self._opening is None:
             self._opening = asyncio.Lock()
         async with self._opening:

@@ -5,7 +5,7 @@ transport selection.
 Codec units first (no daemon); then one real daemon for the module, reached over its
 fast socket both with raw frames (what a misbehaving client sends) and with the
 Python clients. The client API suite itself runs over both transports in
-tests/client/test_client_api.py.
+tests/client/test_client_api.py, the AsyncClient's in tests/client/test_async_client.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from simpler_daemon.client import AsyncClient, Client, sub_task
+from simpler_daemon.client import Client, sub_task
 from simpler_daemon.client.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -328,43 +328,6 @@ def test_threads_share_one_sync_client_without_sharing_a_connection(c: Client) -
     assert done.wait(30)
 
 
-@pytest.mark.timeout(90)
-def test_async_client_multiplexes_calls_on_one_connection(daemon: DaemonProcess) -> None:
-    async def go() -> None:
-        async with AsyncClient(daemon.socket, timeout=60, transport="fast") as ac:
-            assert ac.transport == "fast"
-            echo = await ac.register(f"{TASKS}:echo")
-            sleep = await ac.register(f"{TASKS}:sleep_ms")
-            slow = await ac.submit([sub_task(sleep, scalars=[30_000])])
-            fast = [ac.run([sub_task(echo, scalars=[i])], timeout=30) for i in range(10)]
-            transport = ac._fast
-            assert transport is not None
-            connection = transport._proto
-            results = await asyncio.gather(*fast)  # ten calls in flight on one connection
-            assert [r.results[0].value["scalars"] for r in results] == [[i] for i in range(10)]
-            assert connection is not None and transport._proto is connection
-            # A cancelled awaiting call is cancelled in the daemon too: its stream slot
-            # comes back (STREAMS slots; cancelled watches would exhaust them).
-            for _ in range(STREAMS + 1):
-                watch = ac.watch(slow)
-                first = await watch.__anext__()
-                assert first.type == pb.RUN_EVENT_TYPE_SNAPSHOT
-                pending = asyncio.ensure_future(watch.__anext__())
-                await asyncio.sleep(0)
-                pending.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await pending
-                await watch.aclose()
-            with pytest.raises(DeadlineExceeded):
-                async for _ in ac.watch(slow, timeout=0.3):
-                    pass
-            await ac.cancel(slow, terminate=True)
-            with pytest.raises(RunCancelled):
-                await ac.wait(slow, timeout=30)
-
-    asyncio.run(go())
-
-
 @pytest.mark.timeout(60)
 def test_transport_selection(
     daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -609,20 +572,6 @@ def test_a_forked_child_gets_its_own_fast_connections(daemon: DaemonProcess) -> 
     )
     assert out.returncode == 0, out.stderr
     assert "child True 100" in out.stdout and "parent 100 0" in out.stdout, out.stdout
-
-
-@pytest.mark.timeout(30)
-def test_an_async_client_refuses_use_after_fork(daemon: DaemonProcess) -> None:
-    from simpler_daemon.client.fastpath import AsyncFastTransport
-
-    transport = AsyncFastTransport(fast_socket_path(daemon.socket), "t")
-    transport._pid -= 1  # as if made in the parent of this process
-
-    async def go() -> None:
-        with pytest.raises(Unavailable, match="fork"):
-            await transport.unary("GetInfo", pb.GetInfoRequest(), 10)
-
-    asyncio.run(go())
 
 
 @pytest.mark.timeout(60)
