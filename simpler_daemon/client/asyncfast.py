@@ -252,7 +252,11 @@ class _Connection(asyncio.Protocol):
             # transport's close here, as the loop would have (closes the socket).
             with contextlib.suppress(RuntimeError):
                 self.transport.abort()  # marks it closing; scheduling its end fails
-            self.transport._call_connection_lost(None)
+            finish = getattr(self.transport, "_call_connection_lost", None)  # asyncio's own
+            if finish is not None:
+                finish(None)
+            else:  # another loop implementation (uvloop): its socket at least
+                self.sock.close()
         elif self.loop is _running_loop():
             self.transport.close()
         else:  # another thread's loop, or a loop run again later
