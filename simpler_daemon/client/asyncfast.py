@@ -257,11 +257,17 @@ class _Connection(asyncio.Protocol):
                 finish(None)
             else:  # another loop implementation (uvloop): its socket at least
                 self.sock.close()
-        elif self.loop is _running_loop():
-            self.transport.close()
+            return
+        # Unsent bytes (a daemon that stopped reading) would keep a closing transport
+        # open: drop them (its calls failed; the daemon cancels what they started).
+        end = (
+            self.transport.abort if self.transport.get_write_buffer_size() else self.transport.close
+        )
+        if self.loop is _running_loop():
+            end()
         else:  # another thread's loop, or a loop run again later
             with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.transport.close)
+                self.loop.call_soon_threadsafe(end)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -423,8 +429,9 @@ class AsyncFastTransport:
         timer = None if timeout is None else conn.loop.call_later(timeout, stream.expire, conn)
         done = False
         try:
+            # One frame, buffered by the transport: no wait for room (the daemon's
+            # per-client stream quota bounds how many such calls are open).
             conn.write(encode(Call(call_id, name, request.SerializeToString(), timeout)))
-            await conn.drain()
             while True:
                 frame = await stream.next(conn)
                 if type(frame) is Item:

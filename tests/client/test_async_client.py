@@ -393,6 +393,37 @@ def test_a_stream_faster_than_its_reader_pauses_the_connections_reading(tmp_path
         stand_in.close()
 
 
+def test_an_upload_to_a_daemon_that_stopped_reading_waits_for_room(tmp_path: Path) -> None:
+    """The chunks are not all buffered in the client: the call waits for room in the
+    socket's write buffer, and its deadline still ends it."""
+    stand_in = FastStandIn(tmp_path / "d.fast.sock", read=False)
+    chunk = 1 << 20
+    sent: list[int] = []
+
+    def chunks() -> Iterator[pb.WriteBufferRequest]:
+        for _ in range(64):  # 64 MiB, far more than the socket's buffers hold
+            sent.append(chunk)
+            yield pb.WriteBufferRequest(data=b"\x02" * chunk)
+
+    async def go() -> None:
+        transport = AsyncFastTransport(stand_in.path, "me")
+        try:
+            with pytest.raises(DeadlineExceeded):
+                await transport.unary("WriteBuffer", chunks(), 2.0)
+            conn = transport._conn
+            assert conn is not None
+            high = conn.transport.get_write_buffer_limits()[1]
+            assert len(sent) < 64
+            assert conn.transport.get_write_buffer_size() <= high + 2 * chunk
+        finally:
+            await transport.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        stand_in.close()
+
+
 def test_a_client_after_close_or_without_a_daemon_is_unavailable(tmp_path: Path) -> None:
     async def go() -> None:
         transport = AsyncFastTransport(str(tmp_path / "nobody.fast.sock"), "me")

@@ -7,7 +7,8 @@ It serves one connection at a time, from one thread, in the order they come, and
 answers like an empty daemon: a ``Call`` or ``Submit`` gets its method's empty response
 message, a ``Wait`` gets a ``RunStatus`` naming its run; ``ReadBuffer`` streams ``items``
 chunks of ``item_bytes`` bytes, then an End (``WatchRun``: an End at once); a call of a method in ``hold`` is never
-answered. Every frame it receives is in ``frames``.
+answered. Every frame it receives is in ``frames``. With ``read=False`` it accepts a
+connection and never reads from it (a daemon that stopped reading).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class FastStandIn:
         hold: tuple[str, ...] = (),
         items: int = 0,
         item_bytes: int = 0,
+        read: bool = True,
     ) -> None:
         self.path = str(path)
         self.frames: list[Any] = []
@@ -55,6 +57,8 @@ class FastStandIn:
         self.items_sent = 0
         self._welcome, self._hold = welcome, hold
         self._items, self._item_bytes = items, item_bytes
+        self._read = read
+        self._closing = threading.Event()
         self._conn: socket.socket | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
@@ -74,7 +78,10 @@ class FastStandIn:
             self._conn = conn
             self.connections += 1
             with conn, contextlib.suppress(OSError):
-                self._connection(conn)
+                if self._read:
+                    self._connection(conn)
+                else:
+                    self._closing.wait()
             self._conn = None
 
     def _connection(self, conn: socket.socket) -> None:
@@ -121,6 +128,7 @@ class FastStandIn:
                 conn.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        self._closing.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
         self.drop()
