@@ -36,6 +36,7 @@ from simpler_daemon.mailbox.layout import OFF_STATE, TASK_FRAMES, MailboxState
 from simpler_daemon.scheduler.runmodel import SlotState
 
 if TYPE_CHECKING:
+    from simpler_daemon.scheduler.dispatch import Scheduler
     from simpler_daemon.scheduler.lanes import WorkerThread
     from simpler_daemon.scheduler.runmodel import TaskSlot
     from simpler_daemon.scheduler.spingate import SpinGate
@@ -301,6 +302,43 @@ class SubPump:
             if not self.round(sched, q, True) or time.monotonic() >= until:
                 break
         return did
+
+    def submit_refill(self, sched: Scheduler, q: deque[TaskSlot]) -> bool:
+        """Inside a submit between two rounds (fifo, no reload holding a digest; ``q``
+        the head run's SUB queue): True when a full round must run now.
+
+        When a SUB worker is idle or a child finished since the last look (the doorbell's
+        completion word moved), one ``drive`` without waiting for the children completes
+        what ended and publishes the head of ``q``: a few µs, where a round costs several
+        times that, so the children keep working (and do not park) while the
+        orchestration still submits, instead of waiting for the next round. A full round
+        follows only when the pump left a frame to Python, or a worker it does not take
+        is left idle with work queued (the Python dispatch's)."""
+        seen = sched.doorbell.completed()
+        lanes = sched.manager.sub
+        if seen == sched._round_seen and not self.sub_idle(lanes):
+            return False
+        sched._round_seen = seen
+        if lanes:
+            sched.in_round = True
+            try:
+                self.drive(sched, q, lanes, False, chain=True)
+            finally:
+                sched.in_round = False
+        return bool(sched.completions) or (bool(q) and self.sub_idle(lanes))
+
+    @staticmethod
+    def sub_idle(lanes: list[WorkerThread]) -> bool:
+        """A SUB worker is idle (``lane.idle()``, inline: this runs per submit)."""
+        for lane in lanes:
+            if (
+                lane.active is None
+                and not lane.deliveries
+                and not lane.stopping
+                and not lane.endpoint.poisoned
+            ):
+                return True
+        return False
 
     def round(self, sched: PumpSink, q: deque[TaskSlot], spin: bool) -> bool:
         """The Scheduler round's part for the lanes ``select`` picked: run the C loop over
