@@ -42,6 +42,12 @@ import socket
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Final
 
+# First: grpc core reads its process-wide settings at its import (system/grpcsetup.py);
+# the package imports this module before client/base.py.
+import simpler_daemon.system.grpcsetup  # noqa: F401
+
+# isort: split
+
 import grpc
 
 from simpler_daemon.client.errors import DaemonError, Unavailable
