@@ -45,6 +45,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -89,7 +91,7 @@ from simpler_daemon.remote_worker.lanes import (
     server_tls,
     tune_socket,
 )
-from simpler_daemon.remote_worker.tasks import Started, TaskRunner
+from simpler_daemon.remote_worker.tasks import Started, TaskRunner, resume
 
 log = logging.getLogger("simpler_daemon.remote.session")
 
@@ -143,8 +145,9 @@ class SessionRunner:
         self._command_ready: asyncio.Future[None] | None = None
         self._queue: deque[Frame] = deque()
         self._busy = False
-        #: The coroutine of the request in flight: a control, a TASK's submission or the
-        #: stop of a late run (None while a TASK's run goes on by itself).
+        #: The coroutine of the request in flight: a control, the stop of a late run, or
+        #: a TASK's submission that had to wait (never so far: it is made inline). None
+        #: while a TASK's run goes on by itself.
         self._current: asyncio.Task[None] | None = None
         self.tasks: TaskRunner | None = None
         #: The TASK whose inner run is in flight (its done callback replies).
@@ -458,7 +461,7 @@ class SessionRunner:
             assert self.loop is not None
             if frame.type is FrameType.TASK:
                 assert isinstance(payload, Task)
-                self._current = self.loop.create_task(self._start_task(frame.sequence, payload))
+                self._start_task(frame.sequence, payload)
             else:
                 self._current = self.loop.create_task(self._handle_control(frame))
 
@@ -480,31 +483,65 @@ class SessionRunner:
         """Write the COMPLETION of TASK ``seq`` and go on with the next request."""
         self._reply(encode_frame(FrameType.COMPLETION, self.session_id, self.worker_id, seq, reply))
 
-    async def _start_task(self, seq: int, task: Task) -> None:
-        """Prepare and submit a TASK's inner run; its done callback replies (``_task_ended``)."""
-        tasks = self.tasks
-        assert tasks is not None and self.loop is not None
+    def _start_task(self, seq: int, task: Task) -> None:
+        """Prepare and submit a TASK's inner run from the read callback that brought it
+        (no loop turn, no asyncio Task); its done callback replies (``_task_ended``)."""
+        tasks, loop = self.tasks, self.loop
+        assert tasks is not None and loop is not None
         try:
             prepared = tasks.prepare(seq, task)
             if isinstance(prepared, Completion):
                 self._complete(seq, prepared)
                 return
-            started_at = self.loop.time()
-            started = await tasks.submit(seq, task, *prepared)
-            if isinstance(started, Completion):
-                self._complete(seq, started)
+            started_at = loop.time()
+            submitting = tasks.submit(seq, task, *prepared)
+            try:
+                # ``Worker.submit_async`` never awaits: its first step finishes it.
+                yielded = submitting.send(None)
+            except StopIteration as stop:
+                self._submitted(seq, stop.value, started_at)
                 return
-            self._current = None  # nothing to cancel: the run ends on its own
-            self._started = started
-            if started.deadline_ms:
-                started.timer = self.loop.call_at(
-                    started_at + started.deadline_ms / 1000.0, self._task_late, started
-                )
-            started.handle.add_done_callback(lambda _: self._task_ended(started))
+            # A submission that does wait goes on as a coroutine (``_current``).
+            self._current = loop.create_task(
+                self._submit_later(seq, resume(submitting, yielded), started_at)
+            )
+        except Exception as exc:
+            self._internal_error(seq, exc)
+
+    async def _submit_later(
+        self, seq: int, submitting: Awaitable[Started | Completion], started_at: float
+    ) -> None:
+        try:
+            started = await submitting
+            self._current = None
+            self._submitted(seq, started, started_at)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._internal_error(seq, exc)
+
+    def _submitted(self, seq: int, started: Started | Completion, started_at: float) -> None:
+        """The inner run is submitted (or its submission failed: reply now)."""
+        if isinstance(started, Completion):
+            self._complete(seq, started)
+            return
+        self._started = started
+        if started.deadline_ms:
+            assert self.loop is not None
+            started.timer = self.loop.call_at(
+                started_at + started.deadline_ms / 1000.0, self._task_late, started
+            )
+        # The run's own callback list, not RunHandle.add_done_callback: the inner run is
+        # driven by this loop's thread, the one registering, so its end cannot race
+        # this (the handle's lock and wrappers are for callers on other threads).
+        started.handle.run.add_done_callback(partial(self._run_ended, started))
+
+    def _run_ended(self, started: Started, _run: object) -> None:
+        """The run's done callback: never raises into the inner Scheduler."""
+        try:
+            self._task_ended(started)
+        except Exception as exc:
+            self._internal_error(started.sequence, exc)
 
     def _task_ended(self, started: Started) -> None:
         """The inner run of ``started`` is terminal: write its COMPLETION now (no task hop)."""

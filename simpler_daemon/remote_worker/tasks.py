@@ -1,16 +1,20 @@
 """One TASK in the session runner: its frame in, the inner run, its COMPLETION out.
 
-The hot path of a remote task takes one loop turn in the runner beyond the read that
-brought its frame (REMOTE.md section 5: one request at a time, in order)::
+The hot path of a remote task takes no loop turn in the runner beyond the read that
+brought its frame, and no asyncio Task (REMOTE.md section 5: one request at a time, in
+order)::
 
-    read callback: TASK s ─> asyncio Task: prepare() ─> inner.submit_async ─> inner run
-                                                                                  │
-    transport.write(COMPLETION s) <── completion() <── the run's done callback <──┘
+    read callback: TASK s ─> prepare() ─> submit(): inner.submit_async ─> inner run
+                                                                               │
+    transport.write(COMPLETION s) <── completion() <── the run's done callback <┘
 
-No coroutine waits for the run: the reply is built and written by the run's done
-callback, on the loop turn that ends the run, so nothing is scheduled between the
-inner run's end and the bytes on the wire. A TASK with ``deadline_ms`` adds a loop
-timer; only when it fires does a coroutine stop the run (:meth:`TaskRunner.stop_late`).
+``submit`` is a coroutine only because ``Worker.submit_async`` is one; it never waits,
+so the session steps it once, inline, from the read callback (:func:`resume` finishes
+one that would wait). No coroutine waits for the run: the reply is built and written
+by the run's done callback, on the loop turn that ends the run, so nothing is scheduled
+between the inner run's end and the bytes on the wire. A TASK with ``deadline_ms`` adds
+a loop timer; only when it fires does a coroutine stop the run
+(:meth:`TaskRunner.stop_late`).
 
 This module turns the payloads into inner-worker calls and outcomes into
 :class:`~simpler_daemon.remote.wire.Completion` structs; ordering the command lane
@@ -22,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from simpler_daemon.args import CallConfig, TaskArgs
 from simpler_daemon.callables import hashid_of_digest
@@ -55,6 +59,37 @@ CONFIG_CACHE: Final = 256
 
 #: The success reply's payload, shared (a frozen struct).
 COMPLETED: Final = Completion(error_code=E_OK, error_text="")
+
+T = TypeVar("T")
+
+
+async def resume(coro: Coroutine[Any, Any, T], yielded: Any) -> T:
+    """The rest of ``coro``, whose first step ran inline (``coro.send(None)``) and
+    suspended, yielding ``yielded``: what an asyncio Task would have done with it.
+
+    ``yielded`` is the future ``coro`` waits for (None for a bare yield, as
+    ``asyncio.sleep(0)``). Each later step runs once what it yielded is done, so the
+    future's result or exception reaches ``coro`` where it awaited it. Cancelled,
+    ``coro`` gets the cancellation where it waits."""
+    while True:
+        try:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                yielded._asyncio_future_blocking = False  # as Task.__step: taken over
+                await asyncio.wait((yielded,))
+        except asyncio.CancelledError as exc:
+            if yielded is not None:
+                yielded.cancel()
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            continue
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
 
 
 @dataclass(slots=True)
