@@ -165,6 +165,10 @@ class RunnerSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Module allow-list (see :func:`module_allowed`); [] allows nothing."""
     python_path: list[str]
     tls: RunnerTLS | None = None
+    parent_on_this_host: bool = False
+    """The parent's handshake came from this host (a loopback peer or the connection's
+    own address): the parent shares this host's CPUs, so the inner children do not spin
+    for their next task (see docs/remote.md, "Latency of one remote task")."""
 
 
 @dataclass(frozen=True, slots=True)

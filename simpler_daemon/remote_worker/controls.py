@@ -548,6 +548,8 @@ class SessionControls:
             "callables": len(self.installed),
             "heap_free_bytes": self.inner.heap.free_bytes(),
             "inner_workers": self.inner.list_workers(),
+            # 0 for a parent on this host (docs/remote.md, "Latency of one remote task").
+            "child_spin_ns": self.inner.child_spin_ns,
         }
 
     # -- task arguments -------------------------------------------------------------------------

@@ -8,19 +8,40 @@ so it is created 0600 and removed by the worker on every path.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
+from typing import Any
 
 import msgspec
 
 from simpler_daemon.remote.manifest import Manifest, RunnerSpec, RunnerTLS
 from simpler_daemon.remote_worker.config import RemoteWorkerConfig
 
-__all__ = ["runner_env", "write_runner_spec"]
+__all__ = ["runner_env", "same_host", "write_runner_spec"]
 
 
-def write_runner_spec(config: RemoteWorkerConfig, m: Manifest, deadline_unix: float) -> str:
-    """Write the runner's spec for session ``m``; returns the file's path."""
+def same_host(peer: Any, local: Any) -> bool:
+    """True when a connection with these ``peername`` / ``sockname`` comes from this
+    host: a loopback peer, or a peer with the connection's own local address (both ends
+    then share this host's CPUs). False when either is unknown."""
+    if not peer or not local:
+        return False
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or peer[0] == local[0]
+
+
+def write_runner_spec(
+    config: RemoteWorkerConfig, m: Manifest, deadline_unix: float, *, parent_on_this_host: bool
+) -> str:
+    """Write the runner's spec for session ``m``; returns the file's path.
+
+    ``parent_on_this_host``: the handshake came from this host (:func:`same_host`)."""
     tls = config.tls
     spec = RunnerSpec(
         manifest=m,
@@ -33,6 +54,7 @@ def write_runner_spec(config: RemoteWorkerConfig, m: Manifest, deadline_unix: fl
             if config.tls_enabled
             else None
         ),
+        parent_on_this_host=parent_on_this_host,
     )
     # mkstemp creates the file 0600: the attach key in it is a session secret.
     fd, path = tempfile.mkstemp(

@@ -76,7 +76,7 @@ from simpler_daemon.remote_worker.admission import (
     listen_socket,
     refuse,
 )
-from simpler_daemon.remote_worker.launch import runner_env, write_runner_spec
+from simpler_daemon.remote_worker.launch import runner_env, same_host, write_runner_spec
 from simpler_daemon.system.configfile import add_set_option, overrides_from_set
 
 # The exit statuses of simpler-daemon: units of both rely on 3 = cannot start.
@@ -114,6 +114,8 @@ class SessionInfo:
     session_id: int
     worker_id: int
     peer: str
+    #: The handshake came from this host (``launch.same_host``): told to the runner.
+    local_parent: bool = False
     started: float = field(default_factory=time.time)
     pid: int | None = None
     state: str = "starting"
@@ -410,7 +412,12 @@ class RemoteWorkerService:
         task = asyncio.current_task()
         assert task is not None
         task.set_name(f"session-{m.session_id}")  # from here on it may own a process
-        info = SessionInfo(m.session_id, m.worker_id, peer)
+        info = SessionInfo(
+            m.session_id,
+            m.worker_id,
+            peer,
+            same_host(writer.get_extra_info("peername"), writer.get_extra_info("sockname")),
+        )
         self.sessions[m.session_id] = info
         self._status()
         try:
@@ -476,7 +483,9 @@ class RemoteWorkerService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         try:
-            spec_path = write_runner_spec(self.config, m, time.time() + budget)
+            spec_path = write_runner_spec(
+                self.config, m, time.time() + budget, parent_on_this_host=info.local_parent
+            )
         except OSError as exc:
             raise _Refused(
                 f"cannot open session: cannot write the runner spec file: {exc.strerror or exc}"

@@ -9,6 +9,7 @@ tested on a Worker that was never initialised (its heap exists before init).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
@@ -63,6 +64,7 @@ from simpler_daemon.remote.wire import (
     encode_payload,
 )
 from simpler_daemon.remote_worker.controls import BadTaskArgs, ControlFailure, SessionControls
+from simpler_daemon.remote_worker.launch import same_host
 from simpler_daemon.remote_worker.session import parent_on_this_host
 from simpler_daemon.testing import child_pids, descendants, poll_for, self_signed_cert
 
@@ -129,6 +131,7 @@ class Runner:
         tls: dict[str, str | None] | None = None,
         client_tls: ssl.SSLContext | None = None,
         via_parent: bool = False,
+        parent_on_this_host: bool = False,
     ) -> None:
         self.client_tls = client_tls
         self.session_id = secrets.randbits(63) + 1
@@ -152,6 +155,7 @@ class Runner:
             "allowed_modules": list(allowed),
             "python_path": [REPO],
             "tls": tls,
+            "parent_on_this_host": parent_on_this_host,
         }
         self.spec_path = tmp / f"spec-{self.session_id}.json"
         self.spec_path.write_text(json.dumps(spec))
@@ -662,6 +666,24 @@ class _Proto:
         self.transport = _Transport(peer, local)
 
 
+def test_the_inner_children_spin_only_for_a_parent_on_another_host(
+    tmp_path: Path, runners: list[Runner]
+) -> None:
+    """A parent on this host shares its CPUs with the inner children: they do not spin
+    for a next task (the spin would hold the CPU the parent needs for the reply)."""
+    default = inspect.signature(Worker).parameters["child_spin_ns"].default
+    assert default > 0
+    for local, spin in ((False, default), (True, 0)):
+        runner = Runner(tmp_path, parent_on_this_host=local)
+        runners.append(runner)
+        assert runner.ready["ok"], runner.ready
+        runner.attach()
+        done = runner.task("tests.support.l3_jobs:sleep_sub_remote", scalars=[1])
+        assert done.error_code == E_OK, done
+        stats = msgspec.msgpack.decode(runner.ok("stats"))
+        assert stats["child_spin_ns"] == spin, stats
+
+
 @pytest.mark.parametrize(
     ("peer", "local", "expected"),
     [
@@ -680,6 +702,8 @@ def test_the_runner_lingers_only_for_a_parent_on_another_host(
 ) -> None:
     assert parent_on_this_host(_Proto(peer, local)) is expected  # type: ignore[arg-type]
     assert parent_on_this_host(None) is False
+    # The worker's test of the handshake connection (it tells the runner the result).
+    assert same_host(peer, local) is expected
 
 
 def test_health_beats_while_orchestration_blocks_the_loop(runner: Runner) -> None:

@@ -267,6 +267,7 @@ def test_runner_spec_file_and_environment(
     assert spec.allowed_modules == ["simpler_daemon.examples"]
     assert spec.python_path == [str(jobs)]
     assert spec.tls is None
+    assert spec.parent_on_this_host is True  # the handshake came over loopback
     # The start-up budget is cut to sessions.max_startup (300 s).
     assert before + 290 < spec.deadline_unix < time.time() + 301
     assert rec["mode"] == 0o600
