@@ -6,6 +6,7 @@
                                                |  (every field checked; heap views built)
                                                v
                                   declarative(plan, bind) -> the run's orchestration function
+                                  (declarative.py)
 
 A request is validated completely before anything is submitted, so a bad field
 is an ``INVALID_ARGUMENT`` naming it (``tasks[3].members[0].tensors[1].dtype``)
@@ -21,7 +22,6 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 import numpy as np
@@ -40,14 +40,12 @@ from simpler_daemon.args import (
     dtype_code,
 )
 from simpler_daemon.callables import CallableHandle, digest_of, parse_import_path
-from simpler_daemon.engine.orchestrator import Run
 from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import (
     AccessDenied,
     InvalidField,
     LimitExceeded,
     RegistrationError,
-    SimplerError,
     UnknownObject,
 )
 from simpler_daemon.heap import Buffer
@@ -68,7 +66,6 @@ __all__ = [
     "Planner",
     "check_label",
     "check_reason",
-    "declarative",
     "run_priority",
     "timeout_field",
 ]
@@ -757,40 +754,3 @@ class Planner:
             if plain:
                 self._remember(task, prev_planned)
         return plan, total
-
-
-def declarative(
-    plan: list[Planned], bind: Callable[[Run], None]
-) -> Callable[..., Coroutine[Any, Any, None]]:
-    """The orchestration function of a SubmitRun: submit the validated plan in order.
-
-    ``bind`` is called with the engine's Run before the first task is submitted. It
-    is a coroutine function yielding every ``SLICE_S`` so that building a big run
-    does not stall the event loop; tasks submitted so far are dispatched meanwhile.
-    """
-
-    async def orch(o: Any, _args: Any, _config: Any) -> None:
-        bind(o.run)
-        slicer = Slicer()
-        try:
-            for p in plan:
-                if slicer.due():
-                    await slicer.pause()
-                kind = p.kind
-                if kind == pb.TASK_KIND_SUB:
-                    o.submit_sub(p.handle, p.members[0], p.config)
-                elif kind == pb.TASK_KIND_SUB_GROUP:
-                    o.submit_sub_group(p.handle, p.members, p.config)
-                elif kind == pb.TASK_KIND_NEXT_LEVEL:
-                    o.submit_next_level(p.handle, p.members[0], p.config, worker=p.targets[0])
-                else:
-                    o.submit_next_level_group(p.handle, p.members, p.config, workers=p.targets)
-        except SimplerError:
-            # The run already failed (a task failed while later ones were being
-            # submitted) or the daemon is closing: the run carries that error.
-            if o.run.error is None:
-                raise
-        finally:
-            plan.clear()  # drop the heap views: the slots hold descriptors now
-
-    return orch

@@ -27,6 +27,7 @@ from simpler_daemon.callables import parse_import_path, resolve_import
 from simpler_daemon.errors import AccessDenied, InvalidField, Precondition
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.fastwire import Submit, Wait
+from simpler_daemon.server.declarative import declarative
 from simpler_daemon.server.fastcontext import FastContext
 from simpler_daemon.server.history import UnrecordedRun
 from simpler_daemon.server.keys import fingerprint, fingerprint_now, native_fingerprint
@@ -37,7 +38,6 @@ from simpler_daemon.server.plan import (
     Slicer,
     check_label,
     check_reason,
-    declarative,
     run_priority,
     timeout_field,
 )
