@@ -22,6 +22,8 @@ def record_pid(args: Any) -> None:
 def wait_forever(args: Any) -> None:
     import time
 
+    if args.tensors:  # say it runs (its pid), so the test kills it only once it has
+        args.tensors[0][0] = os.getpid()
     while True:
         time.sleep(0.05)
 
@@ -63,8 +65,15 @@ def test_worker_killed_mid_task_fails_that_run_then_comes_back_with_late_registr
         hang = w.register(wait_forever)  # after init, like `late`: both are broadcast
         late = w.register(record_pid)  # and must be replayed into the replacement
         out = w.alloc((2,), "int64")
-        handle = w.submit(lambda o, a, c: o.submit_sub(hang))
-        busy = [i["pid"] for i in w.list_workers() if i["busy"]]  # dispatched at submit
+        running = w.alloc((1,), "int64")
+        running[0] = 0
+        handle = w.submit(
+            lambda o, a, c: o.submit_sub(hang, TaskArgs().add_tensor(running, Tag.OUTPUT))
+        )
+        # Killed once it runs: a child killed before it picked the task up would not fail
+        # it (the task runs on the other child instead, tests/faults/test_pickup_requeue.py).
+        poll_for(lambda: running[0] != 0, timeout=20, message="the task never started")
+        busy = [int(running[0])]
         _kill(busy[0])
         with pytest.raises(TaskError) as info:
             handle.wait(20)
