@@ -100,8 +100,9 @@ class RunEvents:
                 else completion.dispatch.group_index
             )
             if metrics is not None:
-                kind = slot.kind.name.lower()
-                metrics.task_dispatched(kind)
+                # ``_name_``: the enum members' plain attribute (``.name`` is
+                # a Python-level property, read twice per task).
+                metrics.task_dispatched(slot.kind._name_.lower())
                 self._t0[(slot.slot_id, member)] = time.perf_counter_ns()
             if self.watchers:
                 self._state_changed()
@@ -126,7 +127,7 @@ class RunEvents:
             if metrics is not None:
                 t0 = self._t0.pop((slot.slot_id, member), None)
                 latency = None if t0 is None else (time.perf_counter_ns() - t0) / 1e9
-                metrics.task_completed(slot.kind.name.lower(), completion.outcome.name, latency)
+                metrics.task_completed(slot.kind._name_.lower(), completion.outcome._name_, latency)
             if self.watchers:
                 self._state_changed()
                 fields: dict[str, Any] = {

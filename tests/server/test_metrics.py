@@ -173,3 +173,47 @@ async def test_start_twice_or_after_close_is_refused() -> None:
         await m.close()
     with pytest.raises(RuntimeError, match="closed"):
         await m.start("127.0.0.1", 0)
+
+
+def test_task_counts_render_as_prometheus_client_children_would() -> None:
+    """The per-task counts are plain integers (server/task_tally.py), not Counter and
+    Histogram children: their series are what those children render, bucket edges
+    included (``le`` is inclusive)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    dispatched = Counter("tasks_dispatched", "", ["kind"], namespace="simpler_daemon", registry=reg)
+    completed = Counter(
+        "tasks_completed", "", ["kind", "outcome"], namespace="simpler_daemon", registry=reg
+    )
+    latency = Histogram(
+        "task_latency_seconds",
+        "",
+        ["kind"],
+        namespace="simpler_daemon",
+        registry=reg,
+        buckets=LATENCY_BUCKETS,
+    )
+    m = Metrics(runtime_metrics=False)
+    samples = [0.0, 1e-5, 1.1e-5, 2.5e-5, 0.5, 10.0, 11.0, 3e-4]
+    for kind in ("sub", "chip"):
+        for i, seconds in enumerate(samples):
+            outcome = "SUCCESS" if i % 3 else "TASK_FAILURE"
+            m.task_dispatched(kind)
+            dispatched.labels(kind).inc()
+            m.task_completed(kind, outcome, latency=seconds)
+            completed.labels(kind, outcome).inc()
+            latency.labels(kind).observe(seconds)
+    m.task_completed("sub", "ENDPOINT_FAILURE")  # no latency: counted, not observed
+    completed.labels("sub", "ENDPOINT_FAILURE").inc()
+
+    def series(text: str) -> set[str]:
+        return {
+            line
+            for line in text.splitlines()
+            if line.startswith("simpler_daemon_task") and "_created" not in line
+        }
+
+    ours = series(m.render().decode())
+    assert ours == series(generate_latest(reg).decode())
+    assert 'simpler_daemon_task_latency_seconds_bucket{kind="sub",le="1e-05"} 2.0' in ours
