@@ -609,10 +609,12 @@ class SessionRunner:
         read the reply and send that next request (with the SUB child's own spin, both
         cores of a 2-core host), so it delays what it waits for; W7 on loopback measured
         0.72 x the round trip without it (docs/remote.md, "Latency of one remote task")."""
+        if self.linger_s <= 0:
+            return  # a parent on this host: nothing to look up after each reply
         proto = self.command
         transport = proto.transport if proto is not None else None
         sock = transport.get_extra_info("socket") if transport is not None else None
-        if sock is None or self.linger_s <= 0:
+        if sock is None:
             return
         poller = self._linger_poll
         if poller is None:
