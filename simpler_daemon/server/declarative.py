@@ -12,7 +12,7 @@ from typing import Any, Final
 from simpler_daemon.engine.orchestrator import Run
 from simpler_daemon.errors import SimplerError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.server.plan import Planned, Slicer
+from simpler_daemon.server.plan import SLICE_EVERY, Planned, Slicer
 
 __all__ = ["SYNC_PLAN_TASKS", "declarative"]
 
@@ -53,8 +53,8 @@ def declarative(
         bind(o.run)
         slicer = Slicer()
         try:
-            for p in plan:
-                if slicer.due():
+            for i, p in enumerate(plan):
+                if not i & SLICE_EVERY and slicer.due():
                     await slicer.pause()
                 _submit_planned(o, p)
         except SimplerError:

@@ -31,7 +31,6 @@ from simpler_daemon.errors import (
 )
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.metadata import FIELD_METADATA, RETRY_AFTER_METADATA
-from simpler_daemon.scheduler.trace import traced
 from simpler_daemon.server.access import Owners, read_admin_token
 from simpler_daemon.server.config import DaemonConfig
 from simpler_daemon.server.decoding import BadRequest
@@ -175,9 +174,9 @@ class ServiceBase:
         sched = self._worker.scheduler
         if sched is None:
             raise WorkerClosedError("cannot start the gRPC service: the Worker is not initialised")
-        # The daemon's Worker traces every run (topology.new_worker): GetRunTrace.
-        hook = self._runs.on_task_event
-        sched.on_task_event = traced(hook) if self._worker.trace else hook
+        # The run table's hook also records the attempts of traced runs: the daemon's
+        # Worker traces every run (topology.new_worker), for GetRunTrace.
+        sched.on_task_event = self._runs.on_task_event
         if self._metrics is not None:  # gauges read at scrape time: heap, runs by state...
             self._metrics.watch_daemon(self._worker, self._runs.state_counts)
         self.start_ns = time.time_ns()

@@ -277,7 +277,7 @@ class RunRecord(RunEvents):
         self.trace = run.trace
         if self.on_bind is not None:
             self.on_bind(self)
-        run.listeners.append(self._guarded(self._on_slot))
+        run.listeners.append(self._on_slot)  # guards itself: it runs once per task
         run.add_done_callback(self._guarded(self._on_done))
 
     @staticmethod
@@ -620,6 +620,13 @@ class RunRecord(RunEvents):
         """Run listener: a slot became terminal (``task``) or the run did (``run``)."""
         if event != "task" or slot is None or slot.state != SlotState.FAILED:
             return
+        try:
+            self._slot_failed(slot)
+        except Exception:  # never into the Scheduler (as ``_guarded``)
+            log.exception("run bookkeeping failed in _on_slot")
+
+    def _slot_failed(self, slot: TaskSlot) -> None:
+        """A slot failed: the run's first error names it; members never started count."""
         failure = slot.failure
         if (
             self.error_task_index is None

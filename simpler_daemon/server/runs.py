@@ -371,7 +371,12 @@ class RunTable:
     # -- scheduler events ------------------------------------------------------------------
 
     def on_task_event(self, slot: TaskSlot, event: str, completion: Any) -> None:
-        """The Scheduler's ``on_task_event`` hook: route to the run's record."""
+        """The Scheduler's ``on_task_event`` hook: the attempt into the run's trace (what
+        ``scheduler.trace.traced`` does, without a call around this one: it runs twice
+        per task), then to the run's record."""
+        trace = slot.run.trace
+        if trace is not None:
+            trace.on_event(slot, event, completion)
         rec = self._live.get(slot.run_id)
         if rec is None:
             return
