@@ -98,7 +98,6 @@ class RunRecord(RunEvents):
     __slots__ = (
         "_error",
         "_error_pb",
-        "_final",
         "_metrics",
         "_on_end",
         "_results",
@@ -128,6 +127,7 @@ class RunRecord(RunEvents):
         "run_id",
         "status_bytes",
         "submit_ns",
+        "terminal",
         "total",
         "trace",
         "watchers",
@@ -164,9 +164,10 @@ class RunRecord(RunEvents):
         self.cancel_reason = ""
         self.error_before_cancel = False
         self.error_task_index: int | None = None
-        # Terminal: set when the run ends; the terminal RunEvent is built on first use
-        # (terminal_event): most runs are never watched.
-        self._final = False
+        #: Whether the run ended (a plain attribute: read several times per run); the
+        #: terminal RunEvent is built on first use (terminal_event): most runs are
+        #: never watched.
+        self.terminal = False
         self._terminal_event: Any = None
         self._terminal_message = ""
         self.finished = asyncio.Event()
@@ -215,7 +216,7 @@ class RunRecord(RunEvents):
         rec.submit_ns = row.submit_ns
         rec.finish_ns = row.finish_ns
         rec._terminal_message = row.message
-        rec._final = True
+        rec.terminal = True
         rec.finished.set()
         rec._was_cancelled = row.state == pb.RUN_STATE_CANCELLED
         text = 0
@@ -238,7 +239,7 @@ class RunRecord(RunEvents):
     def history_row(self, pid: int) -> tuple[Any, ...]:
         """What the run history records of this run now (a ``StoredRun``'s fields, the
         results still a list, then the time and the daemon's ``pid``); on the loop."""
-        final = self._final
+        final = self.terminal
         state = self.state if final else self.proto_state()
         err = self.error_proto() if final else None
         self._sync_total()  # the counts as counts() has them, without building a message
@@ -270,7 +271,7 @@ class RunRecord(RunEvents):
     def bind(self, run: Run) -> None:
         """Attach to the engine's Run (idempotent); called from the orchestration
         function, before any task of the run can be dispatched."""
-        if self.run is not None or self._final:
+        if self.run is not None or self.terminal:
             return
         self.run = run
         self.run_id = run.run_id
@@ -293,15 +294,11 @@ class RunRecord(RunEvents):
         return call
 
     @property
-    def terminal(self) -> bool:
-        return self._final
-
-    @property
     def terminal_event(self) -> Any:
         """The run's terminal RUN_STATE event (its final state, counts and message; None
         while the run is not terminal), built on first use."""
         event = self._terminal_event
-        if event is None and self._final:
+        if event is None and self.terminal:
             event = self._terminal_event = pb.RunEvent(
                 run_id=self.run_id,
                 sequence=self.seq,  # the terminal event is the run's last
@@ -319,7 +316,7 @@ class RunRecord(RunEvents):
         What ``asyncio.timeout`` around ``finished.wait()`` does, at a third of the cost
         (one future and one timer handle, no Timeout object or task bookkeeping): it is
         on the path of every SubmitRun that waits."""
-        if self._final:
+        if self.terminal:
             return
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -341,7 +338,7 @@ class RunRecord(RunEvents):
         bookkeeping), from the loop's turn that ends the run: the fast path writes a
         waiting call's reply from there, without waking a handler. The run must not be
         terminal yet. Returns what removes the callback (a call cancelled or expired)."""
-        assert not self._final, "when_finished on a terminal run"
+        assert not self.terminal, "when_finished on a terminal run"
         if self._on_end is None:
             self._on_end = []
         callbacks = self._on_end
@@ -357,7 +354,7 @@ class RunRecord(RunEvents):
 
     def proto_state(self) -> pb.RunState:
         run = self.run
-        if self._final:
+        if self.terminal:
             return self.state  # the final state, set when the run ended
         if run is None or not run.admitted:
             return pb.RUN_STATE_QUEUED
@@ -374,7 +371,7 @@ class RunRecord(RunEvents):
 
     def _cancelled(self) -> bool:
         run = self.run
-        if run is None and self._final:
+        if run is None and self.terminal:
             return self._was_cancelled
         if self.cancel_requested and not self.error_before_cancel:
             return True
@@ -655,7 +652,7 @@ class RunRecord(RunEvents):
     def end_unstarted(self, error: TaskError, *, cancelled: bool) -> None:
         """End a run that never reached the engine (a queued run, see runs.py):
         CANCELLED (``cancelled``) or FAILED with ``error``; its tasks count as failed."""
-        if self._final or self.run is not None:
+        if self.terminal or self.run is not None:
             return
         self.failed = max(self.total, 0)
         self.finish_ns = time.time_ns()
@@ -672,7 +669,7 @@ class RunRecord(RunEvents):
         """The run is terminal in ``self.state``: tell watchers, waiters and the table."""
         self.seq += 1
         self._terminal_message = message
-        self._final = True
+        self.terminal = True
         if self.watchers:  # else built when first asked for (terminal_event)
             self._publish(self.terminal_event, force=True)
         self.finished.set()
@@ -693,7 +690,7 @@ class RunRecord(RunEvents):
                 log.exception("run %d: a finish callback failed", self.run_id)
 
     def _on_done(self, run: Run) -> None:
-        if self._final:
+        if self.terminal:
             return
         self._sync_total()
         # Tasks that never got to run (the orchestration stopped early, or the

@@ -339,7 +339,10 @@ class RunTable:
     def _must_queue(self, client: str) -> bool:
         """Whether a new run of ``client`` waits: it is at limits.per_client_runs or has
         runs waiting already (a new run never overtakes them)."""
-        return client in self._queues or self._client_runs[client] >= self._limits.per_client_runs
+        return (
+            client in self._queues
+            or self._client_runs.get(client, 0) >= self._limits.per_client_runs
+        )
 
     def _retry_after(self) -> float:
         return min(max(self._run_seconds, _RETRY_AFTER_MIN), _RETRY_AFTER_MAX)
@@ -574,7 +577,7 @@ class RunTable:
                 continue
             while (
                 queue
-                and self._client_runs[client] < self._limits.per_client_runs
+                and self._client_runs.get(client, 0) < self._limits.per_client_runs
                 and len(self._active) < self._limits.max_concurrent_runs
             ):
                 _, item = queue.popitem(last=False)
