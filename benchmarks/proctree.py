@@ -64,6 +64,15 @@ def descendants(root: int, table: dict[int, ProcInfo] | None = None) -> list[int
     return found
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) ``pid`` has used, all its threads, not its
+    children; None if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 def tree_ticks(root: int) -> dict[int, int]:
     table = process_table()
     return {pid: table[pid].ticks for pid in descendants(root, table)}

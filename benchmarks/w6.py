@@ -7,7 +7,7 @@ over both transports of ``simpler_daemon.client.Client``.
                               --fast path, daemon.fast.sock -->   └─ 2 SUB workers
 
 W1: one empty SUB task per run, one ``SubmitRun`` that also waits (``wait_seconds``), ``n1`` times in
-sequence (round trip in µs). W2: one run of ``n2`` empty SUB tasks, submitted
+sequence (round trip in µs; and the daemon process's own CPU per run, from ``/proc``). W2: one run of ``n2`` empty SUB tasks, submitted
 in one ``SubmitRun`` that waits for it (tasks/s). GetInfo: ``n1`` bare round trips
 (the transport's own cost, without the run path). Variants ``ours_grpc`` (rows
 "gRPC") and ``ours_fast`` (rows "fast"), measured alternately in each repetition
@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.proctree import process_cpu_s
 from benchmarks.workloads import (
     NUM_WORKERS,
     Result,
@@ -164,11 +165,17 @@ def measure(p: dict[str, int], repeat: int) -> dict[str, Result]:
         for _ in range(repeat):
             for key, c in clients.items():
                 samples = []
+                cpu0 = process_cpu_s(pid)
                 for _ in range(n1):
                     t0 = clock()
                     run_once(c, one)
                     samples.append(clock() - t0)
+                cpu1 = process_cpu_s(pid)
                 rep = latency_rep(samples)
+                if cpu0 is not None and cpu1 is not None:
+                    # The daemon's own CPU per one-task run (its threads, not its
+                    # children), clock-tick resolution: 10 ms over the n1 runs.
+                    rep["daemon_cpu_us"] = (cpu1 - cpu0) * 1e6 / n1
                 info = []
                 for _ in range(n1):
                     t0 = clock()
