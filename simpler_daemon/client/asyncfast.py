@@ -28,7 +28,8 @@ exactly what gRPC would: the same protobuf messages, and a refusal is the same
 * A forked child (where the parent's connection and event loop are the parent's)
   and a later event loop (``asyncio.run`` again) get a connection of their own; the
   inherited one is only closed in the child, never shut down, so the parent's calls
-  go on.
+  go on; that of an earlier loop stays open until ``close`` (the client's session,
+  hence its registrations, may be held on it).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class _Connection(asyncio.Protocol):
         self._writable: asyncio.Future[None] | None = None  # set while writing is paused
         self._buffered = 0  # stream item bytes received, not yet consumed
         self._reading = True
+        self._lost = False  # connection_lost ran: the transport is closed
 
     # -- asyncio.Protocol
 
@@ -178,6 +180,7 @@ class _Connection(asyncio.Protocol):
                     self.transport.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self.fail(exc)
 
     def pause_writing(self) -> None:
@@ -253,6 +256,8 @@ class _Connection(asyncio.Protocol):
     def close(self, error: DaemonError) -> None:
         """Close this connection from this process (calls in flight fail with ``error``)."""
         self.fail(None, error)
+        if self._lost:
+            return
         if self.loop.is_closed():
             # Nothing runs that loop any more (``asyncio.run`` returned): finish the
             # transport's close here, as the loop would have (closes the socket).
@@ -291,6 +296,8 @@ class AsyncFastTransport:
         self.path = path
         self.label = label
         self._conn: _Connection | None = None
+        #: Connections of event loops used before (see _connection), closed by close().
+        self._retired: list[_Connection] = []
         self._opening: asyncio.Task[_Connection] | None = None
         self._ids = itertools.count(1)
         self._closed = False
@@ -313,9 +320,12 @@ class AsyncFastTransport:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
         loop = asyncio.get_running_loop()
         conn = self._conn
-        if conn is not None:  # made on another event loop
+        if conn is not None:
+            # Made on another event loop (``asyncio.run`` again): this loop cannot read
+            # it. It is kept open, not closed, until close(): the client's session (its
+            # registrations) may be held on it, and must outlive the loop change.
             self._conn = None
-            conn.close(_moved())
+            self._retired.append(conn)
         opening = self._opening
         if opening is None or opening.done() or opening.get_loop() is not loop:
             opening = self._opening = loop.create_task(self._open())
@@ -351,9 +361,10 @@ class AsyncFastTransport:
         and its event loop are the parent's. Close the inherited descriptor here only
         (no shutdown(), which would cut the parent's connection, and no call on the
         parent's event loop, whose epoll instance the child shares) and start afresh."""
-        conn, self._conn, self._opening = self._conn, None, None
+        conns = [*self._retired, self._conn] if self._conn is not None else self._retired
+        self._conn, self._retired, self._opening = None, [], None
         self._pid = os.getpid()
-        if conn is not None:
+        for conn in conns:
             conn.sock.close()
 
     def lost(self, conn: _Connection) -> None:
@@ -493,25 +504,20 @@ class AsyncFastTransport:
         if self._pid != os.getpid():
             self._forked()
         self._closed = True
-        conn, self._conn = self._conn, None
+        conns = [*self._retired, self._conn] if self._conn is not None else self._retired
+        self._conn, self._retired = None, []
         opening, self._opening = self._opening, None
         if opening is not None and not opening.done() and opening.get_loop() is _running_loop():
             opening.cancel()
-        if conn is not None:
+        for conn in conns:
             conn.close(_closed())
+        if conns:
             with contextlib.suppress(Exception):
                 await asyncio.sleep(0)  # let the transport's close run
 
 
 def _closed() -> Unavailable:
     return Unavailable(grpc.StatusCode.UNAVAILABLE, "cannot call: the client is closed")
-
-
-def _moved() -> Unavailable:
-    return Unavailable(
-        grpc.StatusCode.UNAVAILABLE,
-        "cannot call the daemon: the client's connection was moved to another event loop",
-    )
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:

@@ -210,19 +210,25 @@ def test_the_same_client_serves_one_event_loop_after_another(
     daemon: DaemonProcess, transport: str
 ) -> None:
     """``asyncio.run`` twice with one client (a test suite's loop per test): the second
-    loop gets a connection of its own."""
+    loop gets a connection of its own, and what the first registered stays registered
+    (its session is held on the first connection until close)."""
     if transport == "grpc":
         pytest.skip("a grpc.aio channel belongs to its first event loop")
     ac = _client(daemon, transport)
 
-    async def call() -> int:
-        return int((await ac.get_info()).pid)
+    async def register() -> str:
+        return await ac.register(f"{TASKS}:echo")
 
-    assert asyncio.run(call()) == daemon.pid
-    first = ac._fast._conn if ac._fast is not None else None
-    assert asyncio.run(call()) == daemon.pid
-    assert ac._fast is not None and ac._fast._conn is not first
+    async def run(echo: str) -> Any:
+        return (await ac.run([sub_task(echo, scalars=[8])], timeout=30)).results[0].value
+
+    echo = asyncio.run(register())
+    assert ac._fast is not None
+    first = ac._fast._conn
+    assert asyncio.run(run(echo))["scalars"] == [8]
+    assert ac._fast._conn is not first and first is not None and first.closed is None
     asyncio.run(ac.close())
+    assert first.closed is not None and first.sock.fileno() == -1
 
 
 # --------------------------------------------------------------------------- the fast path
