@@ -16,6 +16,7 @@ into the queues.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -76,7 +77,9 @@ class SchedulerState:
         self.groups: dict[int, deque[TaskSlot]] = {}
         self.subs: dict[int, deque[TaskSlot]] = {}
         self.completions: list[WorkerCompletion] = []
-        self._slot_ids = 0
+        #: ``SubmitSink.next_slot_id``: a C callable, not a method (one call per submit,
+        #: where a Python frame cost more than the count).
+        self.next_slot_id: Callable[[], int] = itertools.count(1).__next__
         #: ``SubmitSink.valid_sub``: the last SUB handle validated, and its registry entry.
         self.valid_sub: tuple[CallableHandle, Any] | None = None
         self._stopped = False
@@ -125,10 +128,6 @@ class SchedulerState:
             w.set_result(None)
 
     # -- SubmitSink ------------------------------------------------------------------------------
-
-    def next_slot_id(self) -> int:
-        self._slot_ids += 1
-        return self._slot_ids
 
     def validate_handle(self, handle: Any, role: str, api: str) -> CallableHandle:
         if not isinstance(handle, CallableHandle):
