@@ -37,7 +37,7 @@ from simpler_daemon.scheduler.fair import DEFAULT_MAX_ACTIVE_RUNS
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread
 from simpler_daemon.scheduler.progress import ProgressLoop
 from simpler_daemon.scheduler.runmodel import FailureInfo, Run, SlotState, TaskKind, TaskSlot
-from simpler_daemon.scheduler.subpump import SubPump, sub_idle
+from simpler_daemon.scheduler.subpump import SubPump
 
 if TYPE_CHECKING:
     from simpler_daemon.heap import Heap
@@ -130,40 +130,31 @@ class Scheduler(ProgressLoop):
                     q = self.subs[run.run_id] = deque()
                 q.append(slot)
             else:
-                q = None
                 self.enqueue_ready(slot)
             # Dispatch right away when the slot's run may dispatch (the head; under fair,
             # any run): the child starts while the orchestration function still submits.
-            # SUB tasks: a full round once per SUBMIT_BATCH submits (a round per submit cost
-            # more than the task); in between, under fifo, the pump alone when a SUB worker
-            # is idle or a child finished (``SubPump.submit_refill``); the rest goes once
-            # the orch yields.
+            # SUB tasks: while a SUB worker is idle, else once per SUBMIT_BATCH submits (a
+            # round per submit cost more than the task); the rest goes once the orch yields.
             if not self.in_round and (slot.run is self.admission.head or self.fair is not None):
                 go = slot.kind is not TaskKind.SUB or self._unrounded >= SUBMIT_BATCH
                 if not go:
-                    seen = self.doorbell.completed()
-                    due = seen != self._round_seen  # a child finished since the last look
-                    if not due:
-                        # A SUB worker is idle (``lane.idle()``, inline: this runs per submit).
-                        for lane in self.manager.sub:
-                            if (
-                                lane.active is None
-                                and not lane.deliveries
-                                and not lane.stopping
-                                and not lane.endpoint.poisoned
-                            ):
-                                due = True
-                                break
-                    if due and q is not None and self.fair is None and not self._held:
-                        go = self._pump.submit_refill(self, q, seen)
-                    elif due:
-                        # Under fair, while a digest is held or for a slot of no SUB queue
-                        # (its run ended): a full round while a SUB worker is idle, or once
-                        # a child finished and the last round is not so recent that fast
-                        # submits would pay one round each.
+                    # A SUB worker is idle (``lane.idle()``, inline: this runs per submit).
+                    for lane in self.manager.sub:
+                        if (
+                            lane.active is None
+                            and not lane.deliveries
+                            and not lane.stopping
+                            and not lane.endpoint.poisoned
+                        ):
+                            go = True
+                            break
+                    else:
+                        # a child finished since the last round (its lane is free for the
+                        # next task only once a round has seen that), and the last round
+                        # is not so recent that fast submits would pay one round each
                         go = (
-                            sub_idle(self.manager.sub)
-                            or time.monotonic() - self._round_at > ROUND_GAP_S
+                            self.doorbell.completed() != self._round_seen
+                            and time.monotonic() - self._round_at > ROUND_GAP_S
                         )
                 if go:
                     self._pump_spin = False

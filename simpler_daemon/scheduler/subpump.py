@@ -36,12 +36,11 @@ from simpler_daemon.mailbox.layout import OFF_STATE, TASK_FRAMES, MailboxState
 from simpler_daemon.scheduler.runmodel import SlotState
 
 if TYPE_CHECKING:
-    from simpler_daemon.scheduler.dispatch import Scheduler
     from simpler_daemon.scheduler.lanes import WorkerThread
     from simpler_daemon.scheduler.runmodel import TaskSlot
     from simpler_daemon.scheduler.spingate import SpinGate
 
-__all__ = ["PUMP_CHAIN_S", "PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump", "sub_idle"]
+__all__ = ["PUMP_CHAIN_S", "PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump"]
 
 #: How long one pump call waits for a child to finish with nothing else to do (ns):
 #: an empty task's round trip fits, a longer task returns to the Scheduler (which
@@ -303,28 +302,6 @@ class SubPump:
                 break
         return did
 
-    def submit_refill(self, sched: Scheduler, q: deque[TaskSlot], seen: int) -> bool:
-        """Inside a submit between two rounds (fifo, no reload holding a digest; ``q``
-        the head run's SUB queue), once a SUB worker is idle or a child finished (the
-        doorbell's completion word is ``seen``, not what the last look saw): True when a
-        full round must run now.
-
-        One ``drive`` without waiting for the children completes what ended and
-        publishes the head of ``q``: a few µs, where a round costs several times that,
-        so the children keep working (and do not park) while the orchestration still
-        submits, instead of waiting for the next round. A full round follows only when
-        the pump left a frame to Python, or a worker it does not take is left idle with
-        work queued (the Python dispatch's)."""
-        sched._round_seen = seen
-        lanes = sched.manager.sub
-        if lanes:
-            sched.in_round = True
-            try:
-                self.drive(sched, q, lanes, False, chain=True)
-            finally:
-                sched.in_round = False
-        return bool(sched.completions) or (bool(q) and sub_idle(lanes))
-
     def round(self, sched: PumpSink, q: deque[TaskSlot], spin: bool) -> bool:
         """The Scheduler round's part for the lanes ``select`` picked: run the C loop over
         ``q``, claim what it published and complete what it finished (in bulk, on
@@ -395,19 +372,6 @@ class SubPump:
     def forget(self) -> None:
         """Drop every lane record (the lanes were replaced or stopped)."""
         self._lanes.clear()
-
-
-def sub_idle(lanes: list[WorkerThread]) -> bool:
-    """A SUB worker in ``lanes`` is idle (``lane.idle()``, inline)."""
-    for lane in lanes:
-        if (
-            lane.active is None
-            and not lane.deliveries
-            and not lane.stopping
-            and not lane.endpoint.poisoned
-        ):
-            return True
-    return False
 
 
 def _issued_at(rec: _Lane) -> float:
