@@ -683,7 +683,9 @@ class RunRecord(RunEvents):
         if self.on_finished is not None:
             self.on_finished(self)
         callbacks, self._on_end = self._on_end, None
-        for callback in callbacks or ():
+        # A copy: a callback removes itself from the list (the fast path's answer does),
+        # which during the iteration over the list itself skipped the next one.
+        for callback in tuple(callbacks or ()):
             try:
                 callback()
             except Exception:  # one waiter's bug must not stop the others' replies

@@ -165,6 +165,32 @@ def test_concurrent_calls_and_cancelled_waits_leave_no_call_behind(
     asyncio.run(go())
 
 
+def test_every_waiter_on_one_run_is_answered_when_it_ends(
+    daemon: DaemonProcess, transport: str
+) -> None:
+    """Several WaitRuns (and a future's done callback, which waits too) on one run
+    still going: each is answered when it ends. On the fast path the daemon answers
+    them from the run's end, one callback each; removing one while they were called
+    used to skip the next, whose call then waited for its whole wait time."""
+
+    async def go() -> None:
+        async with _client(daemon, transport) as ac:
+            sleep = await ac.register(f"{TASKS}:sleep_ms")
+            fut = await ac.submit([sub_task(sleep, scalars=[1_000])])
+            called = asyncio.Event()
+            fut.add_done_callback(lambda _f: called.set())
+            # Waits without a wait limit: a skipped one is answered never, and its
+            # call's deadline (30 s, the run takes 1 s) fails it with DeadlineExceeded.
+            request = pb.WaitRunRequest(run_id=fut.run_id)
+            waits = [ac._call("WaitRun", request, 30.0) for _ in range(3)]
+            statuses = await asyncio.gather(*waits, fut.status())
+            assert [s.state for s in statuses[:3]] == [pb.RUN_STATE_COMPLETED] * 3
+            await fut
+            await called.wait()  # the callback's own wait was answered too
+
+    asyncio.run(go())
+
+
 def test_buffers_stream_both_ways_in_chunks_of_the_message_limit(
     daemon: DaemonProcess, transport: str
 ) -> None:
