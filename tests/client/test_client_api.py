@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from simpler_daemon.client import (
+    AsyncClient,
     AsyncRunFuture,
     CancelResult,
     Client,
@@ -163,9 +164,21 @@ def test_a_failed_run_raises_from_result_and_wait(c: Client, daemon: DaemonProce
     )
 
 
-def test_async_client_futures_are_awaitable(daemon: DaemonProcess, tcp: TcpAccess) -> None:
+def _async_client(daemon: DaemonProcess, tcp: TcpAccess, how: str) -> AsyncClient:
+    """An AsyncClient over TCP (gRPC, TLS), or the local socket by ``transport``."""
+    if how == "tcp":
+        return tcp.async_client(daemon, timeout=60)
+    client = AsyncClient(daemon.socket, timeout=60, transport=how)
+    assert client.transport == how
+    return client
+
+
+@pytest.mark.parametrize("how", ["tcp", "grpc", "fast"])
+def test_async_client_futures_are_awaitable(
+    daemon: DaemonProcess, tcp: TcpAccess, how: str
+) -> None:
     async def go() -> None:
-        async with tcp.async_client(daemon, timeout=60) as ac:
+        async with _async_client(daemon, tcp, how) as ac:
             echo = await ac.register(f"{TASKS}:echo")
             fut = await ac.submit([sub_task(echo, scalars=[9])], priority=2)
             assert isinstance(fut, AsyncRunFuture)
@@ -207,9 +220,12 @@ def test_run_futures_work_with_concurrent_futures_and_wrap_future(c: Client) -> 
     assert [r.results[0].value["scalars"] for r in results] == [[0], [1], [2]]
 
 
-def test_async_run_futures_compose_with_asyncio(daemon: DaemonProcess, tcp: TcpAccess) -> None:
+@pytest.mark.parametrize("how", ["tcp", "grpc", "fast"])
+def test_async_run_futures_compose_with_asyncio(
+    daemon: DaemonProcess, tcp: TcpAccess, how: str
+) -> None:
     async def go() -> None:
-        async with tcp.async_client(daemon, timeout=60) as ac:
+        async with _async_client(daemon, tcp, how) as ac:
             echo = await ac.register(f"{TASKS}:echo")
             futs = [await ac.submit([sub_task(echo, scalars=[n])]) for n in range(3)]
             got = await asyncio.gather(*futs)
