@@ -56,6 +56,7 @@ from simpler_daemon.client.fastpath import (
     _MAX_FRAME,
     _deadline_error,
     _method,
+    connect_failed,
     native_frame,
     status_error,
 )
@@ -342,10 +343,7 @@ class AsyncFastTransport:
             _, conn = await loop.create_unix_connection(lambda: _Connection(self, sock), sock=sock)
         except OSError as exc:
             sock.close()
-            raise Unavailable(
-                grpc.StatusCode.UNAVAILABLE,
-                f"cannot connect to the daemon's fast socket {self.path}: {exc.strerror or exc}",
-            ) from exc
+            raise connect_failed(self.path, exc) from exc
         except BaseException:
             sock.close()
             raise

@@ -225,6 +225,15 @@ def _native_task(task: Any) -> NativeTask:
     return native
 
 
+def connect_failed(path: str, exc: OSError) -> Unavailable:
+    """The error of a connection to the fast socket at ``path`` that failed with ``exc``
+    (both transports, blocking and asyncio, say it alike)."""
+    return Unavailable(
+        grpc.StatusCode.UNAVAILABLE,
+        f"cannot connect to the daemon's fast socket {path}: {exc.strerror or exc}",
+    )
+
+
 def native_frame(
     call_id: int, name: str, request: Any, timeout: float | None, tasks: Any = None
 ) -> bytes | None:
@@ -282,10 +291,7 @@ class _Conn:
             sock.sendall(encode(Hello(PROTOCOL_VERSION, label[:MAX_LABEL], NATIVE_VERSION)))
         except OSError as exc:
             sock.close()
-            raise Unavailable(
-                grpc.StatusCode.UNAVAILABLE,
-                f"cannot connect to the daemon's fast socket {path}: {exc.strerror or exc}",
-            ) from exc
+            raise connect_failed(path, exc) from exc
         self.sock = sock
         self.version = PROTOCOL_VERSION
         self._decoder = FrameDecoder(CLIENT_FRAMES, _MAX_FRAME)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,14 @@ def test_the_same_client_serves_one_event_loop_after_another(daemon: DaemonProce
 # --------------------------------------------------------------------------- the fast path
 
 
+def _serve(stand_in: FastStandIn, go: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``go()`` on a new event loop, then close ``stand_in`` whatever happened."""
+    try:
+        asyncio.run(go())
+    finally:
+        stand_in.close()
+
+
 def test_a_welcomed_connection_sends_submit_and_wait_frames(tmp_path: Path) -> None:
     stand_in = FastStandIn(tmp_path / "d.fast.sock")
 
@@ -365,10 +373,7 @@ def test_a_lost_connection_fails_the_calls_in_flight_and_the_next_call_reconnect
         finally:
             await transport.close()
 
-    try:
-        asyncio.run(go())
-    finally:
-        stand_in.close()
+    _serve(stand_in, go)
 
 
 def test_closing_fails_the_calls_in_flight(tmp_path: Path) -> None:
@@ -384,10 +389,7 @@ def test_closing_fails_the_calls_in_flight(tmp_path: Path) -> None:
         with pytest.raises(Unavailable, match="the client is closed"):
             await transport.unary("ListBuffers", pb.ListBuffersRequest(), 10.0)
 
-    try:
-        asyncio.run(go())
-    finally:
-        stand_in.close()
+    _serve(stand_in, go)
 
 
 def test_a_stream_faster_than_its_reader_pauses_the_connections_reading(tmp_path: Path) -> None:
@@ -416,10 +418,7 @@ def test_a_stream_faster_than_its_reader_pauses_the_connections_reading(tmp_path
         finally:
             await transport.close()
 
-    try:
-        asyncio.run(go())
-    finally:
-        stand_in.close()
+    _serve(stand_in, go)
 
 
 def test_an_upload_to_a_daemon_that_stopped_reading_waits_for_room(tmp_path: Path) -> None:
@@ -447,10 +446,7 @@ def test_an_upload_to_a_daemon_that_stopped_reading_waits_for_room(tmp_path: Pat
         finally:
             await transport.close()
 
-    try:
-        asyncio.run(go())
-    finally:
-        stand_in.close()
+    _serve(stand_in, go)
 
 
 def test_a_client_after_close_or_without_a_daemon_is_unavailable(tmp_path: Path) -> None:
