@@ -64,6 +64,8 @@ __all__ = [
 _new_int = int.__new__
 #: The args blob of a task without tensors or scalars (shared by every such task).
 _EMPTY_BLOB: Final = encode_args((), ())
+#: A plain task's blobs (``TaskSlot.blobs``): one shared tuple, nothing allocated per task.
+_EMPTY_BLOBS: Final = (_EMPTY_BLOB,)
 
 
 #: The most values and kwargs bytes a task without tensors or scalars carries in its frame.
@@ -131,9 +133,9 @@ class Orchestrator:
                 TaskKind.SUB,
                 h,
                 DEFAULT_CONFIG,
-                [blob],
-                [],
-                [],
+                _EMPTY_BLOBS if blob is _EMPTY_BLOB else (blob,),
+                (),
+                (),
             )
             run.slots.append(slot)
             run.remaining += 1
@@ -331,7 +333,11 @@ class Orchestrator:
                 failed_producer = p
             elif p.state != SlotState.COMPLETED:
                 slot.deps += 1
-                p.consumers.append(slot)
+                consumers = p.consumers
+                if isinstance(consumers, list):
+                    consumers.append(slot)
+                else:
+                    p.consumers = [slot]
         if failed_producer is not None:
             self._sink.fail_at_submit(slot, failed_producer)
         else:

@@ -43,7 +43,7 @@
 
 
 /* The TaskSlot fields read here, the contract with the Python side: state (only the
- * `ready` object is taken), group_size (1), blobs (a list of one bytes blob),
+ * `ready` object is taken), group_size (1), blobs (a list or tuple of one bytes blob),
  * config_bytes and digest (bytes), run_id, slot_id, lease_slot and lease_generation
  * (unsigned 64-bit values for the lease and the trailer).  The same list is
  * PUMP_SLOT_FIELDS in simpler_daemon/scheduler/runmodel.py (a test compares the two):
@@ -206,15 +206,20 @@ pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *publishe
     if (gsize == NULL || blobs == NULL || config == NULL || digest == NULL) {
         goto out;
     }
-    if (!PyLong_CheckExact(gsize) || PyLong_AsLong(gsize) != 1 || !PyList_CheckExact(blobs) ||
-        PyList_GET_SIZE(blobs) != 1 || !PyBytes_CheckExact(config) ||
+    if (!PyLong_CheckExact(gsize) || PyLong_AsLong(gsize) != 1 || !PyBytes_CheckExact(config) ||
         PyBytes_GET_SIZE(config) > CONFIG_SIZE || !PyBytes_CheckExact(digest) ||
         PyBytes_GET_SIZE(digest) != DIGEST_SIZE) {
         rc = PyErr_Occurred() ? -2 : 0;
         goto out;
     }
-    PyObject *blob = PyList_GET_ITEM(blobs, 0);
-    if (!PyBytes_CheckExact(blob) || PyBytes_GET_SIZE(blob) > MAILBOX_ARGS_CAPACITY) {
+    /* A list of one blob, or the shared tuple of a plain task's (no allocation per task). */
+    PyObject *blob = NULL;
+    if (PyList_CheckExact(blobs) && PyList_GET_SIZE(blobs) == 1) {
+        blob = PyList_GET_ITEM(blobs, 0);
+    } else if (PyTuple_CheckExact(blobs) && PyTuple_GET_SIZE(blobs) == 1) {
+        blob = PyTuple_GET_ITEM(blobs, 0);
+    }
+    if (blob == NULL || !PyBytes_CheckExact(blob) || PyBytes_GET_SIZE(blob) > MAILBOX_ARGS_CAPACITY) {
         rc = 0;
         goto out;
     }

@@ -560,7 +560,7 @@ class RunCompletion(SchedulerState, SubmitSink):
                 if consumer.deps == 0 and consumer.state == SlotState.PENDING:
                     consumer.state = SlotState.READY
                     self.enqueue_ready(consumer)
-            slot.consumers = []
+            slot.consumers = ()
         if run.listeners:
             run.emit("task", slot)
 
@@ -595,14 +595,14 @@ class RunCompletion(SchedulerState, SubmitSink):
                             ),
                         )
                     )
-            s.consumers = []
+            s.consumers = ()
             first = False
 
     def _unpin(self, slot: TaskSlot) -> None:
         if slot.pins:
             for b in slot.pins:
                 self._unpin_key(b)
-            slot.pins = []
+            slot.pins = ()
 
     def _unpin_key(self, key: Any) -> None:
         if isinstance(key, int):
