@@ -265,7 +265,9 @@ class Orchestrator:
                 heap.unpin(b)
             raise
         if not member_descs:
-            # No tensors: no pins, no dependencies (the common case for pure SUB work).
+            # No tensors: no pins, no dependencies (the common case for pure SUB work). No
+            # list kept per slot either (``TaskSlot.consumers``): a tuple of blobs, and the
+            # empty tuple for no targets or no values buffers.
             slot = TaskSlot(
                 self._sink.next_slot_id(),
                 run,
@@ -273,9 +275,9 @@ class Orchestrator:
                 kind,
                 handle,
                 cfg,
-                blobs,
-                targets,
-                value_pins,
+                (blobs[0],) if len(blobs) == 1 else tuple(blobs),
+                targets or (),
+                value_pins or (),
             )
             run.slots.append(slot)
             run.remaining += 1

@@ -537,9 +537,22 @@ def test_a_plain_sub_task_keeps_no_container_of_its_own(sink: Sink) -> None:
     kept = len(gc.get_objects()) - before
     assert abs(kept - n) <= 50, f"{kept} tracked objects kept for {n} queued plain tasks"
     assert not slot_of(o, 1).consumers and not slot_of(o, 1).pins
+    # A task with a scalar takes the general path: no list of its own there either (its
+    # tuple of one blob holds bytes only, so the collector stops tracking it).
+    first = len(o.run.slots)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(n):
+        a = TaskArgs()
+        a.add_scalar(i)
+        o.submit_sub(SUB, a)
+    gc.collect()
+    kept = len(gc.get_objects()) - before
+    assert abs(kept - n) <= 50, f"{kept} tracked objects kept for {n} queued tasks with a scalar"
+    assert slot_of(o, first).blobs[0] != slot_of(o, first + 1).blobs[0]
     # A dependency still makes the producer's consumer list.
     heap = sink.heap
     x = heap.alloc((4,), "float64")
     o.submit_sub(SUB, args((x, Tag.OUTPUT)))
     o.submit_sub(SUB, args((x, Tag.INPUT)))
-    assert slot_of(o, n + 1).consumers == [slot_of(o, n + 2)]
+    assert slot_of(o, 2 * n + 1).consumers == [slot_of(o, 2 * n + 2)]
