@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from simpler_daemon.children.process import ChildProcess, fork_child, reap_all
+from simpler_daemon.children.process import ChildProcess, fork_child, parent_only, reap_all
 from simpler_daemon.errors import StartupError
 
 _REQ = struct.Struct("<4sBi")  # magic, kind (0 sub, 1 chip, 2 nested L3, 255 successor), index
@@ -110,6 +110,7 @@ class ForkServer:
                 raise
             finally:
                 server_end.close()
+            parent_only(parent_end)
             self._servers.append(_Server(proc, parent_end))
             self._all.append(proc)
 
@@ -184,6 +185,7 @@ class ForkServer:
                 last = f"the fork server (pid {server.proc.pid}) could not fork ({pid})"
                 continue
             proc = ChildProcess(pid, "fork server")
+            parent_only(channel)
             self._servers.append(_Server(proc, channel))
             self._all.append(proc)
             self._restarted_at.append(now)

@@ -14,6 +14,11 @@ process that reaps the child reads it, logs it as one record and puts its gist i
 the death message (``describe()``), which the task's error carries. The memfd is
 made by the process that forks the slot first (the Worker, at ``init``); the fork
 servers inherit it, so a replacement they fork writes where the Worker reads.
+
+A channel whose far end must see EOF once this process closes its end (a fork
+server's, ``parent_only``) is closed in every child forked here: otherwise a child of
+a second Worker of the same process would hold the first Worker's ends open, and
+that Worker's fork servers would never see it close (10 s, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import sysconfig
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 from simpler_daemon.errors import StartupError
 from simpler_daemon.mailbox import _mailbox as _mb
@@ -270,6 +277,22 @@ def kill_group(pgid: int) -> None:
 
 
 #: Signals a child takes with their default action whatever the forking process set.
+#: This process's ends of channels no child may hold (``parent_only``).
+_PARENT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def parent_only(sock: Any) -> None:
+    """Close ``sock`` (this process's end of a channel) in every child forked from now
+    on, by any Worker of this process: its peer sees EOF when this process closes it."""
+    _PARENT_ONLY.add(sock)
+
+
+def _close_parent_only() -> None:
+    for sock in list(_PARENT_ONLY):
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
 _DEFAULT_IN_CHILD = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 #: What a forked child's process title starts with: ``"<prefix>: <label>"``, as ``ps``
@@ -324,6 +347,7 @@ def fork_child(target: Callable[[], int], label: str, *, sibling: bool = False) 
             _mb.set_pdeathsig(signal.SIGKILL)
             if os.getppid() != parent:
                 os._exit(1)
+            _close_parent_only()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # The daemon's own handlers (SIGHUP reloads, ...) are not the child's.

@@ -195,3 +195,32 @@ def test_close_inside_a_run_is_still_refused() -> None:
     finally:
         w.close()
     assert len(seen) == 1 and "within a run" in str(seen[0])
+
+
+@pytest.mark.parametrize("first", ["older", "newer"])
+def test_two_workers_of_one_process_each_close_cleanly(
+    first: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second Worker's children (forked while the first Worker runs) hold none of the
+    first Worker's fork-server channels: closing either Worker first, its fork servers see
+    the channel close and exit at once. With those copies held, the older Worker's close
+    waited out its whole timeout and then SIGKILLed its fork servers."""
+    workers = []
+    try:
+        for _ in range(2):
+            w = Worker(num_sub_workers=1, heap_bytes=1 << 20)
+            h = w.register(sub_tasks.noop)
+            w.init()
+            workers.append(w)
+            w.run(lambda o, a, c, h=h: o.submit_sub(h, targs()))
+        if first == "newer":
+            workers.reverse()
+        with caplog.at_level("WARNING", logger="simpler_daemon"):
+            for w in workers:
+                w.close()
+        killed = [r.getMessage() for r in caplog.records if "did not exit" in r.getMessage()]
+        assert killed == [], killed
+    finally:
+        for w in workers:
+            w.close()
+    poll_for(lambda: not child_pids(), timeout=10.0, message="children outlived both Workers")
