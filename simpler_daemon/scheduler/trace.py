@@ -87,7 +87,8 @@ class RunTrace:
         self.names: list[str] = []
         #: (slot id, member) -> (start ns, attempt number) of the attempt running now.
         self.open: dict[tuple[int, int], tuple[int, int]] = {}
-        #: (slot id, member) -> attempts started so far, while the task may run again.
+        #: (slot id, member) -> attempts made so far of a task that was retried (until its
+        #: last attempt ends): the next one's number is one more.
         self.tries: dict[tuple[int, int], int] = {}
         self.dropped = 0
 
@@ -96,37 +97,43 @@ class RunTrace:
         return len(self.names)
 
     def on_event(self, slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
-        """The Scheduler's task event for a slot of this run."""
+        """The Scheduler's task event for a slot of this run (twice per task: written for
+        that, so the enums' plain ``_name_`` and ``_value_``, and ``tries`` only for a task
+        that was retried)."""
         if event == "dispatched" or (event == "redispatched" and c is not None):
-            member = max(slot.members_started - 1, 0) if c is None else c.dispatch.group_index
+            if c is None:
+                member = slot.members_started - 1
+                if member < 0:
+                    member = 0
+            else:
+                member = c.dispatch.group_index
             key = (slot.slot_id, member)
-            n = self.tries.get(key, 0) + 1
-            self.tries[key] = n
-            self.open[key] = (time.perf_counter_ns(), n)
+            tries = self.tries
+            self.open[key] = (time.perf_counter_ns(), tries.get(key, 0) + 1 if tries else 1)
         elif (event == "completed" or event == "retried") and c is not None:
-            member = c.dispatch.group_index
-            key = (slot.slot_id, member)
+            key = (slot.slot_id, c.dispatch.group_index)
             started = self.open.pop(key, None)
-            if event == "completed":  # its last attempt: no number to give any more
-                self.tries.pop(key, None)
             now = time.perf_counter_ns()
             t0, n = started if started is not None else (now, 1)
+            if event == "retried":
+                self.tries[key] = n  # the next attempt is number n + 1
+            elif self.tries:  # its last attempt: no number to give any more
+                self.tries.pop(key, None)
             if len(self.names) >= MAX_TRACE_ATTEMPTS:
                 self.dropped += 1
                 return
-            name = c.outcome.name
+            name = c.outcome._name_
             code = _OUTCOME_CODES.get(name)
             if code is None:
                 code = _OUTCOME_CODES[name] = len(_OUTCOME_NAMES)
                 _OUTCOME_NAMES.append(name)
-            lane = c.worker_id if c.worker_type.value == "sub" else -1 - c.worker_id
+            lane = c.worker_id if c.worker_type._value_ == "sub" else -1 - c.worker_id
             base = self.submitted_ns
-            self.ints.extend((slot.index, member, n, t0 - base, now - base, lane, code))
+            self.ints.extend((slot.index, key[1], n, t0 - base, now - base, lane, code))
             self.names.append(slot.handle.name)
         elif event == "requeued":
-            key = (slot.slot_id, max(slot.members_started - 1, 0))
-            if self.open.pop(key, None) is not None:
-                self.tries[key] -= 1  # never picked up: not an attempt
+            # Never picked up: not an attempt (its number is given again).
+            self.open.pop((slot.slot_id, max(slot.members_started - 1, 0)), None)
 
     def end(self) -> None:
         """The run ended: note when, and drop the bookkeeping of attempts under way."""

@@ -145,7 +145,7 @@ def test_untraced_worker_refuses() -> None:
     finally:
         w.close()
     with pytest.raises(TypeError, match="trace='yes' must be True or False"):
-        Worker(num_sub_workers=1, trace="yes")  # type: ignore[arg-type]
+        Worker(num_sub_workers=1, trace="yes")
 
 
 def test_trace_is_valid_json_for_an_empty_run(traced: Worker) -> None:
@@ -155,3 +155,42 @@ def test_trace_is_valid_json_for_an_empty_run(traced: Worker) -> None:
     doc = h.trace()
     check_chrome_trace(doc)
     assert task_events(doc) == []
+
+
+def test_attempt_numbers_through_retries_and_requeues() -> None:
+    """``RunTrace.on_event`` alone: a requeued dispatch (never picked up) is not an
+    attempt, a retried one is, and a task run once is attempt 1 (keeping nothing of it
+    once it ends)."""
+    from types import SimpleNamespace
+
+    from simpler_daemon.endpoints.base import Outcome
+    from simpler_daemon.scheduler.lanes import WorkerType
+    from simpler_daemon.scheduler.trace import FIELDS, RunTrace
+
+    trace = RunTrace()
+    handle = SimpleNamespace(name="t")
+    once = SimpleNamespace(slot_id=1, index=0, members_started=1, handle=handle)
+    flaky = SimpleNamespace(slot_id=2, index=1, members_started=1, handle=handle)
+
+    def done(outcome: Outcome, lane: int = 0) -> Any:
+        return SimpleNamespace(
+            dispatch=SimpleNamespace(group_index=0),
+            outcome=outcome,
+            worker_type=WorkerType.SUB,
+            worker_id=lane,
+        )
+
+    trace.on_event(once, "dispatched", None)
+    trace.on_event(once, "completed", done(Outcome.SUCCESS))
+    trace.on_event(flaky, "dispatched", None)
+    trace.on_event(flaky, "requeued", None)
+    trace.on_event(flaky, "dispatched", None)
+    trace.on_event(flaky, "retried", done(Outcome.TASK_FAILURE, 1))
+    trace.on_event(flaky, "redispatched", done(Outcome.TASK_FAILURE, 1))
+    trace.on_event(flaky, "requeued", None)
+    trace.on_event(flaky, "dispatched", None)
+    trace.on_event(flaky, "completed", done(Outcome.SUCCESS, 1))
+    rows = [trace.ints[i : i + FIELDS].tolist() for i in range(0, len(trace.ints), FIELDS)]
+    # (task index, member, attempt, start, end, lane, outcome code) per attempt
+    assert [(r[0], r[2], r[5]) for r in rows] == [(0, 1, 0), (1, 1, 1), (1, 2, 1)]
+    assert trace.open == {} and trace.tries == {}
