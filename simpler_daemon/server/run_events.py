@@ -94,6 +94,9 @@ class RunEvents:
         metrics = self._metrics
         if event == "dispatched" or event == "redispatched":
             self.running += 1
+            if metrics is None and not self.watchers:
+                self.seq += 1  # nobody reads the member: not worked out (twice per task)
+                return
             member = (
                 max(slot.members_started - 1, 0)
                 if completion is None
