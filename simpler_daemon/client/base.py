@@ -25,7 +25,7 @@ import numpy as np
 from simpler_daemon.client.discovery import ENV_SOCKET as ENV_TARGET
 from simpler_daemon.client.discovery import default_target as discover
 from simpler_daemon.client.errors import DaemonError, daemon_error
-from simpler_daemon.client.fastpath import pick_fast_socket
+from simpler_daemon.client.fastpath import DEFAULT_SPIN_US, MAX_SPIN_US, pick_fast_socket
 from simpler_daemon.client.heapview import map_buffer_view
 from simpler_daemon.client.requests import call_deadline, check_wait
 from simpler_daemon.client.retry import DEFAULT_RETRY, RetryPolicy
@@ -112,11 +112,22 @@ class _Base:
         client_id: str | None = None,
         transport: str = "auto",
         retry: RetryPolicy | None = DEFAULT_RETRY,
+        spin_us: int | None = None,
     ) -> None:
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(
                 f"cannot create a client: retry must be a RetryPolicy or None: {retry!r}"
             )
+        if spin_us is not None and (type(spin_us) is not int or not 0 <= spin_us <= MAX_SPIN_US):
+            raise ValueError(
+                f"cannot create a client: spin_us must be an int from 0 to {MAX_SPIN_US} "
+                f"(µs), got {spin_us!r}"
+            )
+        #: How long a blocking call over the fast path looks for its reply before it
+        #: sleeps (µs; 0: never; None given: DEFAULT_SPIN_US). An AsyncClient takes none:
+        #: its event loop waits for replies.
+        self.spin_us = DEFAULT_SPIN_US if spin_us is None else spin_us
+        self._spin_given = spin_us is not None
         #: How calls safe to repeat are retried (client/retry.py); None: never.
         self.retry = retry
         self.target = target or default_target()

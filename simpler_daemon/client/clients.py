@@ -131,7 +131,7 @@ class Client(_Base):
         self._lease = SessionLease(self._lease_socket())
         self._fast: FastTransport | None = None
         if self._fast_path is not None:
-            self._fast = FastTransport(self._fast_path, self.client_id)
+            self._fast = FastTransport(self._fast_path, self.client_id, self.spin_us)
         else:
             self._channel = self._new_channel()
         self._done_watcher = DoneWatcher()
@@ -502,6 +502,11 @@ class AsyncClient(_Base):
     ``submit`` returns an :class:`AsyncRunFuture` (``await`` it for the result)."""
 
     def _open(self) -> None:
+        if self._spin_given:
+            raise ValueError(
+                "cannot create an AsyncClient with spin_us: its event loop waits for the "
+                "replies (spin_us is the blocking Client's)"
+            )
         self._lease = AsyncSessionLease()
         self._fast: AsyncFastTransport | None = None
         if self._fast_path is not None:

@@ -87,6 +87,13 @@ _TIMEVAL: Final = struct.Struct("@ll")
 #: Share of the time left a kernel timeout is set to: the next calls with the same
 #: timeout reuse it (a wake-up before the deadline re-arms with the exact time left).
 _EARLY: Final = 0.9
+#: How long a blocking call looks for its reply without sleeping (µs), by default: a
+#: reply sent while the caller sleeps in the kernel waits for that core's wake-up, tens
+#: of µs on a virtual machine (the daemon's write pays it too); one-task runs and reads
+#: answer within this. The core is yielded between looks. ``Client(spin_us=...)``.
+DEFAULT_SPIN_US: Final = 500
+#: The longest spin a client may ask for (µs).
+MAX_SPIN_US: Final = 10_000
 #: The largest submit sent as a Submit frame (tasks, encoded bytes); a bigger one is a
 #: Call, so the daemon's per-call RESOURCE_EXHAUSTED applies to it as over gRPC.
 _NATIVE_TASKS: Final = 64
@@ -338,6 +345,22 @@ class _Conn:
         passed, else wait again for exactly the time left (None: without a timeout)."""
         self._set_timeout(_remaining(deadline))
 
+    def _look(self, spin_s: float, deadline: float | None) -> int:
+        """Read what has arrived without blocking, again and again for up to ``spin_s``
+        (never past ``deadline``), yielding the core between looks: the bytes read, or
+        -1 when nothing came."""
+        end = _now() + spin_s
+        if deadline is not None and deadline < end:
+            end = deadline
+        sock, buf = self.sock, self._buf
+        while True:
+            try:
+                return sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if _now() >= end:
+                    return -1
+                os.sched_yield()
+
     def send(self, data: bytes, deadline: float | None = None) -> None:
         """Send ``data`` within ``deadline`` (the caller armed it)."""
         view = memoryview(data)
@@ -353,16 +376,22 @@ class _Conn:
         except OSError as exc:
             raise self._lost(exc) from exc
 
-    def frame(self, deadline: float | None, *, armed: bool = False) -> Any:
+    def frame(self, deadline: float | None, *, armed: bool = False, spin_s: float = 0.0) -> Any:
         """The next frame from the daemon (blocking until ``deadline``); ``armed``: the
-        caller just called :meth:`arm` (the first read needs no new timeout)."""
+        caller just called :meth:`arm` (the first read needs no new timeout); ``spin_s``:
+        look for it without sleeping for up to so long first (``DEFAULT_SPIN_US``)."""
         frames = self._frames
         while not frames:
             if not armed:
                 self.arm(deadline)
             armed = False
             try:
-                size = self.sock.recv_into(self._buf)
+                size = -1
+                if spin_s:
+                    size = self._look(spin_s, deadline)
+                    spin_s = 0.0
+                if size < 0:
+                    size = self.sock.recv_into(self._buf)
             except BlockingIOError:  # SO_RCVTIMEO expired: deadline, or wait again
                 self._woken(deadline)
                 armed = True
@@ -405,9 +434,11 @@ class FastTransport:
     """Blocking calls over the fast socket at ``path``; ``label`` is the client's
     display label (the gRPC ``x-simpler-client`` header)."""
 
-    def __init__(self, path: str, label: str) -> None:
+    def __init__(self, path: str, label: str, spin_us: int = DEFAULT_SPIN_US) -> None:
         self.path = path
         self.label = label
+        #: How long a unary call looks for its reply before it sleeps (s).
+        self._spin_s = spin_us / 1e6
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()  # closed by close() too, as a channel's calls are
         self._lock = threading.Lock()
@@ -496,7 +527,7 @@ class FastTransport:
                 if data is None:
                     data = encode(Call(call_id, name, request.SerializeToString(), timeout))
                 conn.send(data, deadline)
-            frame = conn.frame(deadline, armed=not method.client_stream)
+            frame = conn.frame(deadline, armed=not method.client_stream, spin_s=self._spin_s)
             while type(frame) is not Reply or frame.id != call_id:
                 frame = conn.frame(deadline)  # a late frame of an abandoned call
         except BaseException:

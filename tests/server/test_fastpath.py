@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from simpler_daemon.client import Client, sub_task
+from simpler_daemon.client import AsyncClient, Client, sub_task
 from simpler_daemon.client.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -32,6 +32,7 @@ from simpler_daemon.client.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from simpler_daemon.client.fastpath import DEFAULT_SPIN_US, MAX_SPIN_US
 from simpler_daemon.errors import ProtocolError, RunCancelled
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.protocol.fastwire import (
@@ -290,6 +291,38 @@ def test_kernel_timeouts_kept_between_calls_neither_cut_nor_stretch_a_call(c: Cl
         c.cancel(waited.run_id, terminate=True)
     finally:
         c.cancel(slow, terminate=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [-1, MAX_SPIN_US + 1, 1.5, "250", True])
+def test_spin_us_out_of_range_is_refused_naming_it(daemon: DaemonProcess, bad: Any) -> None:
+    with pytest.raises(ValueError, match="spin_us"):
+        daemon.client(transport="fast", spin_us=bad)
+    with pytest.raises(ValueError, match="AsyncClient with spin_us"):
+        AsyncClient(daemon.socket, spin_us=100)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spin_us", [0, DEFAULT_SPIN_US, MAX_SPIN_US])
+def test_a_call_spinning_for_its_reply_keeps_its_deadline(
+    daemon: DaemonProcess, spin_us: int
+) -> None:
+    """A blocking call looks for its reply without sleeping for up to ``spin_us``, never
+    past its deadline: a 2 ms deadline under a 10 ms spin still fails DEADLINE_EXCEEDED,
+    and the connection serves the next call (a late reply of the expired call is
+    skipped)."""
+    with daemon.client(timeout=30, transport="fast", spin_us=spin_us) as c:
+        assert c.spin_us == spin_us
+        assert c.get_info().caller
+        sleep = c.register(f"{TASKS}:sleep_ms")
+        slow = c.submit([sub_task(sleep, scalars=[30_000])])
+        try:
+            with pytest.raises(DeadlineExceeded):
+                c._call("WaitRun", pb.WaitRunRequest(run_id=slow.run_id), 0.002)
+            for _ in range(20):
+                assert c.get_info().caller
+        finally:
+            c.cancel(slow, terminate=True)
 
 
 @pytest.mark.timeout(90)
