@@ -343,7 +343,7 @@ class RunCompletion(SchedulerState, SubmitSink):
                 self._fail_slot(slot, failure, running=True)
                 self.finish_if_done(run)
                 continue
-            if slot.pins or slot.consumers or run.listeners:
+            if slot.pins or slot.consumers:
                 self._complete_slot(slot)
             else:  # _complete_slot of a slot that holds nothing, inline (W2: per task)
                 slot.state = completed
@@ -561,8 +561,6 @@ class RunCompletion(SchedulerState, SubmitSink):
                     consumer.state = SlotState.READY
                     self.enqueue_ready(consumer)
             slot.consumers = ()
-        if run.listeners:
-            run.emit("task", slot)
 
     def _fail_slot(
         self, slot: TaskSlot, failure: FailureInfo, *, record: bool = True, running: bool = False

@@ -278,7 +278,7 @@ class RunRecord(RunEvents):
         self.trace = run.trace
         if self.on_bind is not None:
             self.on_bind(self)
-        run.listeners.append(self._on_slot)  # guards itself: it runs once per task
+        run.listeners.append(self._on_slot)  # guards itself: it runs once per failed task
         run.add_done_callback(self._guarded(self._on_done))
 
     @staticmethod
@@ -614,7 +614,7 @@ class RunRecord(RunEvents):
     # -- events from the Scheduler (all on the loop; the task events: run_events.py) ----
 
     def _on_slot(self, run: Run, event: str, slot: TaskSlot | None) -> None:
-        """Run listener: a slot became terminal (``task``) or the run did (``run``)."""
+        """Run listener: a slot failed (``task``) or the run ended (``run``)."""
         if event != "task" or slot is None or slot.state != SlotState.FAILED:
             return
         try:

@@ -605,3 +605,36 @@ def test_a_thousand_runs_leak_no_memory_and_no_fds(pool: Pool) -> None:
     assert sched is not None
     assert sched.admission.runs() == [] and sched.queued() == 0
     assert not sched.subs and not sched.groups
+
+
+@pytest.mark.timeout(60)
+def test_run_listeners_hear_failed_slots_and_the_end_only() -> None:
+    """``Run.listeners`` (the daemon's run record listens for failures) are called for a
+    failed or skipped slot and once when the run ends, never for a slot that succeeded:
+    a successful task keeps the completion's inline path."""
+    heard: list[tuple[str, int | None, str | None]] = []
+
+    def listen(run: Any, event: str, slot: Any) -> None:
+        heard.append((event, None if slot is None else slot.index, slot and slot.state.name))
+
+    with Worker(num_sub_workers=2) as w:
+        ok, bad = w.register(tasks.noop), w.register(tasks.fail)
+        consume = w.register(tasks.consume)
+        who = w.alloc((1,), "int64")
+        gate = w.alloc((1,), "int64")
+        x = w.alloc((4,), "float64")
+        y = w.alloc((4,), "float64")
+
+        def orch(o: Any, args: Any, config: Any) -> None:
+            o.run.listeners.append(listen)
+            for _ in range(20):
+                o.submit_sub(ok, targs())
+            # It fails once the gate opens, after every submit (a submit into a run that
+            # failed already would raise instead).
+            o.submit_sub(bad, targs((who, Tag.OUTPUT), (gate, Tag.NO_DEP), (x, Tag.OUTPUT)))
+            o.submit_sub(consume, targs((x, Tag.INPUT), (y, Tag.OUTPUT), scalars=(1,)))
+            gate[0] = 1
+
+        with pytest.raises(TaskError):
+            w.run(orch)
+    assert heard == [("task", 20, "FAILED"), ("task", 21, "FAILED"), ("run", None, None)]
