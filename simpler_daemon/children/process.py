@@ -276,7 +276,6 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-#: Signals a child takes with their default action whatever the forking process set.
 #: This process's ends of channels no child may hold (``parent_only``).
 _PARENT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -293,6 +292,7 @@ def _close_parent_only() -> None:
             sock.close()
 
 
+#: Signals a child takes with their default action whatever the forking process set.
 _DEFAULT_IN_CHILD = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 #: What a forked child's process title starts with: ``"<prefix>: <label>"``, as ``ps``

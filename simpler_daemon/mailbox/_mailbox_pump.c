@@ -216,10 +216,12 @@ pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *publishe
     PyObject *blob = NULL;
     if (PyList_CheckExact(blobs) && PyList_GET_SIZE(blobs) == 1) {
         blob = PyList_GET_ITEM(blobs, 0);
-    } else if (PyTuple_CheckExact(blobs) && PyTuple_GET_SIZE(blobs) == 1) {
+    }
+    else if (PyTuple_CheckExact(blobs) && PyTuple_GET_SIZE(blobs) == 1) {
         blob = PyTuple_GET_ITEM(blobs, 0);
     }
-    if (blob == NULL || !PyBytes_CheckExact(blob) || PyBytes_GET_SIZE(blob) > MAILBOX_ARGS_CAPACITY) {
+    if (blob == NULL || !PyBytes_CheckExact(blob) ||
+        PyBytes_GET_SIZE(blob) > MAILBOX_ARGS_CAPACITY) {
         rc = 0;
         goto out;
     }
