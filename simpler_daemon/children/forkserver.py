@@ -30,6 +30,7 @@ cannot be served). Requests and replies are fixed-size records on a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import signal
@@ -101,16 +102,18 @@ class ForkServer:
     def _start(self) -> None:
         for _ in range(SERVERS):
             parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            # The other server's channel is not this one's: it closes the parent's ends.
-            theirs = [parent_end, *(s.sock for s in self._servers)]
+            # The Worker's ends (this one's and the other server's) are closed in every
+            # child fork_child makes, this server included.
+            parent_only(parent_end)
             try:
-                proc = fork_child(_bind_server(server_end, theirs, self._contexts), "fork server")
+                proc = fork_child(
+                    functools.partial(_serve, server_end, self._contexts), "fork server"
+                )
             except BaseException:
                 parent_end.close()
                 raise
             finally:
                 server_end.close()
-            parent_only(parent_end)
             self._servers.append(_Server(proc, parent_end))
             self._all.append(proc)
 
@@ -280,17 +283,6 @@ def _fork_successor(sock: socket.socket, contexts: Contexts) -> tuple[int, socke
         server_end.close()
     proc.close()
     return proc.pid, parent_end
-
-
-def _bind_server(
-    sock: socket.socket, theirs: list[socket.socket], contexts: Contexts
-) -> Callable[[], int]:
-    def run() -> int:
-        for other in theirs:
-            other.close()
-        return _serve(sock, contexts)
-
-    return run
 
 
 def _bind_target(target: Spawner, ctx: Any, sock: socket.socket) -> Callable[[], int]:

@@ -275,7 +275,7 @@ class Orchestrator:
                 kind,
                 handle,
                 cfg,
-                (blobs[0],) if len(blobs) == 1 else tuple(blobs),
+                tuple(blobs),
                 targets or (),
                 value_pins or (),
             )
