@@ -95,12 +95,12 @@ def no_leaked_process_policy() -> Iterator[None]:
     allow-list and task-time ceiling the daemon sets for itself; later tests must not
     inherit them."""
     from simpler_daemon import callables
-    from simpler_daemon.endpoints import local
+    from simpler_daemon.endpoints import taskwatch
 
-    policy, ceiling = callables.import_policy(), local._max_task_ms
+    policy, ceiling = callables.import_policy(), taskwatch._max_task_ms
     yield
     callables.restrict_imports(policy)
-    local._max_task_ms = ceiling
+    taskwatch._max_task_ms = ceiling
 
 
 FAULTS = Path(__file__).parent / "faults"

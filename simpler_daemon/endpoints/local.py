@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import signal
 import threading
 import time
@@ -57,6 +56,13 @@ from simpler_daemon.endpoints.base import (
     EventKind,
     Outcome,
     WorkerDispatch,
+)
+from simpler_daemon.endpoints.taskwatch import (
+    DEADLINE_GRACE_S,
+    STOPPED_GRACE_S,
+    STOPPED_POLL_S,
+    deadline_ms_of,
+    proc_state,
 )
 from simpler_daemon.errors import ControlError, EndpointError
 from simpler_daemon.mailbox import _mailbox as _mb
@@ -111,12 +117,6 @@ _IN_FLIGHT: Final = frozenset(
 NOT_PICKED_UP: Final = -2
 #: How long a poisoned endpoint waits for its child to exit before killing it.
 POISON_KILL_AFTER: Final = 2.0
-#: A task still in flight ``deadline_ms`` + this long after its publication is killed.
-DEADLINE_GRACE_S: Final = 0.25
-#: A child stopped (SIGSTOP) this long with a task in flight is killed.
-STOPPED_GRACE_S: Final = 2.0
-#: How often the state of a child with a task in flight is read from /proc.
-STOPPED_POLL_S: Final = 0.5
 #: The timeout of register / unregister controls (the registration layer passes it).
 CONTROL_TIMEOUT_S: Final = 30.0
 
@@ -149,40 +149,6 @@ class _Frame:
         self.deadline_ms = 0
         #: ``time.monotonic()`` past which the task is killed; 0.0: no deadline (yet).
         self.deadline_at = 0.0
-
-
-#: Ceiling on every task's deadline in ms (:func:`set_max_task_seconds`); 0 = none.
-_max_task_ms = 0
-
-
-def set_max_task_seconds(seconds: float) -> None:
-    """Cap the deadline of every task this process's endpoints publish at ``seconds``
-    (``limits.max_task_seconds``; 0 = no ceiling): a task without a deadline gets this
-    one, a longer one is shortened. Process-wide, so that the tasks an orchestration
-    function submits are capped too; set it before forking (a nested L3 inherits it)."""
-    global _max_task_ms
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"cannot cap task time: {seconds!r} seconds is not >= 0 and finite")
-    _max_task_ms = math.ceil(seconds * 1000) if seconds > 0 else 0
-
-
-def _deadline_ms(config: bytes) -> int:
-    """``CallConfig.deadline_ms`` (the first 8 bytes of the encoded config), capped by
-    :func:`set_max_task_seconds`."""
-    ms = int.from_bytes(config[:8], "little")
-    cap = _max_task_ms
-    return ms if not cap or (ms and ms <= cap) else cap
-
-
-def proc_state(pid: int) -> str:
-    """The one-letter state of ``pid`` in /proc ('R', 'S', 'T' stopped, ...); '' if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return ""
-    fields = data.rpartition(b")")[2].split()
-    return fields[0].decode() if fields else ""
 
 
 class LocalMailboxEndpoint:
@@ -318,7 +284,7 @@ class LocalMailboxEndpoint:
         config = slot.config_bytes
         if config is not self._config:  # configs are shared by many tasks: parse once
             self._config = config
-            self._config_deadline_ms = _deadline_ms(config)
+            self._config_deadline_ms = deadline_ms_of(config)
         ms = fr.deadline_ms = self._config_deadline_ms
         now = time.monotonic()
         if not self._owned:
@@ -343,7 +309,7 @@ class LocalMailboxEndpoint:
         config = d.task_slot.config_bytes
         if config is not self._config:
             self._config = config
-            self._config_deadline_ms = _deadline_ms(config)
+            self._config_deadline_ms = deadline_ms_of(config)
         ms = fr.deadline_ms = self._config_deadline_ms
         if not self._owned:
             self._watch_at = published_at + STOPPED_POLL_S

@@ -49,7 +49,7 @@ from typing import Any, Final
 
 from simpler_daemon.args import MAX_TENSORS
 from simpler_daemon.callables import extend_import_path, restrict_imports
-from simpler_daemon.endpoints.local import set_max_task_seconds
+from simpler_daemon.endpoints.taskwatch import set_max_task_seconds
 from simpler_daemon.engine.worker import Worker
 from simpler_daemon.errors import ConfigError, StartupError
 from simpler_daemon.heap import sweep_stale_heaps

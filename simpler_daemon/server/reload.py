@@ -24,7 +24,7 @@ from typing import Any, Final
 import msgspec
 
 from simpler_daemon.callables import restrict_imports
-from simpler_daemon.endpoints.local import set_max_task_seconds
+from simpler_daemon.endpoints.taskwatch import set_max_task_seconds
 from simpler_daemon.errors import ConfigError
 from simpler_daemon.server.config import DaemonConfig, LimitsConfig
 from simpler_daemon.system.logsetup import set_level

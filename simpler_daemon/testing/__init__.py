@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from simpler_daemon.endpoints.local import proc_state
+from simpler_daemon.endpoints.taskwatch import proc_state
 
 T = TypeVar("T")
 
