@@ -12,6 +12,11 @@ Each iteration, in this order::
     4. idle           spin on the state words (GIL released), then park on the
                       futex; after a timed-out park check that the parent lives
 
+With a queue frame (``ChildContext.task_frames == 2``, ``run_queued``) step 2 looks at
+both task frames: the TASK_READY one with the lower dispatch id is claimed
+(TASK_READY -> TASK_LAUNCHED) and run, so the parent can queue the next task while one
+runs (docs/mailbox.md, *Queue frame*).
+
 On the way out every frame the child still owns is marked TASK_FAILED.
 """
 
@@ -66,6 +71,7 @@ from simpler_daemon.mailbox.layout import (
     OFF_RESERVED,
     OFF_SHUTDOWN,
     OFF_STATE,
+    OFF_TRAILER,
     TASK_FRAMES,
     ControlOp,
     Mailbox,
@@ -78,6 +84,10 @@ from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES, read_section
 TASK_READY = int(MailboxState.TASK_READY)
 TASK_DONE = int(MailboxState.TASK_DONE)
 TASK_FAILED = int(MailboxState.TASK_FAILED)
+#: A queued frame's state once the child claimed it (``run_queued``).
+TASK_LAUNCHED = int(MailboxState.TASK_LAUNCHED)
+#: The trailer's dispatch id: {protocol, run_id, slot_id, generation, dispatch_id}.
+_OFF_DISPATCH = OFF_TRAILER + 32
 SHUTDOWN = int(MailboxState.SHUTDOWN)
 CONTROL_REQUEST = int(MailboxState.CONTROL_REQUEST)
 CONTROL_DONE = int(MailboxState.CONTROL_DONE)
@@ -108,6 +118,9 @@ class ChildContext:
     init_hook: Callable[[], None] | None = None
     #: The most a return value may take encoded (``Worker(max_result_bytes=)``).
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    #: 2: the parent may queue the next task in task frame 1 while this one runs
+    #: (``run_queued``); 1: task frame 0 only.
+    task_frames: int = 1
 
 
 def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> None:
@@ -199,6 +212,11 @@ class MailboxLoop:
         self.frame = TASK_FRAMES[0]
         #: The memfd of the last large result, open until the parent read it.
         self.result_fd = -1
+        #: ``run_queued``: the frame of a task that did not end plainly, while the parent
+        #: has not read it (0: none); no other frame is taken meanwhile.
+        self.hold = 0
+        #: Whether the last task ended plainly: error 0, any value in the frame.
+        self.plain = False
 
     def init(self) -> bool:
         buf = self.buf
@@ -224,6 +242,8 @@ class MailboxLoop:
     def run(self) -> int:
         if not self.init():
             return 1
+        if self.ctx.task_frames == 2:
+            return self.run_queued()
         buf = self.buf
         frame = self.frame
         watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
@@ -247,6 +267,61 @@ class MailboxLoop:
                 # timed-out park must not spin again (with child_spin_us at its maximum
                 # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
                 spin = 0
+                if parent and os.getppid() != parent:
+                    return 0
+                self.on_idle()
+            else:
+                spin = spin_ns
+        self.shutdown()
+        return 0
+
+    def run_queued(self) -> int:
+        """The loop over two task frames: the parent publishes a task into whichever
+        frame is IDLE, so the next one can wait while this one runs. The child takes the
+        READY frame with the lower dispatch id, claims it (compare-exchange TASK_READY ->
+        TASK_LAUNCHED: a frame the parent withdrew first is not run) and runs it.
+
+        After a task that did not end plainly (an error, or a value in a memfd) the child
+        takes no other frame until the parent has read that one (it left TASK_DONE): the
+        parent sees a failure before a later task of the lane starts, and a large result's
+        memfd stays open until it was read."""
+        buf = self.buf
+        f0, f1 = TASK_FRAMES[0], TASK_FRAMES[1]
+        watch = (BASE_FRAME + OFF_STATE, f0 + OFF_STATE, f1 + OFF_STATE, OFF_SHUTDOWN)
+        spin_ns = spin = self.ctx.spin_ns
+        park = self.ctx.park_timeout
+        parent = self.ctx.parent_pid
+        load32 = _mb.load32
+        while True:
+            bst = load32(buf, BASE_FRAME)
+            if bst == SHUTDOWN or load32(buf, OFF_SHUTDOWN):
+                break
+            s0 = load32(buf, f0)
+            s1 = load32(buf, f1)
+            hold = self.hold
+            if hold and load32(buf, hold) != TASK_DONE:
+                hold = self.hold = 0
+            if not hold and (s0 == TASK_READY or s1 == TASK_READY):
+                if s0 == TASK_READY and s1 == TASK_READY:
+                    older = _mb.load64(buf, f0 + _OFF_DISPATCH) < _mb.load64(
+                        buf, f1 + _OFF_DISPATCH
+                    )
+                    frame = f0 if older else f1
+                else:
+                    frame = f0 if s0 == TASK_READY else f1
+                if _mb.cas32(buf, frame + OFF_STATE, TASK_READY, TASK_LAUNCHED):
+                    self.frame = frame
+                    self.plain = False
+                    self.run_task()
+                    if not self.plain:
+                        self.hold = frame
+                continue
+            if bst == CONTROL_REQUEST:
+                self.handle_control()
+                continue
+            idle = _mb.child_wait(buf, watch, (bst, s0, s1, 0), spin, park) < 0
+            if idle:
+                spin = 0  # as in ``run``: spin only right after work
                 if parent and os.getppid() != parent:
                     return 0
                 self.on_idle()
@@ -337,6 +412,7 @@ class MailboxLoop:
                     )
                 else:
                     if value is None:  # the common case writes nothing more
+                        self.plain = True
                         _mb.write_result(buf, frame, TASK_DONE, 0, "")
                         self.tasks_done += 1
                         # ``doorbell.ring_if_parked()``, inline (once per task).
@@ -345,7 +421,9 @@ class MailboxLoop:
                         if _mb.load32(bell.buf, OFF_PARKED):
                             bell.ring_parked()
                         return
-                    self.result_fd = write_value(buf, frame, value, self.ctx.max_result_bytes)
+                    self.result_fd = fd = write_value(buf, frame, value, self.ctx.max_result_bytes)
+                    # Plain: the value is in the frame (fd -1), and it was encoded.
+                    self.plain = fd < 0 and not _mb.load32(buf, frame + OFF_ERROR)
         self.tasks_done += 1
         self.ctx.doorbell.ring_if_parked()
 
@@ -405,16 +483,22 @@ class MailboxLoop:
 
     def shutdown(self) -> None:
         buf = self.buf
-        st = _mb.load32(buf, self.frame)
-        if st == TASK_READY:
-            write_failure(
-                buf,
-                self.frame,
-                TASK_FAILED,
-                ERR_SHUTDOWN,
-                f"{self.ctx.label} shut down before running the task",
-            )
-            self.ctx.doorbell.ring_if_parked()
+        frames = TASK_FRAMES[:2] if self.ctx.task_frames == 2 else (self.frame,)
+        for frame in frames:
+            # Two frames: claim it first (the parent may withdraw a queued task).
+            if (
+                _mb.cas32(buf, frame + OFF_STATE, TASK_READY, TASK_LAUNCHED)
+                if len(frames) == 2
+                else _mb.load32(buf, frame) == TASK_READY
+            ):
+                write_failure(
+                    buf,
+                    frame,
+                    TASK_FAILED,
+                    ERR_SHUTDOWN,
+                    f"{self.ctx.label} shut down before running the task",
+                )
+                self.ctx.doorbell.ring_if_parked()
 
 
 def run_child(ctx: ChildContext) -> int:

@@ -8,6 +8,10 @@ Parent side of the task path (single frame)::
        then state; wakes     store TASK_DONE  ---------->  check trailer identity
        a parked child)       ring doorbell if parked       ACCEPTED, COMPLETED; store IDLE
 
+A SUB endpoint with a queue frame (``queue_frame``) owns both task frames: a dispatch
+goes into a free one, the child runs them in dispatch order, and a task queued behind
+the other frame's gets its deadline when that one ends (docs/mailbox.md, *Queue frame*).
+
 Two-frame bookkeeping (chip children): a frame published ``prepare_only`` is
 stored as PREPARE_READY; FRAME_STAGED is reported once; an activation is
 sticky and is published by compare-exchange FRAME_STAGED -> ACTIVATE; the
@@ -166,9 +170,12 @@ class LocalMailboxEndpoint:
         task_frame_count: int = 1,
         label: str | None = None,
         marks_pickup: bool = False,
+        queue_frame: bool = False,
     ) -> None:
         if task_frame_count not in (1, 2):
             raise ValueError(f"cannot create endpoint: task_frame_count={task_frame_count}")
+        if queue_frame and task_frame_count != 1:
+            raise ValueError("cannot create endpoint: a queue frame is for single-frame SUB lanes")
         self.worker_id = worker_id
         self.mailbox = mailbox
         self.buf = mailbox.buf
@@ -179,7 +186,11 @@ class LocalMailboxEndpoint:
         #: SUB child, ``children/sub.py``): a task the dead child never picked up completes
         #: with error ``NOT_PICKED_UP``, and the Scheduler queues it again.
         self.marks_pickup = marks_pickup
-        self._frames = [_Frame(i) for i in range(task_frame_count)]
+        #: A SUB child that runs ``run_queued``: task frame 1 holds the lane's next task
+        #: (published by the SUB pump) while frame 0's runs, or the other way round. The
+        #: lane's capacity stays 1: the queued task is the lane's ``staged`` dispatch.
+        self.queue_frame = queue_frame
+        self._frames = [_Frame(i) for i in range(2 if queue_frame else task_frame_count)]
         self._owned = 0
         self._lock = threading.Lock()
         self.poison_reason: str | None = None
@@ -233,6 +244,9 @@ class LocalMailboxEndpoint:
     def frame_for(self, d: WorkerDispatch) -> _Frame:
         if len(self._frames) == 1:
             return self._frames[0]
+        if self.queue_frame:  # any free frame: the child runs them in dispatch order
+            f0 = self._frames[0]
+            return f0 if f0.dispatch is None else self._frames[1]
         index: int = d.task_slot.lease_slot & 1
         return self._frames[index]
 
@@ -292,16 +306,17 @@ class LocalMailboxEndpoint:
             self._stopped_since = None
         # A staged frame's deadline starts at its activation: the kernel has not begun.
         fr.deadline_at = 0.0
-        if ms and not d.prepare_only:
+        if ms and not d.prepare_only and not (self._owned and self.queue_frame):
             self._arm(fr, now)
         self._owned += 1
 
-    def fast_adopt(self, d: WorkerDispatch, published_at: float) -> None:
-        """A task the SUB pump published into task frame 0 at ``published_at`` (a
+    def fast_adopt(self, d: WorkerDispatch, published_at: float, index: int = 0) -> None:
+        """A task the SUB pump published into task frame ``index`` at ``published_at`` (a
         ``time.monotonic()`` value; ``subpump.py``) and that is still in flight: from now
         on it is the frame's dispatch, with its deadline and child watch, exactly as
-        ``submit_progress`` leaves one."""
-        fr = self._frames[0]
+        ``submit_progress`` leaves one. A task queued behind the other frame's (a queue
+        frame) gets its deadline when that one ends (``_started``): it has not begun."""
+        fr = self._frames[index]
         fr.dispatch = d
         fr.staged = False
         fr.accepted = False
@@ -315,16 +330,25 @@ class LocalMailboxEndpoint:
             self._watch_at = published_at + STOPPED_POLL_S
             self._stopped_since = None
         fr.deadline_at = 0.0
-        if ms:
+        if ms and not (self._owned and self.queue_frame):
             self._arm(fr, published_at)
         self._owned += 1
 
     def fast_release(self, d: WorkerDispatch) -> None:
         """The SUB pump completed ``d`` (adopted before) and left its frame IDLE."""
-        fr = self._frames[0]
-        if fr.dispatch is d:
-            fr.dispatch = None
-            self._owned -= 1
+        for fr in self._frames:
+            if fr.dispatch is d:
+                fr.dispatch = None
+                self._owned -= 1
+                if self._owned:
+                    self._started(time.monotonic())
+                return
+
+    def _started(self, now: float) -> None:
+        """A queue frame's task starts now (the other frame's ended): its deadline runs."""
+        for fr in self._frames:
+            if fr.dispatch is not None and fr.deadline_ms and not fr.deadline_at:
+                self._arm(fr, now)
 
     def _arm(self, fr: _Frame, now: float) -> None:
         fr.deadline_at = now + fr.deadline_ms / 1000.0 + DEADLINE_GRACE_S
@@ -525,6 +549,11 @@ class LocalMailboxEndpoint:
         fr.dispatch = None
         self._owned -= 1
         self.tasks_completed += 1
+        if self._owned and self.queue_frame:
+            # The queued task starts now; a child that held it back behind this frame
+            # (a failure or a large value: ``run_queued``) may be parked: wake it.
+            self._started(time.monotonic())
+            _mb.wake_child(self.buf)
         out.append(EndpointEvent(EventKind.COMPLETED, d, outcome, error, message, disposition))
 
     def _drain_poisoned(self, out: list[EndpointEvent]) -> None:
@@ -558,13 +587,14 @@ class LocalMailboxEndpoint:
 
     def _never_picked_up(self, fr: _Frame) -> bool:
         """The child (exited now: nothing writes the frame any more) left the task of
-        ``fr`` unstarted: still ``TASK_READY`` with the ``accepted`` word 0, or failed by
-        the child's way out (``ERR_SHUTDOWN``) before it picked the task up."""
+        ``fr`` unstarted: still ``TASK_READY`` (or claimed, ``TASK_LAUNCHED``, in a queue
+        frame: the claim comes before the pick-up) with the ``accepted`` word 0, or failed
+        by the child's way out (``ERR_SHUTDOWN``) before it picked the task up."""
         buf = self.buf
         if _mb.load32(buf, fr.off + OFF_ACCEPTED):
             return False
         st = _mb.load32(buf, fr.off)
-        return st == _TASK_READY or (
+        return st == _TASK_READY or (st == _TASK_LAUNCHED and self.queue_frame) or (
             st == _TASK_FAILED and _mb.load32(buf, fr.off + OFF_ERROR) == ERR_SHUTDOWN
         )
 

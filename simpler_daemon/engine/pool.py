@@ -97,9 +97,12 @@ class ChildPool:
         chip_trace_dir: str | None,
         restart_children: bool,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        sub_queue_depth: int = 2,
     ) -> None:
         self.heap = heap
         self.max_result_bytes = max_result_bytes
+        #: 2: SUB children run ``run_queued`` and their endpoints have a queue frame.
+        self.sub_queue_depth = sub_queue_depth
         self.registry = registry
         self._driver = driver
         self.num_sub_workers = num_sub_workers
@@ -169,6 +172,7 @@ class ChildPool:
                         f"sub worker {i}",
                         specs["sub"],
                         init_hook=self.init_hooks.get(i),
+                        task_frames=self.sub_queue_depth,
                     )
                     self._fork(starting, "sub", ctx, run_child)
                 for j in range(self.num_chips):
@@ -221,7 +225,12 @@ class ChildPool:
         for kind, index, mb, child in starting:
             if kind == "sub":
                 sub_ep = LocalMailboxEndpoint(
-                    index, mb, child, label=child.label, marks_pickup=True
+                    index,
+                    mb,
+                    child,
+                    label=child.label,
+                    marks_pickup=True,
+                    queue_frame=self.sub_queue_depth == 2,
                 )
                 sub_ep.max_result_bytes = self.max_result_bytes
                 self.sub_endpoints.append(sub_ep)
@@ -494,6 +503,7 @@ class ChildPool:
             task_frame_count=old.caps.task_frame_count,
             label=old.label,
             marks_pickup=old.marks_pickup,
+            queue_frame=old.queue_frame,
         )
         ep.max_result_bytes = old.max_result_bytes
         try:

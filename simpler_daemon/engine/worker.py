@@ -101,6 +101,10 @@ class Worker(Lifecycle, RemoteMethods):
     ``set_kwargs``) encoded, ``max_result_bytes`` a SUB callable's return value encoded
     (64 MiB each by default): a larger value is refused at submit, a larger result fails
     its task.
+    ``sub_queue_depth=2`` (the default) lets a SUB lane hold its next task in a second
+    mailbox frame while it runs one, so the child starts it without waiting for this
+    process; 1 hands each SUB task over only once its lane is free (a long task then
+    never holds a short one back behind it).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class Worker(Lifecycle, RemoteMethods):
         trace: bool = False,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        sub_queue_depth: int = 2,
     ) -> None:
         if level not in (3, 4):
             raise ValueError(f"cannot create Worker: level={level!r} must be 3 (node) or 4 (pod)")
@@ -171,6 +176,11 @@ class Worker(Lifecycle, RemoteMethods):
                 raise ValueError(
                     f"cannot create Worker: {name}={limit!r} must be an int >= 0 (bytes)"
                 )
+        if isinstance(sub_queue_depth, bool) or sub_queue_depth not in (1, 2):
+            raise ValueError(
+                f"cannot create Worker: sub_queue_depth={sub_queue_depth!r} must be 1 or 2 "
+                "(tasks a SUB lane holds: the running one, and one queued behind it)"
+            )
         # A startup without a finite budget lets one hung child hold init() forever.
         startup_timeout = check_budget(
             startup_timeout, "create Worker", "startup_timeout", positive=True
@@ -196,6 +206,7 @@ class Worker(Lifecycle, RemoteMethods):
         self.trace = trace
         self.max_value_bytes = max_value_bytes
         self.max_result_bytes = max_result_bytes
+        self.sub_queue_depth = sub_queue_depth
         self.registry = CallableRegistry()
         self._driver = Driver()
         self._pool = ChildPool(
@@ -210,6 +221,7 @@ class Worker(Lifecycle, RemoteMethods):
             chip_trace_dir=chip_trace_dir,
             restart_children=restart_children,
             max_result_bytes=max_result_bytes,
+            sub_queue_depth=sub_queue_depth,
         )
         if reconnect is None:
             reconnect = restart_children

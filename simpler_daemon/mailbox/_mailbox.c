@@ -70,9 +70,10 @@ static PyMethodDef mailbox_methods[] = {
      "fork_sibling() -> int: fork a child of this process's parent (CLONE_PARENT); 0 in "
      "the child."},
     FASTCALL(sub_pump,
-             "sub_pump(lanes, queue, ready, published, spin_ns, max_publish, /) "
+             "sub_pump(lanes, queue, ready, published, spin_ns, max_publish, queue_frames=1, /) "
              "-> int: the per-task loop of SUB lanes over one ready queue (poll, complete, "
-             "publish the next); returns how many slots it published."),
+             "publish the next; queue a task behind a busy child only with queue_frames); "
+             "returns how many slots it published."),
     {NULL, NULL, 0, NULL},
 };
 

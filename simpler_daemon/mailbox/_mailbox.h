@@ -251,7 +251,8 @@ wake_child_impl(char *base)
 #define SUBPUMP_AT 5
 #define SUBPUMP_STOP 6
 #define SUBPUMP_DONE 7
-#define SUBPUMP_FIELDS 8
+#define SUBPUMP_PEER 8
+#define SUBPUMP_FIELDS 9
 #define SUBPUMP_MAX_LANES 256
 #define SUBPUMP_MAX_RESULT 32768
 #define SUBPUMP_PROTOCOL 0x534C5231ULL

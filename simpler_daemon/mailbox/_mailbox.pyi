@@ -40,7 +40,7 @@ ERRMSG_SIZE: Final = 256
 
 TENSOR_DESC_SIZE: Final = 168
 
-SUBPUMP_FIELDS: Final = 8
+SUBPUMP_FIELDS: Final = 9
 SUBPUMP_MAX_LANES: Final = 256
 SUBPUMP_MAX_RESULT: Final = 32768
 VALUES_MAGIC: Final = 0x31564453
@@ -161,14 +161,18 @@ def sub_pump(
     published: list[Any],
     spin_ns: int,
     max_publish: int,
+    queue_frames: bool = True,
     /,
 ) -> int:
-    """The per-task loop of single-frame SUB lanes over one ready queue.
+    """The per-task loop of SUB lanes over one ready queue.
 
     Each lane is ``[buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns,
-    stop, done]`` (``SUBPUMP_FIELDS`` items), updated in place: poll the frame of a lane
-    whose ``slot`` is in flight; a plain completion (TASK_DONE, error 0, trailer
-    ``{PROTOCOL, slot.run_id, slot.slot_id, slot.lease_generation, dispatch_id}``,
+    stop, done, peer]`` (``SUBPUMP_FIELDS`` items): one task frame of a child; ``peer``
+    is the index of the same child's other frame (a queue frame) or -1, and the two share
+    the child's dispatch counter. Free children (both frames IDLE) get a task first; with
+    ``queue_frames`` a busy child's free frame then gets the next one queued. Updated in
+    place: poll the frame of a lane whose ``slot`` is in flight (TASK_READY or
+    TASK_LAUNCHED); a plain completion (TASK_DONE, error 0, trailer ``{PROTOCOL, slot.run_id, slot.slot_id, slot.lease_generation, dispatch_id}``,
     result length <= ``SUBPUMP_MAX_RESULT``) stores IDLE and appends ``slot`` (or
     ``(slot, bytes)`` for a value) to ``done``; anything else sets ``stop`` to 1 and
     leaves the frame alone. An idle lane takes ``queue[0]`` if ``slot.state is ready``,

@@ -25,9 +25,14 @@
  * published in that pass.
  *
  * Each lane is a list [buf, frame_off, slot, dispatch_id, next_dispatch_id,
- * published_ns, stop, done] (SUBPUMP_* indices below), read at entry and
+ * published_ns, stop, done, peer] (SUBPUMP_* indices below), read at entry and
  * written back on every exit, also on error, so the caller always sees what is in
- * flight.  `slot` is the TaskSlot in flight (None: the frame is IDLE), `stop` is set
+ * flight.  A lane list is one task frame: `peer` is the index in `lanes` of the other
+ * task frame of the same child (a queue frame, docs/mailbox.md), or -1.  The two share
+ * the child's dispatch counter (the child runs its frames in dispatch order).  A pass
+ * publishes into free children first (both frames IDLE) and only then queues a task
+ * into the free frame of a busy child, behind a task of the same run only; a frame left
+ * to the Python path (stop) closes the queue, so nothing is queued behind it.  `slot` is the TaskSlot in flight (None: the frame is IDLE), `stop` is set
  * to 1 when its completion needs the Python path (an error, a failed or stale frame,
  * an oversized result) and to 2 when its frame was not IDLE at publication.
  *
@@ -57,6 +62,8 @@ typedef struct {
     char *f;
     PyObject *slot; /* strong reference or NULL */
     uint64_t did, next, run_id, slot_id, gen;
+    uint64_t *nextp; /* the dispatch counter: this lane's `next`, or its peer's */
+    Py_ssize_t peer; /* the other frame of the same child, or -1 */
     int64_t at;
     long stop;
     PyObject *lane; /* strong: the lane's list (written back at the end) */
@@ -119,7 +126,7 @@ pump_writeback(PyObject *lane, pump_lane *ln)
     int rc = 0;
     rc |= lane_set(lane, SUBPUMP_SLOT, ln->slot != NULL ? Py_NewRef(ln->slot) : Py_NewRef(Py_None));
     rc |= lane_set(lane, SUBPUMP_DID, PyLong_FromUnsignedLongLong(ln->did));
-    rc |= lane_set(lane, SUBPUMP_NEXT, PyLong_FromUnsignedLongLong(ln->next));
+    rc |= lane_set(lane, SUBPUMP_NEXT, PyLong_FromUnsignedLongLong(*ln->nextp));
     rc |= lane_set(lane, SUBPUMP_AT, PyLong_FromLongLong(ln->at));
     rc |= lane_set(lane, SUBPUMP_STOP, PyLong_FromLong(ln->stop));
     return rc ? -1 : 0;
@@ -132,7 +139,7 @@ pump_poll(pump_lane *ln)
 {
     char *f = ln->f;
     int32_t st = __atomic_load_n(I32_AT(f, OFF_STATE), __ATOMIC_ACQUIRE);
-    if (st == STATE_TASK_READY) {
+    if (st == STATE_TASK_READY || st == STATE_TASK_LAUNCHED) { /* LAUNCHED: claimed */
         return 0;
     }
     if (st != STATE_TASK_DONE || __atomic_load_n(I32_AT(f, OFF_ERROR), __ATOMIC_RELAXED) != 0 ||
@@ -176,9 +183,12 @@ pump_poll(pump_lane *ln)
 }
 
 /* Publish the head of `queue` into the lane's frame: 1 published, 0 the head is not
- * for the pump (or the queue is empty), -1 the frame is not IDLE (stop set), -2 error. */
+ * for the pump (or the queue is empty), 3 the head is not of the run of `behind` (the
+ * task this queue frame would wait behind: a task is queued only behind one of its own
+ * run), -1 the frame is not IDLE (stop set), -2 error. */
 static int
-pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *published)
+pump_publish(pump_lane *ln, const pump_lane *behind, PyObject *queue, PyObject *ready,
+             PyObject *published)
 {
     if (PyObject_Length(queue) <= 0) {
         return PyErr_Occurred() ? -2 : 0;
@@ -230,6 +240,10 @@ pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *publishe
         !attr_u64(item, str_slot_id, &slot_id)) {
         goto out;
     }
+    if (behind != NULL && behind->run_id != run_id) {
+        rc = 3;
+        goto out;
+    }
     if (lease_slot > UINT32_MAX) {
         PyErr_Format(PyExc_OverflowError, "lease slot %llu out of range",
                      (unsigned long long)lease_slot);
@@ -271,7 +285,7 @@ pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *publishe
     if (blen + 4 <= MAILBOX_ARGS_CAPACITY) {
         memset(f + OFF_ARGS + blen, 0, 4); /* no stale values magic after the blob */
     }
-    uint64_t did = ln->next;
+    uint64_t did = *ln->nextp;
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 0), SUBPUMP_PROTOCOL, __ATOMIC_RELAXED);
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 8), run_id, __ATOMIC_RELAXED);
     __atomic_store_n(U64_AT(f, OFF_TRAILER + 16), slot_id, __ATOMIC_RELAXED);
@@ -281,7 +295,7 @@ pump_publish(pump_lane *ln, PyObject *queue, PyObject *ready, PyObject *publishe
     (void)wake_child_impl((char *)ln->view.buf);
     ln->slot = Py_NewRef(item);
     ln->did = did;
-    ln->next = did + 1;
+    *ln->nextp = did + 1;
     ln->run_id = run_id;
     ln->slot_id = slot_id;
     ln->gen = gen;
@@ -298,7 +312,8 @@ out:
     return rc;
 }
 
-/* Spin until a frame in flight (slot set, no stop) leaves TASK_READY or `deadline`
+/* Spin until a frame in flight (slot set, no stop) ends (leaves TASK_READY and
+ * TASK_LAUNCHED) or `deadline`
  * (monotonic ns) passes, with the GIL released and a sched_yield every 64 polls. Only
  * the frames' shared memory is read: the lanes' buffer views stay held by the caller. */
 static void
@@ -308,11 +323,12 @@ pump_wait_unlocked(pump_lane *ln, Py_ssize_t nl, int64_t deadline)
     for (uint64_t it = 1;; it++) {
         int moved = 0;
         for (Py_ssize_t i = 0; i < nl; i++) {
-            if (ln[i].slot != NULL && !ln[i].stop &&
-                __atomic_load_n(I32_AT(ln[i].f, OFF_STATE), __ATOMIC_ACQUIRE) !=
-                    STATE_TASK_READY) {
-                moved = 1;
-                break;
+            if (ln[i].slot != NULL && !ln[i].stop) {
+                int32_t st = __atomic_load_n(I32_AT(ln[i].f, OFF_STATE), __ATOMIC_ACQUIRE);
+                if (st != STATE_TASK_READY && st != STATE_TASK_LAUNCHED) {
+                    moved = 1;
+                    break;
+                }
             }
         }
         if (moved) {
@@ -332,7 +348,7 @@ pump_wait_unlocked(pump_lane *ln, Py_ssize_t nl, int64_t deadline)
 PyObject *
 mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!mb_check_nargs("sub_pump", nargs, 6)) {
+    if (nargs != 7 && !mb_check_nargs("sub_pump", nargs, 6)) {
         return NULL;
     }
     PyObject *lanes = args[0], *queue = args[1], *ready = args[2], *published = args[3];
@@ -342,6 +358,12 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!mb_conv_count(args[4], &spin_ns) || !mb_conv_count(args[5], &max_publish)) {
+        return NULL;
+    }
+    /* queue_frames 0: publish only into free children (a lane the caller left out may
+     * be free for the next task, so none is queued behind a busy one). */
+    int queue_frames = 1;
+    if (nargs == 7 && (queue_frames = PyObject_IsTrue(args[6])) < 0) {
         return NULL;
     }
     Py_ssize_t nl = PyList_GET_SIZE(lanes);
@@ -395,6 +417,17 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
         }
         l->at = (int64_t)v;
         l->stop = stop > 2 ? 2 : (long)stop;
+        PyObject *peer = lane_item(lane, SUBPUMP_PEER);
+        if (peer == NULL) {
+            failed = 1;
+            break;
+        }
+        l->peer = PyLong_AsSsize_t(peer);
+        if (l->peer == -1 && PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        l->nextp = &l->next;
         PyObject *done = lane_item(lane, SUBPUMP_DONE);
         PyObject *slot = lane_item(lane, SUBPUMP_SLOT);
         if (done == NULL || slot == NULL) {
@@ -415,38 +448,66 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
+    /* Pair the frames of each child: both ends must name each other. */
+    for (Py_ssize_t i = 0; i < loaded && !failed; i++) {
+        Py_ssize_t p = ln[i].peer;
+        if (p == -1) {
+            continue;
+        }
+        if (p < 0 || p >= loaded || p == i || ln[p].peer != i || ln[p].view.buf != ln[i].view.buf) {
+            PyErr_Format(PyExc_ValueError,
+                         "sub_pump: lane %zd names peer %zd, which is not the other frame of "
+                         "its child",
+                         i, p);
+            failed = 1;
+            break;
+        }
+        if (p < i) {
+            ln[i].nextp = &ln[p].next;
+        }
+    }
     if (!failed) {
         int queue_open = 1, unusual = 0;
         int64_t last = monotonic_ns();
         for (;;) {
             int progress = 0, inflight = 0;
-            for (Py_ssize_t i = 0; i < nl && !failed; i++) {
+            for (Py_ssize_t i = 0; i < nl; i++) {
                 pump_lane *l = &ln[i];
-                if (l->stop) {
+                if (l->stop || l->slot == NULL) {
                     continue;
                 }
-                if (l->slot != NULL) {
-                    int r = pump_poll(l);
-                    if (r == -2) {
-                        failed = 1;
-                        break;
-                    }
-                    if (r == 0) {
-                        inflight++;
-                        continue;
-                    }
-                    if (r < 0) {
-                        /* Leave it to the Python path at once, and publish nothing more:
-                         * a failure must be seen before later tasks start (the first
-                         * failure fails the run; the tasks after it are skipped). */
-                        unusual = 1;
-                        queue_open = 0;
-                        continue;
-                    }
+                int r = pump_poll(l);
+                if (r == -2) {
+                    failed = 1;
+                    break;
+                }
+                if (r < 0) {
+                    /* Leave it to the Python path at once, and publish nothing more:
+                     * a failure must be seen before later tasks start (the first
+                     * failure fails the run; the tasks after it are skipped). */
+                    unusual = 1;
+                    queue_open = 0;
+                }
+                else if (r == 1) {
                     progress = 1;
                 }
-                if (queue_open && count < max_publish) {
-                    int r = pump_publish(l, queue, ready, published);
+            }
+            /* Free children first (round 0: the frame and its peer IDLE), then the
+             * queue frames of busy ones (round 1). */
+            for (int round = 0; round < 1 + queue_frames && !failed; round++) {
+                for (Py_ssize_t i = 0; i < nl && queue_open && count < max_publish; i++) {
+                    pump_lane *l = &ln[i];
+                    if (l->stop || l->slot != NULL) {
+                        continue;
+                    }
+                    pump_lane *peer = l->peer >= 0 ? &ln[l->peer] : NULL;
+                    if (peer != NULL && (peer->stop || (peer->slot != NULL) != round)) {
+                        continue;
+                    }
+                    if (peer == NULL && round == 1) {
+                        continue;
+                    }
+                    int r = pump_publish(l, round ? peer : NULL, queue, ready, published);
                     if (r == -2) {
                         failed = 1;
                         break;
@@ -456,10 +517,12 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
                     }
                     else if (r == 1) {
                         count++;
-                        inflight++;
                         progress = 1;
                     }
                 }
+            }
+            for (Py_ssize_t i = 0; i < nl; i++) {
+                inflight += ln[i].slot != NULL && !ln[i].stop;
             }
             if (failed || unusual || !inflight || spin_ns == 0) {
                 break; /* spin_ns 0: one pass, never a completion of what it published */

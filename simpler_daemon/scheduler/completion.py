@@ -147,7 +147,15 @@ class RunCompletion(SchedulerState, SubmitSink):
                     killed = True
                     if first is None:
                         first = (lane, d, text)
-            if killed and staged is not None and staged.task_slot.run is not run:
+            if (
+                killed
+                and staged is not None
+                and staged.prepare_only
+                and staged.task_slot.run is not run
+            ):
+                # A chip's staged frame of another run goes back to its queue. A SUB
+                # lane's queued task never began: the dead child's frame says so
+                # (NOT_PICKED_UP), and it is queued again like any unstarted SUB task.
                 self._withdrawn[id(staged)] = staged
         if first is not None:
             self._name_stopped_task(run, *first)
@@ -545,6 +553,30 @@ class RunCompletion(SchedulerState, SubmitSink):
         q.appendleft(slot)
         self.wake()
         return c
+
+    def requeue_withdrawn(self, slot: TaskSlot, lane: WorkerThread, why: str) -> None:
+        """A task the SUB pump queued behind ``lane``'s running one and took back before
+        the child claimed it (another lane is free): it never ran, so it goes back to
+        the head of its run's SUB queue (a "requeued" task event naming ``why``)."""
+        run = slot.run
+        slot.state = SlotState.READY
+        slot.members_started = 0
+        run.counts["running"] -= 1
+        self.stats["dispatched"] -= 1
+        if self.on_task_event is not None:
+            c = WorkerCompletion(
+                WorkerDispatch(slot, 0),
+                lane.worker_id,
+                WorkerType.SUB,
+                Outcome.ENDPOINT_FAILURE,
+                NOT_PICKED_UP,
+                why,
+            )
+            self.on_task_event(slot, "requeued", c)
+        q = self.subs.get(run.run_id)
+        if q is None:
+            q = self.subs[run.run_id] = deque()
+        q.appendleft(slot)
 
     def _complete_slot(self, slot: TaskSlot) -> None:
         slot.state = SlotState.COMPLETED

@@ -107,8 +107,10 @@ class Scheduler(ProgressLoop):
         """Inside this block no SUB task of the callable with ``digest`` is dispatched: a
         reload runs on every child, and a task dispatched meanwhile could run the old code
         on one child and the new on another. Queued tasks keep their place (a run's SUB
-        queue waits behind its held head) and dispatch once the block ends."""
+        queue waits behind its held head) and dispatch once the block ends; a task queued
+        behind a busy child's running one and not yet started is taken back to its queue."""
         self._held[digest] += 1
+        self._pump.withdraw_digest(self, digest)
         try:
             yield
         finally:

@@ -4,7 +4,9 @@ A lane is one object per endpoint. It owns no OS thread: the Scheduler's
 single progress owner calls ``dispatch``, ``activate_prepared`` and
 ``progress`` on it. A lane has an *active* capacity (``idle()``) and, on a
 two-frame endpoint, a *staged* capacity (``can_stage()``) for the first task
-of the prepared successor run.
+of the prepared successor run. A SUB lane with a queue frame uses ``staged`` for the
+task the SUB pump queued behind its running one (not ``prepare_only``): it becomes the
+active dispatch when the running one completes.
 
 A rejected dispatch never raises into the Scheduler: it yields exactly one
 ENDPOINT_FAILURE completion and one acceptance callback. Completions are
@@ -230,7 +232,12 @@ class WorkerThread:
                     )
                 )
                 if self.active is d:
-                    self.active = None
+                    st = self.staged
+                    if st is not None and not st.prepare_only:
+                        # A SUB lane's queued task (its queue frame): the child runs it now.
+                        self.active, self.staged = st, None
+                    else:
+                        self.active = None
                 elif self.staged is d:
                     self.staged = None
                 self.inflight -= 1

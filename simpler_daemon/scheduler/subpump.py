@@ -69,12 +69,15 @@ _NEXT: Final = 4
 _AT: Final = 5
 _STOP: Final = 6
 _DONE: Final = 7
-assert _mb.SUBPUMP_FIELDS == 8
+_PEER: Final = 8
+assert _mb.SUBPUMP_FIELDS == 9
 
 _READY: Final = SlotState.READY
-#: Task frame 0's state word, and its value while the child runs the task.
-_OFF0: Final = TASK_FRAMES[0] + OFF_STATE
-_RUNNING: Final = int(MailboxState.TASK_READY)
+#: A task frame's state while its task waits or runs (TASK_LAUNCHED: a queue frame's
+#: child claimed it).
+_RUNNING: Final = frozenset({int(MailboxState.TASK_READY), int(MailboxState.TASK_LAUNCHED)})
+_TASK_READY: Final = int(MailboxState.TASK_READY)
+_IDLE: Final = int(MailboxState.IDLE)
 
 
 class PumpSink(Protocol):
@@ -96,26 +99,49 @@ class PumpSink(Protocol):
         bytes) when it returned a value) succeeded: what a completion does."""
         ...
 
+    def requeue_withdrawn(self, slot: TaskSlot, lane: WorkerThread, why: str) -> None:
+        """``slot`` was queued on ``lane`` and taken back unstarted: queue it again."""
+        ...
 
-class _Lane:
-    """One SUB lane as the pump sees it: the C state list and the dispatch it owns."""
 
-    __slots__ = ("dispatch", "done_issued_at", "endpoint", "lane", "state")
+class _Frame:
+    """One task frame of a SUB lane as the pump sees it: the C state list and the
+    dispatch the pump published into it."""
 
-    def __init__(self, lane: WorkerThread, endpoint: LocalMailboxEndpoint) -> None:
-        self.lane = lane
-        self.endpoint = endpoint
-        #: [buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns, stop, done];
-        #: ``stop`` set: the last call left this lane's frame to the Python path
+    __slots__ = ("dispatch", "done_issued_at", "index", "state")
+
+    def __init__(self, endpoint: LocalMailboxEndpoint, index: int) -> None:
+        self.index = index
+        #: [buf, frame_off, slot, dispatch_id, next_dispatch_id, published_ns, stop, done,
+        #: peer]; ``stop`` set: the last call left this frame to the Python path
         #: (``progress``); ``done``: what it completed, in order (a slot, or (slot, bytes)
-        #: for a returned value), emptied by ``round``.
-        self.state: list[Any] = [endpoint.buf, TASK_FRAMES[0], None, 0, 1, 0, 0, []]
-        #: The lane's active dispatch while it runs a task the pump published.
+        #: for a returned value), emptied by ``round``; ``peer``: the index of the lane's
+        #: other frame in the call's list (-1: none).
+        self.state: list[Any] = [endpoint.buf, TASK_FRAMES[index], None, 0, 1, 0, 0, [], -1]
+        #: The dispatch in flight in this frame that the pump published.
         self.dispatch: WorkerDispatch | None = None
         #: ``issued_at`` of the dispatch in flight before the last call when that call
         #: completed it (the first of the done list), else 0.0: the rest of the done list
         #: was published and completed within the call (the spin gate's samples).
         self.done_issued_at = 0.0
+
+
+class _Lane:
+    """One SUB lane as the pump sees it: its task frames (two with a queue frame)."""
+
+    __slots__ = ("endpoint", "frames", "lane")
+
+    def __init__(self, lane: WorkerThread, endpoint: LocalMailboxEndpoint) -> None:
+        self.lane = lane
+        self.endpoint = endpoint
+        self.frames = [_Frame(endpoint, i) for i in range(2 if endpoint.queue_frame else 1)]
+
+    def holds(self, d: WorkerDispatch | None) -> bool:
+        """Whether ``d`` (None counts) is a dispatch the pump published on this lane."""
+        if d is None:
+            return True
+        frames = self.frames
+        return frames[0].dispatch is d or (len(frames) == 2 and frames[1].dispatch is d)
 
 
 class SubPump:
@@ -125,7 +151,16 @@ class SubPump:
     list) are written inline in ``select``, ``pump`` and ``round``: they run for every
     lane on every round, and a Python call each cost more than the step."""
 
-    __slots__ = ("_calls", "_events", "_lanes", "_published", "_states", "_work", "hit_rate")
+    __slots__ = (
+        "_calls",
+        "_events",
+        "_lanes",
+        "_published",
+        "_queue_ok",
+        "_states",
+        "_work",
+        "hit_rate",
+    )
 
     def __init__(self) -> None:
         self._lanes: dict[int, _Lane] = {}
@@ -139,25 +174,30 @@ class SubPump:
         #: task finish (``PUMP_MIN_HIT_RATE``): whether the next call spins.
         self.hit_rate = 1.0
         self._calls = 0
+        #: Every SUB lane is in this call (``select``): only then may a task be queued
+        #: behind a busy child, since none the pump cannot see is free for it.
+        self._queue_ok = False
 
     def owns(self, lane: WorkerThread) -> bool:
-        """Whether the pump polls ``lane``'s frame this round: a live single-frame local
-        SUB lane running a task the pump published. The round polls every other busy
-        lane on the Python path first, so a lane that frees up there joins the pump."""
+        """Whether the pump polls ``lane``'s frames this round: a live local SUB lane
+        running a task the pump published (and maybe one it queued behind it). The round
+        polls every other busy lane on the Python path first, so a lane that frees up
+        there joins the pump."""
         rec = self._lanes.get(id(lane))
-        if rec is None or rec.dispatch is None or rec.dispatch is not lane.active:
+        active = lane.active
+        if rec is None or active is None or not rec.holds(active):
             return False
         ep = lane.endpoint
-        # Eligible (the same test as ``select``): a live single-frame local SUB lane that
-        # takes tasks; not one waiting for a registration control or missing a callable
-        # (the Python dispatch checks what it has installed).
+        # Eligible (the same test as ``select``): a live local SUB lane that takes tasks;
+        # not one waiting for a registration control or missing a callable (the Python
+        # dispatch checks what it has installed).
         return (
             rec.endpoint is ep
             and type(ep) is LocalMailboxEndpoint
             and ep.poison_reason is None
             and not ep.stopping
             and not lane.stopping
-            and lane.staged is None
+            and rec.holds(lane.staged)
             and not lane.deliveries
             and not lane.missing
         )
@@ -174,7 +214,6 @@ class SubPump:
                 and ep.poison_reason is None
                 and not ep.stopping
                 and not lane.stopping
-                and lane.staged is None
                 and not lane.deliveries
                 and not lane.missing
             ):
@@ -182,89 +221,130 @@ class SubPump:
             rec = recs.get(id(lane))
             if rec is None or rec.lane is not lane or rec.endpoint is not ep:
                 rec = recs[id(lane)] = _Lane(lane, ep)
-            active = lane.active
-            if active is not None and active is not rec.dispatch:
+            if not (rec.holds(lane.active) and rec.holds(lane.staged)):
                 continue  # published by the Python path: its progress completes it
             work.append(rec)
+        self._queue_ok = len(work) == len(lanes)
 
     def pump(self, queue: deque[TaskSlot], published: list[TaskSlot], spin: bool) -> list[_Lane]:
         """One C call over the lanes ``select`` picked and ``queue``; fills ``published``.
 
-        Returns those lanes (their completions are in ``state[_DONE]``, their in-flight
-        task is their active dispatch again). A lane whose frame needs the Python path
-        has ``state[_STOP]`` set: the caller runs its ``progress``.
+        Returns those lanes (their completions are in each frame's ``state[_DONE]``; what
+        is in flight is their active dispatch again, and a task queued behind it their
+        ``staged`` one). A frame that needs the Python path has ``state[_STOP]`` set: the
+        caller runs the lane's ``progress``.
         """
         work = self._work
         states = self._states
         states.clear()
         for rec in work:
             lane = rec.lane
-            st = rec.state
-            if lane.active is None:  # idle now (also when the Python path completed it)
-                rec.dispatch = None
-                st[_SLOT] = None
-            st[_NEXT] = lane._next_dispatch_id
-            st[_STOP] = 0
-            states.append(st)
+            active, staged = lane.active, lane.staged
+            nxt = lane._next_dispatch_id
+            first = len(states)
+            for fr in rec.frames:
+                st = fr.state
+                d = fr.dispatch
+                if d is not None and d is not active and d is not staged:
+                    fr.dispatch = None  # the Python path completed it
+                    st[_SLOT] = None
+                st[_NEXT] = nxt
+                st[_STOP] = 0
+                states.append(st)
+            if len(rec.frames) == 2:
+                rec.frames[0].state[_PEER] = first + 1
+                rec.frames[1].state[_PEER] = first
         if not states:
             return work
         spin_ns = 0
         #: Lanes whose task was still running as a spinning call started: its end within
         #: the call is one the spin caught (one that had ended before is not).
-        running: list[_Lane] | None = None
+        running: list[_Frame] | None = None
         started = 0.0
         if spin:
             self._calls += 1
             if self.hit_rate >= PUMP_MIN_HIT_RATE or self._calls % PUMP_PROBE_EVERY == 0:
                 spin_ns = PUMP_SPIN_NS
                 for rec in work:
-                    if rec.dispatch is not None and _mb.load32(rec.endpoint.buf, _OFF0) == _RUNNING:
-                        if running is None:
-                            running = []
-                        running.append(rec)
+                    buf = rec.endpoint.buf
+                    for fr in rec.frames:
+                        if (
+                            fr.dispatch is not None
+                            and _mb.load32(buf, fr.state[1] + OFF_STATE) in _RUNNING
+                        ):
+                            if running is None:
+                                running = []
+                            running.append(fr)
                 started = time.monotonic()
-        _mb.sub_pump(states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH)
+        _mb.sub_pump(states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH, self._queue_ok)
         spent = time.monotonic() - started if spin_ns else 0.0
         caught = 0  # completions a spinning call waited for
         busy = False  # tasks in flight at the start or the end of the call
         for rec in work:
-            st = rec.state
-            slot = st[_SLOT]
-            did = st[_DID]
-            done = st[_DONE]
-            n = len(done)
-            d = rec.dispatch
             lane = rec.lane
             ep = rec.endpoint
-            # Make the lane, its endpoint and its frame say what the call left in flight.
-            lane._next_dispatch_id = st[_NEXT]
-            if n:
-                ep.tasks_completed += n
-            rec.done_issued_at = 0.0
-            if d is not None and (slot is not d.task_slot or did != d.dispatch_id):
-                # The task in flight before the call completed inside it (it is the first
-                # of the done list; it may have ended before the call).
-                n -= 1
-                if running is not None and rec in running:
-                    caught += 1
-                rec.done_issued_at = d.issued_at
-                ep.fast_release(d)
-                lane.active = None
-                lane.inflight -= 1
-                rec.dispatch = d = None
-            caught += n  # published by this call, ended within it
-            if slot is not None:
-                if not st[_STOP]:
-                    busy = True
-                if d is None:
-                    d = WorkerDispatch(slot, 0, did)
-                    d.issued_at = st[_AT] / 1e9
+            frames = rec.frames
+            fresh: list[_Frame] | None = None
+            for fr in frames:
+                st = fr.state
+                slot = st[_SLOT]
+                did = st[_DID]
+                done = st[_DONE]
+                n = len(done)
+                d = fr.dispatch
+                # Make the lane, its endpoint and its frame say what the call left in flight.
+                lane._next_dispatch_id = st[_NEXT]
+                if n:
+                    ep.tasks_completed += n
+                fr.done_issued_at = 0.0
+                if d is not None and (slot is not d.task_slot or did != d.dispatch_id):
+                    # The task in flight before the call completed inside it (it is the
+                    # first of the done list; it may have ended before the call).
+                    n -= 1
+                    if running is not None and fr in running:
+                        caught += 1
+                    fr.done_issued_at = d.issued_at
+                    ep.fast_release(d)
+                    if lane.active is d:
+                        lane.active = None
+                    elif lane.staged is d:
+                        lane.staged = None
+                    lane.inflight -= 1
+                    fr.dispatch = d = None
+                caught += n  # published by this call, ended within it
+                if slot is not None:
+                    if not st[_STOP]:
+                        busy = True
+                    if d is None:
+                        d = fr.dispatch = WorkerDispatch(slot, 0, did)
+                        d.issued_at = st[_AT] / 1e9
+                        if fresh is None:
+                            fresh = []
+                        fresh.append(fr)
+                if st[_STOP] == 2:
+                    ep.poison(f"publication into a non-idle task frame {fr.index} (sub pump)")
+            if len(frames) == 1:
+                if fresh is not None:
+                    d = frames[0].dispatch
+                    assert d is not None
                     ep.fast_adopt(d, d.issued_at)
                     lane.active = d
                     lane.inflight += 1
-                    rec.dispatch = d
-            if st[_STOP] == 2:
-                ep.poison("publication into a non-idle task frame 0 (sub pump)")
+                continue
+            if fresh is not None:
+                if len(fresh) == 2 and fresh[0].state[_DID] > fresh[1].state[_DID]:
+                    fresh.reverse()
+                for fr in fresh:  # in dispatch order: a queued task's deadline waits
+                    d = fr.dispatch
+                    assert d is not None
+                    ep.fast_adopt(d, d.issued_at, fr.index)
+                    lane.inflight += 1
+            # The older task in flight is the lane's active dispatch, a newer one its
+            # staged one (the child runs it next).
+            d0, d1 = frames[0].dispatch, frames[1].dispatch
+            if d0 is not None and d1 is not None and d1.dispatch_id < d0.dispatch_id:
+                d0, d1 = d1, d0
+            lane.active, lane.staged = (d0, d1) if d0 is not None else (d1, None)
         if spin_ns and (caught or busy or running):
             # A hit: the call spun at most PUMP_HIT_S per completion it caught (short
             # tasks); a miss: it caught none, or long tasks that only happened to end while
@@ -322,34 +402,40 @@ class SubPump:
         now = 0.0 if spin else -1.0
         stuck: list[_Lane] | None = None
         for rec in lanes:
-            st = rec.state
-            done: list[Any] = st[_DONE]
-            if done:
-                did = True
-                items = done[:]
-                done.clear()
-                if not now:
-                    now = time.monotonic()
-                if now > 0.0:
-                    # Feed the spin gate (spingate.py): the task in flight before the call
-                    # (dispatched at ``done_issued_at``) took until ``now``; the others were
-                    # published and completed within the call, while the pump spun (a
-                    # hit). Without these samples the gate never learns that pumped SUB
-                    # tasks are long (500 µs tasks would keep it spinning).
-                    gate = sched.spin_gate
-                    k = len(items)
-                    if rec.done_issued_at:
-                        gate.observe(rec.done_issued_at, now)
-                        k -= 1
-                    gate.observe_caught(k, now)
-                sched.complete_pumped(rec.lane, items)
+            stop = False
+            for fr in rec.frames:
+                st = fr.state
+                stop = stop or bool(st[_STOP])
+                done: list[Any] = st[_DONE]
+                if done:
+                    did = True
+                    items = done[:]
+                    done.clear()
+                    if not now:
+                        now = time.monotonic()
+                    if now > 0.0:
+                        # Feed the spin gate (spingate.py): the task in flight before the
+                        # call (dispatched at ``done_issued_at``) took until ``now``; the
+                        # others were published and completed within the call, while the
+                        # pump spun (a hit). Without these samples the gate never learns
+                        # that pumped SUB tasks are long (500 µs tasks would keep it
+                        # spinning).
+                        gate = sched.spin_gate
+                        k = len(items)
+                        if fr.done_issued_at:
+                            gate.observe(fr.done_issued_at, now)
+                            k -= 1
+                        gate.observe_caught(k, now)
+                    sched.complete_pumped(rec.lane, items)
             if rec.lane.inflight:
-                if st[_STOP]:
+                if stop:
                     if stuck is None:
                         stuck = []
                     stuck.append(rec)
                 else:
                     self.watch(rec.lane)
+        if self._queue_ok and not (q and q[0].state is _READY):
+            did = self.rebalance(sched, lanes) or did
         if stuck is not None:
             if len(stuck) > 1:
                 # Frames that did not end plainly (failures) reach the run in the order
@@ -358,6 +444,58 @@ class SubPump:
             for rec in stuck:
                 rec.lane.progress()
         return did
+
+    def rebalance(self, sched: PumpSink, lanes: list[_Lane]) -> bool:
+        """Nothing is left to publish, yet a lane is free while a task waits in another
+        lane's queue frame (the tail of a run, or a long task ahead of it): take that task
+        back if its child has not claimed it (compare-exchange TASK_READY -> IDLE) and
+        queue it again, so the next round gives it to the free lane. True if it did."""
+        free = 0
+        for rec in lanes:
+            lane = rec.lane
+            if lane.active is None and not lane.inflight:
+                free += 1
+        if not free:
+            return False
+        did = False
+        for rec in lanes:
+            if self._withdraw(sched, rec, "another SUB lane is free"):
+                did = True
+                free -= 1
+                if not free:
+                    break
+        return did
+
+    def withdraw_digest(self, sched: PumpSink, digest: bytes) -> None:
+        """Take back every queued task of the callable ``digest`` its child has not
+        claimed (a reload begins: a task that has not started runs the new code)."""
+        for rec in self._lanes.values():
+            d = rec.lane.staged
+            if d is not None and d.task_slot.digest == digest:
+                self._withdraw(sched, rec, "its callable is being reloaded")
+
+    def _withdraw(self, sched: PumpSink, rec: _Lane, why: str) -> bool:
+        """Take back the task the pump queued in ``rec``'s queue frame, if its child has
+        not claimed it (compare-exchange TASK_READY -> IDLE), and queue it again."""
+        lane = rec.lane
+        d = lane.staged
+        if d is None or len(rec.frames) != 2 or rec.endpoint is not lane.endpoint:
+            return False
+        fr = rec.frames[0] if rec.frames[0].dispatch is d else rec.frames[1]
+        if fr.dispatch is not d or fr.state[_STOP]:
+            return False
+        ep = rec.endpoint
+        if not _mb.cas32(ep.buf, fr.state[1] + OFF_STATE, _TASK_READY, _IDLE):
+            return False  # claimed: the child runs it next
+        ep.fast_release(d)
+        lane.staged = None
+        lane.inflight -= 1
+        fr.dispatch = None
+        fr.state[_SLOT] = None
+        sched.requeue_withdrawn(
+            d.task_slot, lane, f"taken back unstarted from {ep.who()}'s queue frame: {why}"
+        )
+        return True
 
     def watch(self, lane: WorkerThread) -> None:
         """The rest of ``lane.progress`` for a lane the pump polled: the child's watch.

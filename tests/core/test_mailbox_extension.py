@@ -888,6 +888,7 @@ def test_cross_process_publish_task_wakes_parked_child() -> None:
 
 READY = object()
 TASK0 = FRAME  # task frame 0
+TASK1 = 2 * FRAME  # task frame 1: a SUB child's queue frame
 
 
 class FakeSlot:
@@ -917,8 +918,8 @@ class FakeSlot:
         self.state = state
 
 
-def lane(buf: mmap.mmap, next_did: int = 1) -> list[Any]:
-    return [buf, TASK0, None, 0, next_did, 0, 0, []]
+def lane(buf: mmap.mmap, next_did: int = 1, frame: int = TASK0, peer: int = -1) -> list[Any]:
+    return [buf, frame, None, 0, next_did, 0, 0, [], peer]
 
 
 def child_done(
@@ -1082,20 +1083,129 @@ def test_sub_pump_max_publish_and_refcounts(boxes: list[mmap.mmap]) -> None:
     assert sys.getrefcount(slot) == base
 
 
+def pair(buf: mmap.mmap, first: int, next_did: int) -> list[list[Any]]:
+    """The two task frames of one SUB child with a queue frame, at ``first`` in the list."""
+    return [
+        lane(buf, next_did, TASK0, peer=first + 1),
+        lane(buf, next_did, TASK1, peer=first),
+    ]
+
+
+def test_sub_pump_fills_free_children_before_queueing_behind_busy_ones(
+    boxes: list[mmap.mmap],
+) -> None:
+    """One pass: each free child gets a task in a frame, then a busy child's other frame
+    gets the next one queued; a child's two frames share its dispatch counter."""
+    from collections import deque
+
+    slots = [FakeSlot(i) for i in range(1, 6)]
+    q: deque[FakeSlot] = deque(slots)
+    lanes = pair(boxes[0], 0, 10) + pair(boxes[1], 2, 20)
+    published: list[object] = []
+    assert mb.sub_pump(lanes, q, READY, published, 0, 100) == 4
+    assert published == slots[:4] and list(q) == [slots[4]]
+    a0, a1, b0, b1 = lanes
+    assert (a0[2], a0[3], b0[2], b0[3]) == (slots[0], 10, slots[1], 20)
+    assert (a1[2], a1[3], b1[2], b1[3]) == (slots[2], 11, slots[3], 21)  # queued
+    assert a0[4] == a1[4] == 12 and b0[4] == b1[4] == 22
+    assert mb.read_trailer(boxes[0], TASK1)[4] == 11
+    assert mb.load32(boxes[0], TASK1) == mb.STATE_TASK_READY
+
+
+def test_sub_pump_gives_a_free_child_the_task_before_a_queue_frame(
+    boxes: list[mmap.mmap],
+) -> None:
+    from collections import deque
+
+    busy, free = FakeSlot(1), FakeSlot(2)
+    q: deque[FakeSlot] = deque([busy])
+    lanes = pair(boxes[0], 0, 1) + pair(boxes[1], 2, 1)
+    mb.sub_pump(lanes[:2], q, READY, [], 0, 100)  # child A runs `busy`
+    q.append(free)
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 1
+    assert lanes[1][2] is None and lanes[2][2] is free  # child B, not A's queue frame
+
+
+def test_sub_pump_queues_a_task_only_behind_one_of_its_own_run(boxes: list[mmap.mmap]) -> None:
+    from collections import deque
+
+    a, b = FakeSlot(1), FakeSlot(2)
+    b.run_id = 6
+    lanes = pair(boxes[0], 0, 1) + pair(boxes[1], 2, 1)
+    mb.sub_pump(lanes, deque([a, b]), READY, [], 0, 100)  # A runs run 5's, B run 6's
+    c = FakeSlot(3)
+    c.run_id = 6
+    q: deque[FakeSlot] = deque([c])
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 1
+    assert lanes[1][2] is None and lanes[3][2] is c  # behind B's task (run 6), not A's
+    d = FakeSlot(4)
+    d.run_id = 7
+    q.append(d)
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 0
+    assert list(q) == [d] and lanes[1][2] is None  # no run 7 task to wait behind
+
+
+def test_sub_pump_waits_for_a_claimed_frame_and_completes_both_in_order(
+    boxes: list[mmap.mmap],
+) -> None:
+    """TASK_LAUNCHED (the child claimed its queue frame) is in flight, not an unusual
+    state; the frames complete as the child ends them, and the freed frame is refilled."""
+    from collections import deque
+
+    box = boxes[0]
+    slots = [FakeSlot(i) for i in range(1, 5)]
+    q: deque[FakeSlot] = deque(slots)
+    lanes = pair(box, 0, 1)
+    mb.sub_pump(lanes, q, READY, [], 0, 100)
+    assert mb.cas32(box, TASK0 + mb.OFF_STATE, mb.STATE_TASK_READY, mb.STATE_TASK_LAUNCHED)
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 0
+    assert lanes[0][6] == 0 and lanes[0][2] is slots[0] and lanes[1][2] is slots[1]
+    child_done(box)  # frame 0 ends; the child claims frame 1
+    assert mb.cas32(box, TASK1 + mb.OFF_STATE, mb.STATE_TASK_READY, mb.STATE_TASK_LAUNCHED)
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 1
+    assert lanes[0][7] == [slots[0]] and lanes[0][2] is slots[2] and lanes[0][3] == 3
+    assert lanes[1][2] is slots[1] and lanes[1][6] == 0
+
+
+def test_sub_pump_queues_nothing_behind_a_frame_it_leaves_to_python(
+    boxes: list[mmap.mmap],
+) -> None:
+    from collections import deque
+
+    box = boxes[0]
+    slots = [FakeSlot(i) for i in range(1, 4)]
+    q: deque[FakeSlot] = deque(slots[:1])
+    lanes = pair(box, 0, 1)
+    mb.sub_pump(lanes, q, READY, [], 0, 100)
+    child_done(box, error=1)
+    q.extend(slots[1:])
+    assert mb.sub_pump(lanes, q, READY, [], 0, 100) == 0
+    assert lanes[0][6] == 1 and lanes[1][2] is None and list(q) == slots[1:]
+
+
 def test_sub_pump_rejects_malformed_lanes(boxes: list[mmap.mmap]) -> None:
     from collections import deque
 
     q: deque[FakeSlot] = deque([FakeSlot(1)])
     with pytest.raises(TypeError, match="lanes and published must be lists"):
         mb.sub_pump((lane(boxes[0]),), q, READY, [], 0, 1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="lane 0 must be a list of 8 items"):
-        mb.sub_pump([lane(boxes[0])[:7]], q, READY, [], 0, 1)
+    with pytest.raises(TypeError, match="lane 0 must be a list of 9 items"):
+        mb.sub_pump([lane(boxes[0])[:8]], q, READY, [], 0, 1)
     with pytest.raises(ValueError, match="base frame carries no task"):
-        mb.sub_pump([[boxes[0], 0, None, 0, 1, 0, 0, []]], q, READY, [], 0, 1)
+        mb.sub_pump([[boxes[0], 0, None, 0, 1, 0, 0, [], -1]], q, READY, [], 0, 1)
     with pytest.raises(IndexError):
-        mb.sub_pump([[bytearray(100), TASK0, None, 0, 1, 0, 0, []]], q, READY, [], 0, 1)
+        mb.sub_pump([[bytearray(100), TASK0, None, 0, 1, 0, 0, [], -1]], q, READY, [], 0, 1)
     with pytest.raises(TypeError, match="done must be a list"):
-        mb.sub_pump([[boxes[0], TASK0, None, 0, 1, 0, 0, ()]], q, READY, [], 0, 1)
+        mb.sub_pump([[boxes[0], TASK0, None, 0, 1, 0, 0, (), -1]], q, READY, [], 0, 1)
+    # A peer must be the other frame of the same child, and name this one back.
+    for lanes in (
+        [lane(boxes[0], peer=0)],  # itself
+        [lane(boxes[0], peer=1)],  # out of range
+        [lane(boxes[0], peer=1), lane(boxes[0], frame=TASK1, peer=-1)],  # one-sided
+        [lane(boxes[0], peer=1), lane(boxes[1], frame=TASK1, peer=0)],  # another child
+    ):
+        with pytest.raises(ValueError, match="not the other frame of its child"):
+            mb.sub_pump(lanes, q, READY, [], 0, 1)
     with pytest.raises(ValueError, match="count must be >= 0"):
         mb.sub_pump([lane(boxes[0])], q, READY, [], -1, 1)
     with pytest.raises(AttributeError):

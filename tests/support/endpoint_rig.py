@@ -147,7 +147,11 @@ class Rig:
         self.mailbox.set_state(BASE_FRAME, MailboxState.IDLE)
         _mb.wake_child(self.mailbox.buf)
         self._endpoint = LocalMailboxEndpoint(
-            self.ctx.worker_id, self.mailbox, self.child, label=self.label
+            self.ctx.worker_id,
+            self.mailbox,
+            self.child,
+            label=self.label,
+            queue_frame=self.ctx.task_frames == 2,
         )
         return self._endpoint
 
