@@ -205,6 +205,7 @@ admin_token_file = ""
 admission = "fair"          # "fair": runs share the workers by priority; "fifo": head run first
 spin_us = 200               # the Scheduler's spin before parking while tasks are in flight
 child_spin_us = 50          # a SUB worker's spin for its next task before parking
+sub_queue_depth = 2         # 2: a busy SUB worker holds its next task; 1: free workers only
 
 [health]
 unhealthy_exit_s = 60.0     # a pool without workers this long: stop the watchdog pings; 0 = never
@@ -311,6 +312,14 @@ def _check(config: DaemonConfig) -> None:
             raise Invalid(
                 f"scheduler.{name}", f": must be between 0 and {_MAX_SPIN_US} (µs), got {value}"
             )
+
+    depth = config.scheduler.sub_queue_depth
+    if depth not in (1, 2):
+        raise Invalid(
+            "scheduler.sub_queue_depth",
+            f": must be 1 (free workers only) or 2 (a busy worker holds its next task), "
+            f"got {depth}",
+        )
 
     for name in ("num_sub_workers", "num_chips"):
         value = getattr(workers, name)

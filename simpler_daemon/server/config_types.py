@@ -307,6 +307,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     parks on its futex (0 = park at once): a task arriving within it skips a wake-up; it
     costs up to this much CPU per task, none while idle (the Worker's child_spin_ns).
     Both spins are read at start: a change needs a restart."""
+    sub_queue_depth: int = 2
+    """Tasks a SUB worker holds: 2 queues the next task in a second mailbox frame while
+    one runs, so the worker starts it without waiting for the daemon (a queued task that
+    has not started moves to a worker that frees up first); 1 hands a task over only to
+    a free worker (the Worker's sub_queue_depth). Read at start."""
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -68,6 +68,7 @@ def new_worker(cfg: DaemonConfig) -> Worker:
             max_result_bytes=cfg.limits.max_result_bytes,
             scheduler_spin_s=cfg.scheduler.spin_us / 1e6,
             child_spin_ns=cfg.scheduler.child_spin_us * 1000,
+            sub_queue_depth=cfg.scheduler.sub_queue_depth,
             reconnect=ReconnectPolicy(
                 initial_s=cfg.reconnect.initial_s,
                 max_s=cfg.reconnect.max_s,

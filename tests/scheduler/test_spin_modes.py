@@ -245,6 +245,16 @@ def test_config_defaults_are_the_workers_defaults() -> None:
     sched = cfg.DaemonConfig().scheduler
     assert sched.spin_us / 1e6 == params["scheduler_spin_s"].default
     assert sched.child_spin_us * 1000 == params["child_spin_ns"].default
+    assert sched.sub_queue_depth == params["sub_queue_depth"].default == 2
+
+
+@pytest.mark.parametrize("value", ["0", "3", "-1"])
+def test_a_bad_sub_queue_depth_is_refused_naming_the_key(value: str) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=rf"scheduler\.sub_queue_depth \(from override\): must be 1 .* or 2 .*got {value}",
+    ):
+        cfg.load(None, env={}, overrides={"scheduler.sub_queue_depth": value})
 
 
 @pytest.fixture
@@ -263,6 +273,7 @@ def test_daemon_passes_its_spins_to_the_worker(short_dir: Path) -> None:
             "workers.num_sub_workers": "1",
             "scheduler.spin_us": "150",
             "scheduler.child_spin_us": "75",
+            "scheduler.sub_queue_depth": "1",
         },
     )
     daemon = Daemon(config)
@@ -270,6 +281,8 @@ def test_daemon_passes_its_spins_to_the_worker(short_dir: Path) -> None:
     try:
         w = daemon.worker
         assert w is not None and w.scheduler is not None
+        assert w.sub_queue_depth == 1
+        assert all(not ln.endpoint.queue_frame for ln in w.scheduler.manager.sub)
         assert w.scheduler_spin_s == pytest.approx(150e-6)
         assert w.child_spin_ns == 75_000
         assert w.scheduler.spin_gate.spin_s == pytest.approx(150e-6)

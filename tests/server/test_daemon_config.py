@@ -170,7 +170,7 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "admin_groups": ["simpler-admins", "1003"],
         "admin_token_file": "/etc/simpler/admin-token",
     },
-    "scheduler": {"admission": "fifo", "spin_us": 150, "child_spin_us": 75},
+    "scheduler": {"admission": "fifo", "spin_us": 150, "child_spin_us": 75, "sub_queue_depth": 1},
     "health": {"unhealthy_exit_s": 5.0, "probe_listen": "127.0.0.1:8081"},
     "reconnect": {"initial_s": 0.25, "max_s": 30.0, "max_elapsed_s": 600.0},
 }
