@@ -71,7 +71,6 @@ from simpler_daemon.mailbox.layout import (
     OFF_RESERVED,
     OFF_SHUTDOWN,
     OFF_STATE,
-    OFF_TRAILER,
     TASK_FRAMES,
     ControlOp,
     Mailbox,
@@ -86,8 +85,6 @@ TASK_DONE = int(MailboxState.TASK_DONE)
 TASK_FAILED = int(MailboxState.TASK_FAILED)
 #: A queued frame's state once the child claimed it (``run_queued``).
 TASK_LAUNCHED = int(MailboxState.TASK_LAUNCHED)
-#: The trailer's dispatch id: {protocol, run_id, slot_id, generation, dispatch_id}.
-_OFF_DISPATCH = OFF_TRAILER + 32
 SHUTDOWN = int(MailboxState.SHUTDOWN)
 CONTROL_REQUEST = int(MailboxState.CONTROL_REQUEST)
 CONTROL_DONE = int(MailboxState.CONTROL_DONE)
@@ -292,30 +289,22 @@ class MailboxLoop:
         park = self.ctx.park_timeout
         parent = self.ctx.parent_pid
         load32 = _mb.load32
+        claim = _mb.child_claim
         while True:
             bst = load32(buf, BASE_FRAME)
             if bst == SHUTDOWN or load32(buf, OFF_SHUTDOWN):
                 break
+            frame = claim(buf, self.hold)  # pick and claim, in C: once per task
+            if frame > 0:
+                self.frame = frame
+                self.plain = False
+                self.run_task()
+                self.hold = 0 if self.plain else frame
+                continue
+            if frame == 0:
+                self.hold = 0
             s0 = load32(buf, f0)
             s1 = load32(buf, f1)
-            hold = self.hold
-            if hold and load32(buf, hold) != TASK_DONE:
-                hold = self.hold = 0
-            if not hold and (s0 == TASK_READY or s1 == TASK_READY):
-                if s0 == TASK_READY and s1 == TASK_READY:
-                    older = _mb.load64(buf, f0 + _OFF_DISPATCH) < _mb.load64(
-                        buf, f1 + _OFF_DISPATCH
-                    )
-                    frame = f0 if older else f1
-                else:
-                    frame = f0 if s0 == TASK_READY else f1
-                if _mb.cas32(buf, frame + OFF_STATE, TASK_READY, TASK_LAUNCHED):
-                    self.frame = frame
-                    self.plain = False
-                    self.run_task()
-                    if not self.plain:
-                        self.hold = frame
-                continue
             if bst == CONTROL_REQUEST:
                 self.handle_control()
                 continue

@@ -49,6 +49,10 @@ static PyMethodDef mailbox_methods[] = {
     KWCALL(child_wait,
            "child_wait(buf, offsets, expected, spin_ns, timeout) -> int: spin for spin_ns, "
            "then park on the mailbox wake futex; index of the changed word or -1."),
+    FASTCALL(child_claim,
+             "child_claim(buf, hold, /) -> int: a SUB child's next task frame over its two "
+             "task frames, claimed (TASK_READY -> TASK_LAUNCHED): its offset; 0 none ready; "
+             "-1 while the frame at `hold` still says TASK_DONE."),
     {"wake_child", mb_wake_child, METH_O,
      "wake_child(buf, /) -> bool: wake the mailbox's child if it is parked."},
     KWCALL(publish_task, "publish_task(...) -> None: write a task into an idle frame, store "

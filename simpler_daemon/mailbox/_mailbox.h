@@ -298,6 +298,7 @@ PyObject *mb_futex_wake(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mb_spin_wait(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mb_child_wait(PyObject *m, PyObject *args, PyObject *kwargs);
 PyObject *mb_wake_child(PyObject *m, PyObject *buf);
+PyObject *mb_child_claim(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 
 /* _mailbox_frame.c */
 PyObject *mb_publish_task(PyObject *m, PyObject *args, PyObject *kwargs);

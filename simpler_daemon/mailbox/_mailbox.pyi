@@ -154,6 +154,12 @@ def fork_sibling() -> int: ...
 
 # --- SUB fast loop ---------------------------------------------------------
 
+def child_claim(buf: WriteableBuffer, hold: int, /) -> int:
+    """A SUB child's pick over its two task frames (a queue frame): -1 while the frame at
+    offset ``hold`` (0: none) still says TASK_DONE; else the TASK_READY frame with the
+    lower dispatch id, claimed by compare-exchange TASK_READY -> TASK_LAUNCHED (its
+    offset), or 0 when none is ready."""
+
 def sub_pump(
     lanes: list[list[Any]],
     queue: deque[Any],

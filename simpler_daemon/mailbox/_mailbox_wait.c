@@ -214,3 +214,60 @@ mb_wake_child(PyObject *Py_UNUSED(m), PyObject *buf)
     PyBuffer_Release(&view);
     return PyBool_FromLong(woke);
 }
+
+/* child_claim(buf, hold, /) -> int: a SUB child's pick of its next task over its two
+ * task frames (a queue frame, docs/mailbox.md).  -1 while the frame at offset `hold`
+ * (0: none) still says TASK_DONE: the parent has not read that task's unusual end, so
+ * no other frame is taken.  Else the TASK_READY frame with the lower dispatch id, claimed
+ * by compare-exchange TASK_READY -> TASK_LAUNCHED: its offset; 0 when no frame is ready
+ * (or the parent took the ready one back first). */
+PyObject *
+mb_child_claim(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t hold;
+    if (!mb_check_nargs("child_claim", nargs, 2) || !mb_conv_off(args[1], &hold)) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_buf(args[0], &view) < 0) {
+        return NULL;
+    }
+    char *base = base_ptr(&view);
+    if (base == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (hold != 0 && hold != MAILBOX_FRAME_SIZE && hold != 2 * MAILBOX_FRAME_SIZE) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "child_claim: hold %zd is not a task frame", hold);
+        return NULL;
+    }
+    long got = 0;
+    if (hold && __atomic_load_n(I32_AT(base, hold + OFF_STATE), __ATOMIC_ACQUIRE) ==
+                    STATE_TASK_DONE) {
+        got = -1;
+    }
+    else {
+        char *f0 = base + MAILBOX_FRAME_SIZE, *f1 = base + 2 * MAILBOX_FRAME_SIZE;
+        for (int tries = 0; tries < 2 && got == 0; tries++) {
+            int r0 = __atomic_load_n(I32_AT(f0, OFF_STATE), __ATOMIC_ACQUIRE) == STATE_TASK_READY;
+            int r1 = __atomic_load_n(I32_AT(f1, OFF_STATE), __ATOMIC_ACQUIRE) == STATE_TASK_READY;
+            if (!r0 && !r1) {
+                break;
+            }
+            char *f = r0 ? f0 : f1;
+            if (r0 && r1 &&
+                __atomic_load_n(U64_AT(f1, OFF_TRAILER + 32), __ATOMIC_ACQUIRE) <
+                    __atomic_load_n(U64_AT(f0, OFF_TRAILER + 32), __ATOMIC_ACQUIRE)) {
+                f = f1;
+            }
+            int32_t want = STATE_TASK_READY;
+            if (__atomic_compare_exchange_n(I32_AT(f, OFF_STATE), &want, STATE_TASK_LAUNCHED, 0,
+                                            __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                got = (long)(f - base);
+            }
+        }
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(got);
+}

@@ -129,19 +129,26 @@ class _Frame:
 class _Lane:
     """One SUB lane as the pump sees it: its task frames (two with a queue frame)."""
 
-    __slots__ = ("endpoint", "frames", "lane")
+    __slots__ = ("endpoint", "f0", "f1", "frames", "lane", "states")
 
     def __init__(self, lane: WorkerThread, endpoint: LocalMailboxEndpoint) -> None:
         self.lane = lane
         self.endpoint = endpoint
-        self.frames = [_Frame(endpoint, i) for i in range(2 if endpoint.queue_frame else 1)]
+        self.f0 = _Frame(endpoint, 0)
+        #: The queue frame, or None (``sub_queue_depth=1``).
+        self.f1 = _Frame(endpoint, 1) if endpoint.queue_frame else None
+        self.frames = [self.f0] if self.f1 is None else [self.f0, self.f1]
+        #: The frames' C state lists, in order (added to each call's list at once).
+        self.states = [fr.state for fr in self.frames]
 
-    def holds(self, d: WorkerDispatch | None) -> bool:
-        """Whether ``d`` (None counts) is a dispatch the pump published on this lane."""
-        if d is None:
-            return True
-        frames = self.frames
-        return frames[0].dispatch is d or (len(frames) == 2 and frames[1].dispatch is d)
+    def holds(self, lane: WorkerThread) -> bool:
+        """Whether every dispatch in flight on ``lane`` is one the pump published here.
+        (Inline in ``select``: it runs for every lane on every round.)"""
+        a, st = lane.active, lane.staged
+        d0 = self.f0.dispatch
+        f1 = self.f1
+        d1 = f1.dispatch if f1 is not None else None
+        return (a is None or a is d0 or a is d1) and (st is None or st is d0 or st is d1)
 
 
 class SubPump:
@@ -157,6 +164,7 @@ class SubPump:
         "_lanes",
         "_published",
         "_queue_ok",
+        "_queued",
         "_states",
         "_work",
         "hit_rate",
@@ -177,6 +185,8 @@ class SubPump:
         #: Every SUB lane is in this call (``select``): only then may a task be queued
         #: behind a busy child, since none the pump cannot see is free for it.
         self._queue_ok = False
+        #: A task waited in a queue frame after the last call (``rebalance`` looks).
+        self._queued = False
 
     def owns(self, lane: WorkerThread) -> bool:
         """Whether the pump polls ``lane``'s frames this round: a live local SUB lane
@@ -184,8 +194,7 @@ class SubPump:
         polls every other busy lane on the Python path first, so a lane that frees up
         there joins the pump."""
         rec = self._lanes.get(id(lane))
-        active = lane.active
-        if rec is None or active is None or not rec.holds(active):
+        if rec is None or lane.active is None or not rec.holds(lane):
             return False
         ep = lane.endpoint
         # Eligible (the same test as ``select``): a live local SUB lane that takes tasks;
@@ -197,7 +206,6 @@ class SubPump:
             and ep.poison_reason is None
             and not ep.stopping
             and not lane.stopping
-            and rec.holds(lane.staged)
             and not lane.deliveries
             and not lane.missing
         )
@@ -207,6 +215,7 @@ class SubPump:
         work = self._work
         work.clear()
         recs = self._lanes
+        every = True  # every SUB lane joins the call (a task may then be queued)
         for lane in lanes:
             ep = lane.endpoint
             if not (
@@ -217,14 +226,25 @@ class SubPump:
                 and not lane.deliveries
                 and not lane.missing
             ):
+                every = False
                 continue
             rec = recs.get(id(lane))
             if rec is None or rec.lane is not lane or rec.endpoint is not ep:
                 rec = recs[id(lane)] = _Lane(lane, ep)
-            if not (rec.holds(lane.active) and rec.holds(lane.staged)):
-                continue  # published by the Python path: its progress completes it
+            # ``rec.holds(lane)``, inline: only what the pump published is in flight.
+            a, staged = lane.active, lane.staged
+            if a is not None or staged is not None:
+                d0 = rec.f0.dispatch
+                f1 = rec.f1
+                d1 = f1.dispatch if f1 is not None else None
+                if not (
+                    (a is None or a is d0 or a is d1)
+                    and (staged is None or staged is d0 or staged is d1)
+                ):
+                    every = False
+                    continue  # published by the Python path: its progress completes it
             work.append(rec)
-        self._queue_ok = len(work) == len(lanes)
+        self._queue_ok = every
 
     def pump(self, queue: deque[TaskSlot], published: list[TaskSlot], spin: bool) -> list[_Lane]:
         """One C call over the lanes ``select`` picked and ``queue``; fills ``published``.
@@ -237,11 +257,11 @@ class SubPump:
         work = self._work
         states = self._states
         states.clear()
+        first = 0  # the index of the lane's first frame in ``states``
         for rec in work:
             lane = rec.lane
             active, staged = lane.active, lane.staged
             nxt = lane._next_dispatch_id
-            first = len(states)
             for fr in rec.frames:
                 st = fr.state
                 d = fr.dispatch
@@ -250,10 +270,13 @@ class SubPump:
                     st[_SLOT] = None
                 st[_NEXT] = nxt
                 st[_STOP] = 0
-                states.append(st)
-            if len(rec.frames) == 2:
-                rec.frames[0].state[_PEER] = first + 1
-                rec.frames[1].state[_PEER] = first
+            states += rec.states
+            if rec.f1 is not None:
+                rec.f0.state[_PEER] = first + 1
+                rec.f1.state[_PEER] = first
+                first += 2
+            else:
+                first += 1
         if not states:
             return work
         spin_ns = 0
@@ -280,6 +303,7 @@ class SubPump:
         spent = time.monotonic() - started if spin_ns else 0.0
         caught = 0  # completions a spinning call waited for
         busy = False  # tasks in flight at the start or the end of the call
+        queued = False  # a task waits in a queue frame after the call
         for rec in work:
             lane = rec.lane
             ep = rec.endpoint
@@ -290,7 +314,7 @@ class SubPump:
                 slot = st[_SLOT]
                 did = st[_DID]
                 done = st[_DONE]
-                n = len(done)
+                n = len(done) if done else 0
                 d = fr.dispatch
                 # Make the lane, its endpoint and its frame say what the call left in flight.
                 lane._next_dispatch_id = st[_NEXT]
@@ -323,7 +347,7 @@ class SubPump:
                         fresh.append(fr)
                 if st[_STOP] == 2:
                     ep.poison(f"publication into a non-idle task frame {fr.index} (sub pump)")
-            if len(frames) == 1:
+            if rec.f1 is None:
                 if fresh is not None:
                     d = frames[0].dispatch
                     assert d is not None
@@ -332,7 +356,7 @@ class SubPump:
                     lane.inflight += 1
                 continue
             if fresh is not None:
-                if len(fresh) == 2 and fresh[0].state[_DID] > fresh[1].state[_DID]:
+                if fresh[-1] is not fresh[0] and fresh[0].state[_DID] > fresh[1].state[_DID]:
                     fresh.reverse()
                 for fr in fresh:  # in dispatch order: a queued task's deadline waits
                     d = fr.dispatch
@@ -341,10 +365,14 @@ class SubPump:
                     lane.inflight += 1
             # The older task in flight is the lane's active dispatch, a newer one its
             # staged one (the child runs it next).
-            d0, d1 = frames[0].dispatch, frames[1].dispatch
-            if d0 is not None and d1 is not None and d1.dispatch_id < d0.dispatch_id:
-                d0, d1 = d1, d0
-            lane.active, lane.staged = (d0, d1) if d0 is not None else (d1, None)
+            d0, d1 = rec.f0.dispatch, rec.f1.dispatch
+            if d0 is None:
+                lane.active, lane.staged = d1, None
+            elif d1 is None:
+                lane.active, lane.staged = d0, None
+            else:
+                queued = True
+                lane.active, lane.staged = (d1, d0) if d1.dispatch_id < d0.dispatch_id else (d0, d1)
         if spin_ns and (caught or busy or running):
             # A hit: the call spun at most PUMP_HIT_S per completion it caught (short
             # tasks); a miss: it caught none, or long tasks that only happened to end while
@@ -352,6 +380,7 @@ class SubPump:
             # the children). A call that had nothing to wait for says nothing.
             hit = caught > 0 and spent <= caught * PUMP_HIT_S
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
+        self._queued = queued
         return work
 
     def drive(
@@ -434,7 +463,7 @@ class SubPump:
                     stuck.append(rec)
                 else:
                     self.watch(rec.lane)
-        if self._queue_ok and not (q and q[0].state is _READY):
+        if self._queued and not (q and q[0].state is _READY):
             did = self.rebalance(sched, lanes) or did
         if stuck is not None:
             if len(stuck) > 1:
@@ -479,9 +508,9 @@ class SubPump:
         not claimed it (compare-exchange TASK_READY -> IDLE), and queue it again."""
         lane = rec.lane
         d = lane.staged
-        if d is None or len(rec.frames) != 2 or rec.endpoint is not lane.endpoint:
+        if d is None or rec.f1 is None or rec.endpoint is not lane.endpoint:
             return False
-        fr = rec.frames[0] if rec.frames[0].dispatch is d else rec.frames[1]
+        fr = rec.f0 if rec.f0.dispatch is d else rec.f1
         if fr.dispatch is not d or fr.state[_STOP]:
             return False
         ep = rec.endpoint

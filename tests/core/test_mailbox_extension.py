@@ -1291,3 +1291,21 @@ def test_the_pumps_slot_fields_are_listed_at_both_ends() -> None:
     names = re.findall(r'\{&str_\w+, "(\w+)"\}', table)
     assert [n for n in names if n != "popleft"] == list(PUMP_SLOT_FIELDS)
     assert set(PUMP_SLOT_FIELDS) <= set(TaskSlot.__slots__)
+
+
+def test_child_claim_takes_the_older_ready_frame_and_honours_hold(boxes: list[mmap.mmap]) -> None:
+    """A SUB child's pick over its two task frames (``run_queued``)."""
+    box = boxes[0]
+    assert mb.child_claim(box, 0) == 0  # nothing ready
+    for frame, did in ((TASK0, 8), (TASK1, 7)):
+        mb.store64(box, frame + mb.OFF_TRAILER + 32, did)
+        mb.store32(box, frame + mb.OFF_STATE, mb.STATE_TASK_READY)
+    assert mb.child_claim(box, 0) == TASK1  # the lower dispatch id, whatever its index
+    assert mb.load32(box, TASK1) == mb.STATE_TASK_LAUNCHED
+    mb.store32(box, TASK1 + mb.OFF_STATE, mb.STATE_TASK_DONE)
+    assert mb.child_claim(box, TASK1) == -1  # held: frame 1's end is unread
+    assert mb.load32(box, TASK0) == mb.STATE_TASK_READY
+    mb.store32(box, TASK1 + mb.OFF_STATE, mb.STATE_IDLE)
+    assert mb.child_claim(box, TASK1) == TASK0
+    with pytest.raises(ValueError, match="hold 12 is not a task frame"):
+        mb.child_claim(box, 12)
