@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simpler_daemon import CallConfig, RunCancelled, Tag, TaskError, Worker
+from simpler_daemon import CallConfig, RunCancelled, Tag, Worker
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.layout import OFF_STATE, MailboxState
