@@ -594,8 +594,10 @@ class LocalMailboxEndpoint:
         if _mb.load32(buf, fr.off + OFF_ACCEPTED):
             return False
         st = _mb.load32(buf, fr.off)
-        return st == _TASK_READY or (st == _TASK_LAUNCHED and self.queue_frame) or (
-            st == _TASK_FAILED and _mb.load32(buf, fr.off + OFF_ERROR) == ERR_SHUTDOWN
+        return (
+            st == _TASK_READY
+            or (st == _TASK_LAUNCHED and self.queue_frame)
+            or (st == _TASK_FAILED and _mb.load32(buf, fr.off + OFF_ERROR) == ERR_SHUTDOWN)
         )
 
     # -- controls ------------------------------------------------------------------------------
