@@ -294,6 +294,12 @@ class MailboxLoop:
             bst = load32(buf, BASE_FRAME)
             if bst == SHUTDOWN or load32(buf, OFF_SHUTDOWN):
                 break
+            # The states the wait below compares against, read *before* the claim looks:
+            # a task published after this read changes a word, so the wait returns at
+            # once. Read after the claim, it could equal the new TASK_READY, and the child
+            # would park on a task the parent already woke it for (until park_timeout).
+            s0 = load32(buf, f0)
+            s1 = load32(buf, f1)
             frame = claim(buf, self.hold)  # pick and claim, in C: once per task
             if frame > 0:
                 self.frame = frame
@@ -303,8 +309,6 @@ class MailboxLoop:
                 continue
             if frame == 0:
                 self.hold = 0
-            s0 = load32(buf, f0)
-            s1 = load32(buf, f1)
             if bst == CONTROL_REQUEST:
                 self.handle_control()
                 continue

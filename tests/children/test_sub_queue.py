@@ -50,8 +50,12 @@ def explode(args: object) -> None:
     raise ValueError("on purpose")
 
 
-SPECS = [spec_for_object(f) for f in (stamp, explode)]
-STAMP, EXPLODE = (s.handle.digest for s in SPECS)
+def nothing(args: object) -> None:
+    return None
+
+
+SPECS = [spec_for_object(f) for f in (stamp, explode, nothing)]
+STAMP, EXPLODE, NOTHING = (s.handle.digest for s in SPECS)
 CONFIG = CallConfig().encode()
 
 
@@ -130,3 +134,29 @@ def test_a_stop_fails_every_unclaimed_frame(rig: Rig) -> None:
         poll_for(lambda f=frame: state(rig, f) == failed, 10.0, message="frame not failed")
         assert _mb.load32(buf, frame + OFF_ERROR) == ERR_SHUTDOWN
         assert _mb.load32(buf, frame + OFF_ACCEPTED) == 0
+
+
+def _slow_empty_claim() -> None:
+    """Init hook (in the child): a claim that finds nothing waits 0.2 s before the child
+    goes on to wait, as if it were preempted right there."""
+    real = _mb.child_claim
+
+    def claim(buf: object, hold: int) -> int:
+        got = real(buf, hold)
+        if got == 0:
+            time.sleep(0.2)
+        return got
+
+    _mb.child_claim = claim  # type: ignore[assignment]
+
+
+def test_a_task_published_right_after_an_empty_claim_is_not_slept_through() -> None:
+    """The child's wait compares against the frame states it read before its claim
+    looked: a task published after that changes a word, and the wait returns at once.
+    (Read after the claim, the new TASK_READY was the expected value: the child parked on
+    it until ``park_timeout``.)"""
+    with Rig(SPECS, task_frames=2, park_timeout=30.0, init_hook=_slow_empty_claim) as rig:
+        rig.run(NOTHING)  # the child now sits in the window after an empty claim
+        start = time.monotonic()
+        rig.run(NOTHING, timeout=20.0)
+        assert time.monotonic() - start < 10.0, "the child slept through a published task"
