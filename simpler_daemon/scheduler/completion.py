@@ -554,15 +554,20 @@ class RunCompletion(SchedulerState, SubmitSink):
         self.wake()
         return c
 
-    def requeue_withdrawn(self, slot: TaskSlot, lane: WorkerThread, why: str) -> None:
+    def requeue_withdrawn(
+        self, slot: TaskSlot, lane: WorkerThread, why: str, *, requeue: bool = True
+    ) -> None:
         """A task the SUB pump queued behind ``lane``'s running one and took back before
-        the child claimed it (another lane is free): it never ran, so it goes back to
-        the head of its run's SUB queue (a "requeued" task event naming ``why``)."""
+        the child claimed it (another lane is free, a reload): it never ran, so it goes
+        back to the head of its run's SUB queue (a "requeued" task event naming ``why``).
+        Without ``requeue`` (its run is being cancelled) it is only left READY."""
         run = slot.run
         slot.state = SlotState.READY
         slot.members_started = 0
         run.counts["running"] -= 1
         self.stats["dispatched"] -= 1
+        if not requeue:
+            return
         if self.on_task_event is not None:
             c = WorkerCompletion(
                 WorkerDispatch(slot, 0),

@@ -119,6 +119,14 @@ class Scheduler(ProgressLoop):
                 del self._held[digest]
             self.wake()
 
+    def cancel(self, run: Run, *, record: bool = True) -> None:
+        """``RunCompletion.cancel``, after taking back the run's tasks queued behind a busy
+        child's running one that it has not claimed: they have not started, so they fail
+        SKIPPED with the run's other unstarted tasks instead of running."""
+        if not run.terminal:
+            self._pump.withdraw_run(self, run)
+        super().cancel(run, record=record)
+
     # -- SubmitSink ------------------------------------------------------------------------------
 
     def add_slot(self, slot: TaskSlot) -> None:

@@ -37,7 +37,7 @@ from simpler_daemon.scheduler.runmodel import SlotState
 
 if TYPE_CHECKING:
     from simpler_daemon.scheduler.lanes import WorkerThread
-    from simpler_daemon.scheduler.runmodel import TaskSlot
+    from simpler_daemon.scheduler.runmodel import Run, TaskSlot
     from simpler_daemon.scheduler.spingate import SpinGate
 
 __all__ = ["PUMP_CHAIN_S", "PUMP_MAX_PUBLISH", "PUMP_SPIN_NS", "PumpSink", "SubPump"]
@@ -99,7 +99,9 @@ class PumpSink(Protocol):
         bytes) when it returned a value) succeeded: what a completion does."""
         ...
 
-    def requeue_withdrawn(self, slot: TaskSlot, lane: WorkerThread, why: str) -> None:
+    def requeue_withdrawn(
+        self, slot: TaskSlot, lane: WorkerThread, why: str, *, requeue: bool = True
+    ) -> None:
         """``slot`` was queued on ``lane`` and taken back unstarted: queue it again."""
         ...
 
@@ -503,9 +505,19 @@ class SubPump:
             if d is not None and d.task_slot.digest == digest:
                 self._withdraw(sched, rec, "its callable is being reloaded")
 
-    def _withdraw(self, sched: PumpSink, rec: _Lane, why: str) -> bool:
+    def withdraw_run(self, sched: PumpSink, run: Run) -> None:
+        """Take back every queued task of ``run`` its child has not claimed, without
+        queueing it again (the run is being cancelled: a task that has not started
+        fails SKIPPED with the run's other unstarted tasks)."""
+        for rec in self._lanes.values():
+            d = rec.lane.staged
+            if d is not None and d.task_slot.run is run:
+                self._withdraw(sched, rec, "its run is cancelled", requeue=False)
+
+    def _withdraw(self, sched: PumpSink, rec: _Lane, why: str, *, requeue: bool = True) -> bool:
         """Take back the task the pump queued in ``rec``'s queue frame, if its child has
-        not claimed it (compare-exchange TASK_READY -> IDLE), and queue it again."""
+        not claimed it (compare-exchange TASK_READY -> IDLE), and queue it again (with
+        ``requeue``; else it is left READY and unstarted for the caller)."""
         lane = rec.lane
         d = lane.staged
         if d is None or rec.f1 is None or rec.endpoint is not lane.endpoint:
@@ -522,7 +534,10 @@ class SubPump:
         fr.dispatch = None
         fr.state[_SLOT] = None
         sched.requeue_withdrawn(
-            d.task_slot, lane, f"taken back unstarted from {ep.who()}'s queue frame: {why}"
+            d.task_slot,
+            lane,
+            f"taken back unstarted from {ep.who()}'s queue frame: {why}",
+            requeue=requeue,
         )
         return True
 

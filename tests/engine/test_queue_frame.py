@@ -6,7 +6,8 @@ task frame of a busy child running a task of the same run: the child claims it
 ``staged`` dispatch until then. It is taken back unstarted when another lane frees up
 first (the tail of a run, a long task ahead of it) or when a reload of its callable
 begins; a child that dies leaves it unstarted, so it is queued again and runs elsewhere;
-its deadline runs from its start, not from its publication.
+its deadline runs from its start, not from its publication; a cancel of its run takes
+it back and skips it.
 
 Real SUB children held by tasks that wait on a heap flag (released by the test, never
 by a timer); every wait polls with a deadline.
@@ -274,3 +275,19 @@ def test_a_reload_takes_back_a_queued_task_of_its_callable() -> None:
         if reloader is not None:
             reloader.join(SOON_S)
         w.close()
+
+
+def test_a_cancelled_runs_queued_task_never_runs(rig: Rig) -> None:
+    """A plain cancel (no terminate): the task ahead runs to its end, the one queued
+    behind it has not started, so it is taken back and skipped with the run."""
+    queued, _ = both_held_and_one_queued(rig)
+    run = rig.runs[0]
+    assert run.cancel()
+    assert queued.staged is None  # taken back at once
+    rig.release(0)  # task 0 runs to its end
+    with pytest.raises(RunCancelled):
+        run.result(timeout=SOON_S)
+    assert rig.pids[2] == 0 and run.run.counts["skipped"] + run.run.counts["failed"] >= 1
+    rig.finish()
+    rig.runs[1].result(timeout=SOON_S)
+    assert rig.pids[2] == 0
