@@ -337,10 +337,13 @@ async def test_a_queued_install_that_fails_leaves_that_child_out_of_its_tasks(
         finally:
             r.release(i)
         await asyncio.wait_for(run.wait_async(), SOON_S)
+        warning = f"cannot register {name}:record_pid on worker {busy.worker_id}"
         with caplog.at_level("WARNING", logger="simpler_daemon.registration"):
             await until(lambda: busy.deliveries == 0, "the queued install")
+            # The WARNING comes from the failed control's callback, which may run after
+            # the lane's delivery count dropped: wait for it, do not race it.
+            await until(lambda: warning in caplog.text, "no WARNING named the refused install")
         assert busy.missing == {h.digest}
-        assert f"cannot register {name}:record_pid on worker {busy.worker_id}" in caplog.text
         assert "the busy child refuses it" in caplog.text
         # The child that has it held: a task of it waits for that child, never the other.
         await r.only_idle(hw, busy_pid)
