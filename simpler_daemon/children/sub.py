@@ -12,7 +12,7 @@ Each iteration, in this order::
     4. idle           spin on the state words (GIL released), then park on the
                       futex; after a timed-out park check that the parent lives
 
-With a queue frame (``ChildContext.task_frames == 2``, ``run_queued``) step 2 looks at
+With a queue frame (``ChildContext.task_frames == 2``) step 2 looks at
 both task frames: the TASK_READY one with the lower dispatch id is claimed
 (TASK_READY -> TASK_LAUNCHED) and run, so the parent can queue the next task while one
 runs (docs/mailbox.md, *Queue frame*).
@@ -83,7 +83,7 @@ from simpler_daemon.taskvalues import DEFAULT_MAX_RESULT_BYTES, read_section
 TASK_READY = int(MailboxState.TASK_READY)
 TASK_DONE = int(MailboxState.TASK_DONE)
 TASK_FAILED = int(MailboxState.TASK_FAILED)
-#: A queued frame's state once the child claimed it (``run_queued``).
+#: A queue frame's state once the child claimed it (``MailboxLoop.run``).
 TASK_LAUNCHED = int(MailboxState.TASK_LAUNCHED)
 SHUTDOWN = int(MailboxState.SHUTDOWN)
 CONTROL_REQUEST = int(MailboxState.CONTROL_REQUEST)
@@ -115,8 +115,8 @@ class ChildContext:
     init_hook: Callable[[], None] | None = None
     #: The most a return value may take encoded (``Worker(max_result_bytes=)``).
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
-    #: 2: the parent may queue the next task in task frame 1 while this one runs
-    #: (``run_queued``); 1: task frame 0 only.
+    #: 2: the parent may queue the next task in the other task frame while one runs
+    #: (a queue frame, see ``MailboxLoop.run``); 1: task frame 0 only.
     task_frames: int = 1
 
 
@@ -209,7 +209,7 @@ class MailboxLoop:
         self.frame = TASK_FRAMES[0]
         #: The memfd of the last large result, open until the parent read it.
         self.result_fd = -1
-        #: ``run_queued``: the frame of a task that did not end plainly, while the parent
+        #: With a queue frame: the frame of a task that did not end plainly, while the parent
         #: has not read it (0: none); no other frame is taken meanwhile.
         self.hold = 0
         #: Whether the last task ended plainly: error 0, any value in the frame.
@@ -237,54 +237,29 @@ class MailboxLoop:
         return True
 
     def run(self) -> int:
+        """The child's loop. With a queue frame (``task_frames == 2``) the parent publishes
+        a task into whichever task frame is IDLE, so the next one can wait while this one
+        runs: the child takes the READY frame with the lower dispatch id and claims it
+        (compare-exchange TASK_READY -> TASK_LAUNCHED: a frame the parent took back first
+        is not run). After a task that did not end plainly (an error, or a value in a
+        memfd) it takes no other frame until the parent has read that one (it left
+        TASK_DONE): the parent sees a failure before a later task of the lane starts, and
+        a large result's memfd stays open until it was read."""
         if not self.init():
             return 1
-        if self.ctx.task_frames == 2:
-            return self.run_queued()
         buf = self.buf
-        frame = self.frame
-        watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
-        spin_ns = spin = self.ctx.spin_ns
-        park = self.ctx.park_timeout
-        parent = self.ctx.parent_pid
-        while True:
-            bst = _mb.load32(buf, BASE_FRAME)
-            if bst == SHUTDOWN or _mb.load32(buf, OFF_SHUTDOWN):
-                break
-            st = _mb.load32(buf, frame)
-            if st == TASK_READY:
-                self.run_task()
-                continue
-            if bst == CONTROL_REQUEST:
-                self.handle_control()
-                continue
-            idle = _mb.child_wait(buf, watch, (bst, st, 0), spin, park) < 0
-            if idle:
-                # Spin only right after work: an idle child that re-parks after a
-                # timed-out park must not spin again (with child_spin_us at its maximum
-                # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
-                spin = 0
-                if parent and os.getppid() != parent:
-                    return 0
-                self.on_idle()
-            else:
-                spin = spin_ns
-        self.shutdown()
-        return 0
-
-    def run_queued(self) -> int:
-        """The loop over two task frames: the parent publishes a task into whichever
-        frame is IDLE, so the next one can wait while this one runs. The child takes the
-        READY frame with the lower dispatch id, claims it (compare-exchange TASK_READY ->
-        TASK_LAUNCHED: a frame the parent withdrew first is not run) and runs it.
-
-        After a task that did not end plainly (an error, or a value in a memfd) the child
-        takes no other frame until the parent has read that one (it left TASK_DONE): the
-        parent sees a failure before a later task of the lane starts, and a large result's
-        memfd stays open until it was read."""
-        buf = self.buf
+        queued = self.ctx.task_frames == 2
         f0, f1 = TASK_FRAMES[0], TASK_FRAMES[1]
-        watch = (BASE_FRAME + OFF_STATE, f0 + OFF_STATE, f1 + OFF_STATE, OFF_SHUTDOWN)
+        frame = self.frame
+        if queued:
+            watch: tuple[int, ...] = (
+                BASE_FRAME + OFF_STATE,
+                f0 + OFF_STATE,
+                f1 + OFF_STATE,
+                OFF_SHUTDOWN,
+            )
+        else:
+            watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
         spin_ns = spin = self.ctx.spin_ns
         park = self.ctx.park_timeout
         parent = self.ctx.parent_pid
@@ -294,27 +269,39 @@ class MailboxLoop:
             bst = load32(buf, BASE_FRAME)
             if bst == SHUTDOWN or load32(buf, OFF_SHUTDOWN):
                 break
-            # The states the wait below compares against, read *before* the claim looks:
-            # a task published after this read changes a word, so the wait returns at
-            # once. Read after the claim, it could equal the new TASK_READY, and the child
-            # would park on a task the parent already woke it for (until park_timeout).
-            s0 = load32(buf, f0)
-            s1 = load32(buf, f1)
-            frame = claim(buf, self.hold)  # pick and claim, in C: once per task
-            if frame > 0:
-                self.frame = frame
-                self.plain = False
-                self.run_task()
-                self.hold = 0 if self.plain else frame
-                continue
-            if frame == 0:
-                self.hold = 0
+            if queued:
+                # The states the wait below compares against, read *before* the claim
+                # looks: a task published after this read changes a word, so the wait
+                # returns at once. Read after the claim, it could equal the new
+                # TASK_READY, and the child would park on a task the parent already woke
+                # it for (until park_timeout).
+                s0 = load32(buf, f0)
+                s1 = load32(buf, f1)
+                got = claim(buf, self.hold)  # pick and claim, in C: once per task
+                if got > 0:
+                    self.frame = got
+                    self.plain = False
+                    self.run_task()
+                    self.hold = 0 if self.plain else got
+                    continue
+                if got == 0:
+                    self.hold = 0
+                expected: tuple[int, ...] = (bst, s0, s1, 0)
+            else:
+                st = load32(buf, frame)
+                if st == TASK_READY:
+                    self.run_task()
+                    continue
+                expected = (bst, st, 0)
             if bst == CONTROL_REQUEST:
                 self.handle_control()
                 continue
-            idle = _mb.child_wait(buf, watch, (bst, s0, s1, 0), spin, park) < 0
+            idle = _mb.child_wait(buf, watch, expected, spin, park) < 0
             if idle:
-                spin = 0  # as in ``run``: spin only right after work
+                # Spin only right after work: an idle child that re-parks after a
+                # timed-out park must not spin again (with child_spin_us at its maximum
+                # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
+                spin = 0
                 if parent and os.getppid() != parent:
                     return 0
                 self.on_idle()

@@ -186,9 +186,9 @@ class LocalMailboxEndpoint:
         #: SUB child, ``children/sub.py``): a task the dead child never picked up completes
         #: with error ``NOT_PICKED_UP``, and the Scheduler queues it again.
         self.marks_pickup = marks_pickup
-        #: A SUB child that runs ``run_queued``: task frame 1 holds the lane's next task
-        #: (published by the SUB pump) while frame 0's runs, or the other way round. The
-        #: lane's capacity stays 1: the queued task is the lane's ``staged`` dispatch.
+        #: A SUB child with a queue frame (``MailboxLoop.run``): one task frame holds the
+        #: lane's next task (published by the SUB pump) while the other's runs. The lane's
+        #: capacity stays 1: the queued task is the lane's ``staged`` dispatch.
         self.queue_frame = queue_frame
         self._frames = [_Frame(i) for i in range(2 if queue_frame else task_frame_count)]
         self._owned = 0
@@ -551,7 +551,7 @@ class LocalMailboxEndpoint:
         self.tasks_completed += 1
         if self._owned and self.queue_frame:
             # The queued task starts now; a child that held it back behind this frame
-            # (a failure or a large value: ``run_queued``) may be parked: wake it.
+            # (a failure or a large value: ``MailboxLoop.run``) may be parked: wake it.
             self._started(time.monotonic())
             _mb.wake_child(self.buf)
         out.append(EndpointEvent(EventKind.COMPLETED, d, outcome, error, message, disposition))

@@ -101,7 +101,7 @@ class ChildPool:
     ) -> None:
         self.heap = heap
         self.max_result_bytes = max_result_bytes
-        #: 2: SUB children run ``run_queued`` and their endpoints have a queue frame.
+        #: 2: SUB children use a queue frame (``MailboxLoop.run``), and so do their endpoints.
         self.sub_queue_depth = sub_queue_depth
         self.registry = registry
         self._driver = driver

@@ -1,4 +1,4 @@
-"""The SUB child's loop over two task frames (``run_queued``, a queue frame;
+"""The SUB child's loop over two task frames (``MailboxLoop.run`` with a queue frame;
 docs/mailbox.md): frames run in dispatch order whatever their index, each is claimed
 (TASK_READY -> TASK_LAUNCHED) before it runs, a frame the parent took back is never run,
 after a task that did not end plainly the other frame waits until the parent has read

@@ -1294,7 +1294,7 @@ def test_the_pumps_slot_fields_are_listed_at_both_ends() -> None:
 
 
 def test_child_claim_takes_the_older_ready_frame_and_honours_hold(boxes: list[mmap.mmap]) -> None:
-    """A SUB child's pick over its two task frames (``run_queued``)."""
+    """A SUB child's pick over its two task frames (a queue frame)."""
     box = boxes[0]
     assert mb.child_claim(box, 0) == 0  # nothing ready
     for frame, did in ((TASK0, 8), (TASK1, 7)):
