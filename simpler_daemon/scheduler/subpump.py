@@ -314,15 +314,17 @@ class SubPump:
             for fr in frames:
                 st = fr.state
                 slot = st[_SLOT]
-                did = st[_DID]
                 done = st[_DONE]
-                n = len(done) if done else 0
                 d = fr.dispatch
                 # Make the lane, its endpoint and its frame say what the call left in flight.
                 lane._next_dispatch_id = st[_NEXT]
+                fr.done_issued_at = 0.0
+                if slot is None and d is None and not done and not st[_STOP]:
+                    continue  # idle before and after the call (most queue frames)
+                did = st[_DID]
+                n = len(done) if done else 0
                 if n:
                     ep.tasks_completed += n
-                fr.done_issued_at = 0.0
                 if d is not None and (slot is not d.task_slot or did != d.dispatch_id):
                     # The task in flight before the call completed inside it (it is the
                     # first of the done list; it may have ended before the call).
