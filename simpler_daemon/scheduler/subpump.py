@@ -259,7 +259,16 @@ class SubPump:
         work = self._work
         states = self._states
         states.clear()
-        first = 0  # the index of the lane's first frame in ``states``
+        # Queue frames join the call only when the queue holds more tasks than there are
+        # free lanes (else the call could not queue one: a one-task run pays for no
+        # queue frame), or when they hold a task.
+        want = False
+        if self._queue_ok:
+            free = 0
+            for rec in work:
+                if rec.lane.active is None:
+                    free += 1
+            want = len(queue) > free
         for rec in work:
             lane = rec.lane
             active, staged = lane.active, lane.staged
@@ -272,13 +281,22 @@ class SubPump:
                     st[_SLOT] = None
                 st[_NEXT] = nxt
                 st[_STOP] = 0
-            states += rec.states
-            if rec.f1 is not None:
-                rec.f0.state[_PEER] = first + 1
-                rec.f1.state[_PEER] = first
-                first += 2
+            f1 = rec.f1
+            if f1 is None:
+                states.append(rec.f0.state)
+                continue
+            f0 = rec.f0
+            if want or (f0.dispatch is not None and f1.dispatch is not None):
+                first = len(states)
+                f0.state[_PEER] = first + 1
+                f1.state[_PEER] = first
+                states += rec.states
             else:
-                first += 1
+                # One frame, as a lane of its own: the busy one, or frame 0 of a free child
+                # (a frame published without its peer is never queued behind anything).
+                st = f1.state if f1.dispatch is not None else f0.state
+                st[_PEER] = -1
+                states.append(st)
         if not states:
             return work
         spin_ns = 0
