@@ -542,17 +542,28 @@ class RunCompletion(SchedulerState, SubmitSink):
                 f"again (at most {MAX_PICKUP_REQUEUES} requeues)",
             )
         self._pickup_requeues[slot.slot_id] = n + 1
-        slot.state = SlotState.READY
-        slot.members_started = 0
-        run.counts["running"] -= 1
-        if self.on_task_event is not None:
-            self.on_task_event(slot, "requeued", c)
-        q = self.subs.get(run.run_id)
-        if q is None:
-            q = self.subs[run.run_id] = deque()
-        q.appendleft(slot)
+        self._unclaim_sub(slot)
+        self._requeue_sub(slot, c)
         self.wake()
         return c
+
+    @staticmethod
+    def _unclaim_sub(slot: TaskSlot) -> None:
+        """A SUB slot claimed RUNNING that never started is READY and unstarted again."""
+        slot.state = SlotState.READY
+        slot.members_started = 0
+        slot.run.counts["running"] -= 1
+
+    def _requeue_sub(self, slot: TaskSlot, c: WorkerCompletion) -> None:
+        """Put an unclaimed SUB slot back at the head of its run's SUB queue (a
+        "requeued" task event carrying ``c``)."""
+        if self.on_task_event is not None:
+            self.on_task_event(slot, "requeued", c)
+        run_id = slot.run.run_id
+        q = self.subs.get(run_id)
+        if q is None:
+            q = self.subs[run_id] = deque()
+        q.appendleft(slot)
 
     def requeue_withdrawn(
         self, slot: TaskSlot, lane: WorkerThread, why: str, *, requeue: bool = True
@@ -561,14 +572,9 @@ class RunCompletion(SchedulerState, SubmitSink):
         the child claimed it (another lane is free, a reload): it never ran, so it goes
         back to the head of its run's SUB queue (a "requeued" task event naming ``why``).
         Without ``requeue`` (its run is being cancelled) it is only left READY."""
-        run = slot.run
-        slot.state = SlotState.READY
-        slot.members_started = 0
-        run.counts["running"] -= 1
+        self._unclaim_sub(slot)
         self.stats["dispatched"] -= 1
-        if not requeue:
-            return
-        if self.on_task_event is not None:
+        if requeue:
             c = WorkerCompletion(
                 WorkerDispatch(slot, 0),
                 lane.worker_id,
@@ -577,11 +583,7 @@ class RunCompletion(SchedulerState, SubmitSink):
                 NOT_PICKED_UP,
                 why,
             )
-            self.on_task_event(slot, "requeued", c)
-        q = self.subs.get(run.run_id)
-        if q is None:
-            q = self.subs[run.run_id] = deque()
-        q.appendleft(slot)
+            self._requeue_sub(slot, c)
 
     def _complete_slot(self, slot: TaskSlot) -> None:
         slot.state = SlotState.COMPLETED
