@@ -261,6 +261,12 @@ def test_inner_init_failure_rolls_back_the_whole_tree(tmp_path: Path) -> None:
 
     def boom() -> None:
         (tmp_path / "pid-b0").write_text(f"{os.getpid()} {os.getppid()}")
+        # The other grandchildren start concurrently; fail only once they recorded their pids, so
+        # the rollback below is checked on every one of them (not only on those that were quick).
+        others = [tmp_path / f"pid-{name}" for name in ("a0", "a1", "b1")]
+        deadline = time.monotonic() + 10.0  # well inside the tree's 20 s startup deadline
+        while time.monotonic() < deadline and not all(f.exists() and f.read_text() for f in others):
+            time.sleep(0.005)
         raise RuntimeError("inner boom")
 
     l3a._init_hooks[0] = _record(tmp_path / "pid-a0")
@@ -277,7 +283,7 @@ def test_inner_init_failure_rolls_back_the_whole_tree(tmp_path: Path) -> None:
     assert "sub worker 0" in text and "RuntimeError: inner boom" in text
     assert w4.state is WorkerState.FAILED
     pids = _recorded(tmp_path)
-    assert len(pids) >= 3  # grandchildren and their L3 parents
+    assert len(pids) == 6, pids  # four grandchildren and their two L3 parents
     assert_gone(pids)
     assert not child_pids()
 
