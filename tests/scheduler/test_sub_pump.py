@@ -42,9 +42,13 @@ def fail_some(args: Any) -> None:
 
 def crash_at(args: Any) -> None:
     """Exit the child at the task whose scalars[0] == scalars[1] (the first time only:
-    tensors[0][0] remembers)."""
+    tensors[0][0] remembers), once the orchestration has submitted every task
+    (tensors[0][1] set; 30 s at most)."""
     flag = args.tensors[0]
     if int(args.scalars[0]) == int(args.scalars[1]) and flag[0] == 0:
+        deadline = time.monotonic() + 30.0
+        while flag[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         flag[0] = 1
         os._exit(3)
 
@@ -188,12 +192,16 @@ def test_failures_mid_batch(worker: Worker, pumped: list[int]) -> None:
 def test_a_child_crash_mid_batch(worker: Worker) -> None:
     h = worker.register(crash_at)
     worker.init()
-    flag = worker.alloc((1,), "int64")
+    flag = worker.alloc((2,), "int64")
     n = 400
 
     def orch(o: Orchestrator, args: Any = None, config: Any = None) -> None:
+        # The crash waits for the last submit: a crash while the orchestration still
+        # submits fails the run first, and its later submits then raise (run alone, this
+        # test's orchestration was slower than 150 tasks and failed 41 of them).
         for i in range(n):
             o.submit_sub(h, targs((flag, Tag.NO_DEP), scalars=(i, 150)))
+        flag[1] = 1
 
     handle = worker.submit(orch)
     with pytest.raises(TaskError, match="endpoint failure on sub worker") as info:
