@@ -162,11 +162,13 @@ class SubPump:
 
     __slots__ = (
         "_calls",
+        "_count",
         "_events",
         "_lanes",
         "_published",
         "_queue_ok",
         "_queued",
+        "_room",
         "_states",
         "_work",
         "hit_rate",
@@ -189,6 +191,11 @@ class SubPump:
         self._queue_ok = False
         #: A task waited in a queue frame after the last call (``rebalance`` looks).
         self._queued = False
+        #: After the last call, a frame could take a task: a free lane, or (when tasks may
+        #: be queued) a busy lane's free queue frame (``drive`` chains only then).
+        self._room = False
+        #: Tasks the last call published.
+        self._count = 0
 
     def owns(self, lane: WorkerThread) -> bool:
         """Whether the pump polls ``lane``'s frames this round: a live local SUB lane
@@ -298,6 +305,8 @@ class SubPump:
                 st[_PEER] = -1
                 states.append(st)
         if not states:
+            self._room = False
+            self._count = 0
             return work
         spin_ns = 0
         #: Lanes whose task was still running as a spinning call started: its end within
@@ -319,11 +328,14 @@ class SubPump:
                                 running = []
                             running.append(fr)
                 started = time.monotonic()
-        _mb.sub_pump(states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH, self._queue_ok)
+        self._count = _mb.sub_pump(
+            states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH, self._queue_ok
+        )
         spent = time.monotonic() - started if spin_ns else 0.0
         caught = 0  # completions a spinning call waited for
         busy = False  # tasks in flight at the start or the end of the call
         queued = False  # a task waits in a queue frame after the call
+        room = False  # a frame could take a task after the call
         for rec in work:
             lane = rec.lane
             ep = rec.endpoint
@@ -376,6 +388,8 @@ class SubPump:
                     ep.fast_adopt(d, d.issued_at)
                     lane.active = d
                     lane.inflight += 1
+                elif lane.active is None:
+                    room = True
                 continue
             if fresh is not None:
                 if fresh[-1] is not fresh[0] and fresh[0].state[_DID] > fresh[1].state[_DID]:
@@ -390,8 +404,10 @@ class SubPump:
             d0, d1 = rec.f0.dispatch, rec.f1.dispatch
             if d0 is None:
                 lane.active, lane.staged = d1, None
+                room = room or d1 is None or self._queue_ok
             elif d1 is None:
                 lane.active, lane.staged = d0, None
+                room = room or self._queue_ok
             else:
                 queued = True
                 lane.active, lane.staged = (d1, d0) if d1.dispatch_id < d0.dispatch_id else (d0, d1)
@@ -403,6 +419,7 @@ class SubPump:
             hit = caught > 0 and spent <= caught * PUMP_HIT_S
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         self._queued = queued
+        self._room = room
         return work
 
     def drive(
@@ -421,13 +438,23 @@ class SubPump:
         the head of ``q`` ready (a dependency chain: the next task takes the C path too,
         not the Python dispatch of the round after) or the call stopped at
         ``PUMP_MAX_PUBLISH``, for at most ``PUMP_CHAIN_S``; never past a completion left
-        to the Python path (a failure is seen before later tasks start)."""
+        to the Python path (a failure is seen before later tasks start), and not when
+        every frame is busy while calls do not spin (the next could only poll them)."""
         self.select(lanes)
         did = self.round(sched, q, spin)
         if not (did and spin and chain and q):
             return did
         until = time.monotonic() + PUMP_CHAIN_S
         while q and q[0].state is _READY and not sched.completions:
+            if (
+                not self._room
+                and self._count < PUMP_MAX_PUBLISH
+                and self.hit_rate < PUMP_MIN_HIT_RATE
+            ):
+                # Every frame is busy and the next call would not wait for one to end:
+                # it could only poll (500 µs tasks: a second call per round, ~20 µs of
+                # parent CPU per task taken from the children).
+                break
             self.select(lanes)
             if not self.round(sched, q, True) or time.monotonic() >= until:
                 break
