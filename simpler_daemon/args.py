@@ -120,6 +120,10 @@ _HEADER = struct.Struct("<ii")
 _DESC = struct.Struct("<IBBBBQQQQ8q8q")
 assert _DESC.size == TENSOR_DESC_SIZE
 _EMPTY_BLOB: Final = _HEADER.pack(0, 0)
+#: The whole blob of a task with scalars and nothing else, by scalar count (filled as
+#: counts are met; counts above the cap use a format built per call).
+_SCALAR_BLOBS: dict[int, struct.Struct] = {}
+_SCALAR_BLOBS_CAP: Final = 64
 #: A remote descriptor's ``buffer_offset`` field: owner in the low half, session above.
 _U32: Final = 0xFFFFFFFF
 
@@ -529,6 +533,16 @@ CONFIG_BYTES: Final = _CONFIG.size + MAX_OUTPUT_PREFIX
 DEFAULT_CONFIG: Final = CallConfig()
 
 
+def _scalar_blob(s: int) -> struct.Struct:
+    """The layout of a blob holding ``s`` scalars and nothing else: header, then words."""
+    layout = _SCALAR_BLOBS.get(s)
+    if layout is None:
+        layout = struct.Struct(f"<ii{s}Q")
+        if s <= _SCALAR_BLOBS_CAP:
+            _SCALAR_BLOBS[s] = layout
+    return layout
+
+
 def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
     """Encode descriptors and scalars; ``ValueError`` naming both sizes when too big."""
     if not descs and not scalars:
@@ -539,6 +553,8 @@ def encode_args(descs: Sequence[TensorDesc], scalars: Sequence[int]) -> bytes:
             f"cannot encode task args: {len(descs)} tensors and {len(scalars)} scalars need "
             f"{need} bytes, the mailbox args capacity is {MAILBOX_ARGS_CAPACITY} bytes"
         )
+    if not descs:  # scalars only (W3's tasks): one pack, no buffer to fill
+        return _scalar_blob(len(scalars)).pack(0, len(scalars), *scalars)
     out = bytearray(need)
     _HEADER.pack_into(out, 0, len(descs), len(scalars))
     off = _HEADER.size
@@ -625,6 +641,13 @@ def decode_args(
     args = TaskArgs()
     if blob == _EMPTY_BLOB:
         return args
+    n = len(blob)
+    if n >= _HEADER.size:
+        t, s = _HEADER.unpack_from(blob, 0)
+        if t == 0 and s > 0 and n == _HEADER.size + 8 * s:
+            # Scalars and nothing else (W3's tasks): one unpack, no descriptor loop.
+            args.scalars = list(_scalar_blob(s).unpack(blob)[2:])
+            return args
     descs, scalars = decode_descs(blob)
     for d in descs:
         args.tensors.append(view(d))

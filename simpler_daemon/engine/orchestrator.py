@@ -110,15 +110,20 @@ class Orchestrator:
         run = self.run
         if (
             config is None
-            and (args is None or (type(args) is TaskArgs and not args.tensors and not args.scalars))
+            and (args is None or (type(args) is TaskArgs and not args.tensors))
             and run.building
             and run.error is None
             and not run.terminal
         ):
-            # A plain task (no tensors, no scalars, the default config; W1, W2): what
-            # ``_submit`` does for it, inline: no pins, no dependencies, the shared blob;
-            # with values that fit the frame (W1v, W2v), the blob with its values section.
-            if args is None or args._values is None:
+            # A plain task (no tensors, the default config; W1, W2, W3): what ``_submit``
+            # does for it, inline: no pins, no dependencies, the shared blob (or one of
+            # scalars); with values that fit the frame (W1v, W2v), the blob with its
+            # values section.
+            if args is not None and args.scalars:
+                if args._values is not None:
+                    return self._submit(TaskKind.SUB, h, [args], config, [])
+                blob = encode_args((), args.scalars)
+            elif args is None or args._values is None:
                 blob = _EMPTY_BLOB
             else:
                 values, kwargs = args._values.encoded()

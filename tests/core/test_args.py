@@ -177,6 +177,36 @@ def test_scalars_u64_and_explicit_int64(heap: Heap) -> None:
     assert int(np.uint64(args.scalars[5]).view(np.int64)) == -1
 
 
+@pytest.mark.parametrize("count", [1, 3, 64, 65, 200])
+def test_a_scalars_only_blob_is_the_general_layout_and_decodes_back(count: int) -> None:
+    """Scalars and nothing else take a shorter path both ways (one pack, one unpack);
+    the bytes are the general layout's (header, then the words), whatever the count."""
+    scalars = [(i * 0x9E3779B97F4A7C15) & U64 for i in range(count)]
+    blob = encode_args((), scalars)
+    assert blob == struct.pack(f"<ii{count}Q", 0, count, *scalars)
+    assert decode_args(blob, lambda d: np.zeros(1)).scalars == scalars
+    assert decode_descs(blob) == ([], scalars)
+
+
+@pytest.mark.parametrize(
+    ("blob", "words"),
+    [
+        (struct.pack("<ii", 0, 2) + bytes(8), r"T=0 S=2 needs 24 bytes, got 16"),
+        (struct.pack("<ii", 0, -1), r"T=0 S=-1"),
+        (bytes(7), r"7 bytes is shorter than its header"),
+    ],
+)
+def test_a_malformed_scalars_blob_is_refused(blob: bytes, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        decode_args(blob, lambda d: np.zeros(1))
+
+
+def test_too_many_scalars_are_refused_naming_the_capacity() -> None:
+    n = MAILBOX_ARGS_CAPACITY // 8
+    with pytest.raises(ValueError, match=rf"0 tensors and {n} scalars need {8 + 8 * n} bytes"):
+        encode_args((), [1] * n)
+
+
 @pytest.mark.parametrize(
     ("bad", "dtype", "words"),
     [

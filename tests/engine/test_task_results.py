@@ -112,6 +112,38 @@ def test_values_per_task_and_per_group_member(worker: Worker) -> None:
     ]
 
 
+def scalars_and_values(args: Any) -> Any:
+    """What the child decoded: its scalars and its values."""
+    return [list(args.scalars), list(args.values)]
+
+
+def test_scalars_alone_and_with_values_reach_the_child(worker: Worker) -> None:
+    """Scalars alone take submit_sub's inline path and a one-unpack decode; with values
+    they take the general path: the child sees the same either way. Too many scalars
+    are refused at submit, naming the capacity, and nothing of that task is kept."""
+    w = worker
+    echo = w.register(scalars_and_values)
+    w.init()
+    refs: list[Any] = []
+    refused: list[str] = []
+    big = 1 << 63
+
+    def orch(o: Orchestrator, _a: Any, _c: Any) -> None:
+        refs.append(o.submit_sub(echo, targs(scalars=(3, big))))
+        refs.append(o.submit_sub(echo, targs(scalars=(4,)).add_value({"k": [1, 2]})))
+        try:
+            o.submit_sub(echo, targs(scalars=tuple(range(9000))))
+        except ValueError as exc:
+            refused.append(str(exc))
+        refs.append(o.submit_sub(echo, targs()))
+
+    run = run_to_end(w, orch)
+    assert run.error is None
+    assert [r.result() for r in refs] == [[[3, big], []], [[4], [{"k": [1, 2]}]], [[], []]]
+    assert refs == [0, 1, 2]  # the refused task took no index
+    assert len(refused) == 1 and "0 tensors and 9000 scalars need 72008 bytes" in refused[0]
+
+
 def test_none_writes_nothing_and_no_stale_value(worker: Worker) -> None:
     """A None return leaves the frame as published (reserved 0, the args blob intact), and
     a value left in the frame by an earlier task is never read as a later task's result."""
