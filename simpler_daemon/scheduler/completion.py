@@ -547,12 +547,14 @@ class RunCompletion(SchedulerState, SubmitSink):
         self.wake()
         return c
 
-    @staticmethod
-    def _unclaim_sub(slot: TaskSlot) -> None:
-        """A SUB slot claimed RUNNING that never started is READY and unstarted again."""
+    def _unclaim_sub(self, slot: TaskSlot) -> None:
+        """A SUB slot claimed RUNNING that never started is READY and unstarted again, and
+        its fair charge is taken back (its next dispatch charges it)."""
         slot.state = SlotState.READY
         slot.members_started = 0
         slot.run.counts["running"] -= 1
+        if self.fair is not None:
+            self.fair.refund(slot.run, 1)
 
     def _requeue_sub(self, slot: TaskSlot, c: WorkerCompletion) -> None:
         """Put an unclaimed SUB slot back at the head of its run's SUB queue (a

@@ -163,6 +163,15 @@ class FairAdmission(Admission):
         self._leave(run)
         return self._admit()
 
+    def refund(self, run: Run, workers: int) -> None:
+        """Take back a ``charge(run, workers)`` whose workers never ran its task (it went
+        back to its queue unstarted): the task is charged again when it is dispatched
+        again, so it counts once. The catch-up to the virtual time stays."""
+        step = workers / run.priority
+        run.vpass -= step
+        if run.share is not None:
+            run.share.vpass -= step
+
     def charge(self, run: Run, workers: int) -> None:
         """``run`` was given ``workers`` workers: advance its client's pass and its own by
         their stride. A pass that fell behind (it did not compete meanwhile) is caught up

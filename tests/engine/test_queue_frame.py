@@ -158,11 +158,15 @@ def test_a_free_lane_takes_the_queued_task_back_unstarted(rig: Rig) -> None:
     """The other child frees up while the queued task's child is still busy (a long task
     ahead of it): the task runs there, without waiting for the busy child's."""
     queued, other = both_held_and_one_queued(rig)
+    run = rig.runs[2].run
+    charged = (run.vpass, run.share.vpass)  # tasks 0 and 2, one fair charge each
     rig.release(held_index(rig, other))
     got = poll_for(lambda: int(rig.pids[2]), SOON_S, message="the queued task never moved")
     assert got == other.endpoint.child.pid
     assert rig.flags[0] == 0 and not rig.runs[0].done()  # task 0 still held
     assert queued.staged is None
+    # Taken back, its charge was refunded; its second dispatch charged it: once in all.
+    assert (run.vpass, run.share.vpass) == charged
     rig.finish()
     rig.runs[2].result(timeout=SOON_S)
 
