@@ -45,7 +45,7 @@ from simpler_daemon.callables import (
 )
 from simpler_daemon.heap import Heap
 from simpler_daemon.mailbox import _mailbox as _mb
-from simpler_daemon.mailbox.doorbell import OFF_COMPLETED, OFF_PARKED, Doorbell
+from simpler_daemon.mailbox.doorbell import Doorbell
 from simpler_daemon.mailbox.layout import (
     BASE_FRAME,
     CTRL_OFF_ARG_LEN,
@@ -63,7 +63,6 @@ from simpler_daemon.mailbox.layout import (
     ERRMSG_SIZE,
     MAILBOX_ARGS_CAPACITY,
     MAX_RESULT_BYTES,
-    OFF_ACCEPTED,
     OFF_ARGS,
     OFF_DIGEST,
     OFF_ERRMSG,
@@ -324,14 +323,14 @@ class MailboxLoop:
     def run_task(self) -> None:
         buf = self.buf
         frame = self.frame
-        # Picked up: one store before anything of the task runs. A child that dies before
-        # it leaves the task unstarted, and the parent queues it again (docs/mailbox.md).
-        _mb.store32(buf, frame + OFF_ACCEPTED, 1)
-        if self.result_fd >= 0:
-            self.close_result()
         try:
-            (cfg, _lslot, _lgen, digest, blob, *_trailer) = _mb.read_task(buf, frame)
+            # Picked up: ``child_take`` stores the pick-up word before it reads anything of
+            # the task, and before anything of it runs. A child that dies before that
+            # leaves the task unstarted, and the parent queues it again (docs/mailbox.md).
+            deadline_ms, digest, blob = _mb.child_take(buf, frame)
         except ValueError as exc:  # a malformed blob header fails the task, not the child
+            if self.result_fd >= 0:
+                self.close_result()
             write_failure(
                 buf,
                 frame,
@@ -342,6 +341,8 @@ class MailboxLoop:
             self.tasks_done += 1
             self.ctx.doorbell.ring_if_parked()
             return
+        if self.result_fd >= 0:
+            self.close_result()
         fn = self.table.resolve(digest)
         if fn is None:
             write_failure(buf, frame, TASK_DONE, ERR_NOT_REGISTERED, not_registered_message(digest))
@@ -364,7 +365,6 @@ class MailboxLoop:
                     format_exception(f"{self.ctx.error_prefix}: bad args", exc),
                 )
             else:
-                deadline_ms = int.from_bytes(cfg[:8], "little")
                 try:
                     if deadline_ms:
                         signal.setitimer(signal.ITIMER_REAL, deadline_ms / 1000.0)
@@ -393,12 +393,10 @@ class MailboxLoop:
                 else:
                     if value is None:  # the common case writes nothing more
                         self.plain = True
-                        _mb.write_result(buf, frame, TASK_DONE, 0, "")
                         self.tasks_done += 1
-                        # ``doorbell.ring_if_parked()``, inline (once per task).
+                        # TASK_DONE, then ``doorbell.ring_if_parked()``, in one C call.
                         bell = self.ctx.doorbell
-                        _mb.fetch_add32(bell.buf, OFF_COMPLETED, 1)
-                        if _mb.load32(bell.buf, OFF_PARKED):
+                        if _mb.child_done(buf, frame, bell.buf):
                             bell.ring_parked()
                         return
                     self.result_fd = fd = write_value(buf, frame, value, self.ctx.max_result_bytes)

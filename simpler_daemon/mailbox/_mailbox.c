@@ -60,6 +60,13 @@ static PyMethodDef mailbox_methods[] = {
     KWCALL(read_task, "read_task(buf, frame_off) -> tuple: (config, slot_id, generation, "
                       "digest, blob, protocol, run_id, trailer_slot_id, trailer_generation, "
                       "dispatch_id)."),
+    FASTCALL(child_take,
+             "child_take(buf, frame_off, /) -> (deadline_ms, digest, blob): a SUB child's "
+             "read of the task it claimed, after storing its pick-up word."),
+    FASTCALL(child_done,
+             "child_done(buf, frame_off, doorbell, /) -> bool: a SUB task's plain end "
+             "(TASK_DONE, no error) and the doorbell's count + 1; True if the parent is "
+             "parked."),
     KWCALL(read_trailer, "read_trailer(buf, frame_off) -> tuple: (protocol, run_id, slot_id, "
                          "generation, dispatch_id)."),
     KWCALL(write_result, "write_result(buf, frame_off, state, error, message) -> None."),
@@ -122,6 +129,9 @@ mailbox_exec(PyObject *m)
         {"ERRMSG_SIZE", ERRMSG_SIZE},
         {"TENSOR_DESC_SIZE", TENSOR_DESC_SIZE},
         {"SUBPUMP_FIELDS", SUBPUMP_FIELDS},
+        {"DOORBELL_OFF_PARKED", DOORBELL_OFF_PARKED},
+        {"DOORBELL_OFF_COMPLETED", DOORBELL_OFF_COMPLETED},
+        {"DOORBELL_SIZE", DOORBELL_SIZE},
         {"SUBPUMP_MAX_LANES", SUBPUMP_MAX_LANES},
         {"SUBPUMP_MAX_RESULT", SUBPUMP_MAX_RESULT},
         {"VALUES_MAGIC", VALUES_MAGIC},

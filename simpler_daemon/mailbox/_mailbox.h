@@ -50,6 +50,11 @@
 #define MAILBOX_ARGS_CAPACITY 64080
 #define OFF_WAKE_SEQ 65200   /* i32, base frame only: futex word */
 #define OFF_CHILD_PARKED 65208 /* i32, base frame only */
+/* The doorbell (mailbox/doorbell.py): the parent's parked flag and the completion count
+ * every child bumps, in a small shared mapping of their own. */
+#define DOORBELL_OFF_PARKED 0
+#define DOORBELL_OFF_COMPLETED 8
+#define DOORBELL_SIZE 16
 #define OFF_SHUTDOWN 65216   /* i32, base frame only, sticky */
 #define OFF_TRAILER 65224    /* 5 x u64 */
 #define TRAILER_SIZE 40
@@ -303,6 +308,8 @@ PyObject *mb_child_claim(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* _mailbox_frame.c */
 PyObject *mb_publish_task(PyObject *m, PyObject *args, PyObject *kwargs);
 PyObject *mb_read_task(PyObject *m, PyObject *args, PyObject *kwargs);
+PyObject *mb_child_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mb_child_done(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mb_read_trailer(PyObject *m, PyObject *args, PyObject *kwargs);
 PyObject *mb_write_result(PyObject *m, PyObject *args, PyObject *kwargs);
 PyObject *mb_read_result(PyObject *m, PyObject *args, PyObject *kwargs);

@@ -41,6 +41,9 @@ ERRMSG_SIZE: Final = 256
 TENSOR_DESC_SIZE: Final = 168
 
 SUBPUMP_FIELDS: Final = 9
+DOORBELL_OFF_PARKED: Final = 0
+DOORBELL_OFF_COMPLETED: Final = 8
+DOORBELL_SIZE: Final = 16
 SUBPUMP_MAX_LANES: Final = 256
 SUBPUMP_MAX_RESULT: Final = 32768
 VALUES_MAGIC: Final = 0x31564453
@@ -153,6 +156,17 @@ def set_pdeathsig(signum: int, /) -> None: ...
 def fork_sibling() -> int: ...
 
 # --- SUB fast loop ---------------------------------------------------------
+
+def child_take(buf: WriteableBuffer, frame_off: int, /) -> tuple[int, bytes, bytes]:
+    """A SUB child's read of the task it claimed: stores the frame's pick-up word
+    (OFF_ACCEPTED = 1) first, then returns (deadline_ms, digest, blob) as ``read_task``
+    reads them (the deadline is the config's first little-endian word). ValueError for
+    a malformed blob (the word is stored) or the base frame."""
+
+def child_done(buf: WriteableBuffer, frame_off: int, doorbell: WriteableBuffer, /) -> bool:
+    """A SUB task's plain end: ``write_result(buf, frame_off, TASK_DONE, 0, "")``, then the
+    doorbell's completion count + 1. True when the parent is parked on the doorbell (the
+    caller rings its eventfd). ValueError for a doorbell under DOORBELL_SIZE bytes."""
 
 def child_claim(buf: WriteableBuffer, hold: int, /) -> int:
     """A SUB child's pick over its two task frames (a queue frame): -1 while the frame at

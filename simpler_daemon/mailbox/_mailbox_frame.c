@@ -112,6 +112,45 @@ u64_obj(const char *f, Py_ssize_t off)
         (unsigned long long)__atomic_load_n(U64_AT(f, off), __ATOMIC_RELAXED));
 }
 
+/* The length of the args blob in the frame at `f` (descriptors, scalars and a values
+ * section, if any); -1 with ValueError set when its header or values section is
+ * malformed.  The caller has read the frame's state (acquire). */
+static long long
+task_blob_len(const char *f)
+{
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    int32_t t = __atomic_load_n(I32_AT(f, OFF_ARGS), __ATOMIC_RELAXED);
+    int32_t s = __atomic_load_n(I32_AT(f, OFF_ARGS + 4), __ATOMIC_RELAXED);
+    long long need = (long long)ARGS_HEADER_SIZE + (long long)t * TENSOR_DESC_SIZE +
+                     (long long)s * 8;
+    if (t < 0 || s < 0 || need > MAILBOX_ARGS_CAPACITY) {
+        PyErr_Format(PyExc_ValueError,
+                     "malformed args blob: T=%d S=%d needs %lld bytes, capacity %d", (int)t,
+                     (int)s, need, MAILBOX_ARGS_CAPACITY);
+        return -1;
+    }
+    if (need + VALUES_SECTION_SIZE <= MAILBOX_ARGS_CAPACITY &&
+        __atomic_load_n(U32_AT(f, OFF_ARGS + need), __ATOMIC_RELAXED) == VALUES_MAGIC) {
+        uint32_t where = __atomic_load_n(U32_AT(f, OFF_ARGS + need + 4), __ATOMIC_RELAXED);
+        uint64_t nv = __atomic_load_n(U64_AT(f, OFF_ARGS + need + 8), __ATOMIC_RELAXED);
+        uint64_t nk = __atomic_load_n(U64_AT(f, OFF_ARGS + need + 16), __ATOMIC_RELAXED);
+        long long total = need + VALUES_SECTION_SIZE;
+        if (where == 0) {
+            total = (nv > MAILBOX_ARGS_CAPACITY || nk > MAILBOX_ARGS_CAPACITY)
+                        ? MAILBOX_ARGS_CAPACITY + 1
+                        : total + (long long)(nv + nk);
+        }
+        if (where > 1 || total > MAILBOX_ARGS_CAPACITY) {
+            PyErr_Format(PyExc_ValueError,
+                         "malformed values section: where=%u, %llu + %llu bytes after %lld",
+                         (unsigned)where, (unsigned long long)nv, (unsigned long long)nk, need);
+            return -1;
+        }
+        need = total;
+    }
+    return need;
+}
+
 PyObject *
 mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
 {
@@ -132,37 +171,10 @@ mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&view);
         return NULL;
     }
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    int32_t t = __atomic_load_n(I32_AT(f, OFF_ARGS), __ATOMIC_RELAXED);
-    int32_t s = __atomic_load_n(I32_AT(f, OFF_ARGS + 4), __ATOMIC_RELAXED);
-    long long need = (long long)ARGS_HEADER_SIZE + (long long)t * TENSOR_DESC_SIZE +
-                     (long long)s * 8;
-    if (t < 0 || s < 0 || need > MAILBOX_ARGS_CAPACITY) {
-        PyErr_Format(PyExc_ValueError,
-                     "malformed args blob: T=%d S=%d needs %lld bytes, capacity %d", (int)t,
-                     (int)s, need, MAILBOX_ARGS_CAPACITY);
+    long long need = task_blob_len(f);
+    if (need < 0) {
         PyBuffer_Release(&view);
         return NULL;
-    }
-    if (need + VALUES_SECTION_SIZE <= MAILBOX_ARGS_CAPACITY &&
-        __atomic_load_n(U32_AT(f, OFF_ARGS + need), __ATOMIC_RELAXED) == VALUES_MAGIC) {
-        uint32_t where = __atomic_load_n(U32_AT(f, OFF_ARGS + need + 4), __ATOMIC_RELAXED);
-        uint64_t nv = __atomic_load_n(U64_AT(f, OFF_ARGS + need + 8), __ATOMIC_RELAXED);
-        uint64_t nk = __atomic_load_n(U64_AT(f, OFF_ARGS + need + 16), __ATOMIC_RELAXED);
-        long long total = need + VALUES_SECTION_SIZE;
-        if (where == 0) {
-            total = (nv > MAILBOX_ARGS_CAPACITY || nk > MAILBOX_ARGS_CAPACITY)
-                        ? MAILBOX_ARGS_CAPACITY + 1
-                        : total + (long long)(nv + nk);
-        }
-        if (where > 1 || total > MAILBOX_ARGS_CAPACITY) {
-            PyErr_Format(PyExc_ValueError,
-                         "malformed values section: where=%u, %llu + %llu bytes after %lld",
-                         (unsigned)where, (unsigned long long)nv, (unsigned long long)nk, need);
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        need = total;
     }
     PyObject *items[10];
     items[0] = PyBytes_FromStringAndSize(f + OFF_CONFIG, CONFIG_SIZE);
@@ -178,6 +190,89 @@ mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
     items[9] = u64_obj(f, OFF_TRAILER + 32);
     PyBuffer_Release(&view);
     return mb_steal_tuple(10, items);
+}
+
+/* child_take(buf, frame_off, /) -> (deadline_ms, digest, blob): what a SUB child reads
+ * of the task it claimed, after storing its pick-up word (OFF_ACCEPTED = 1) first: the
+ * deadline (the config's first word), the callable's digest and the args blob, as
+ * read_task gives them, in one call. */
+PyObject *
+mb_child_take(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t frame_off;
+    if (!mb_check_nargs("child_take", nargs, 2) || !mb_conv_off(args[1], &frame_off)) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_buf(args[0], &view) < 0) {
+        return NULL;
+    }
+    char *f = frame_ptr(&view, frame_off);
+    if (f == NULL || frame_off == 0) {
+        if (f != NULL) {
+            PyErr_SetString(PyExc_ValueError, "child_take: the base frame carries no task");
+        }
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    __atomic_store_n(I32_AT(f, OFF_ACCEPTED), 1, __ATOMIC_SEQ_CST);
+    long long need = task_blob_len(f);
+    if (need < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint64_t deadline;
+    memcpy(&deadline, f + OFF_CONFIG, sizeof deadline); /* little-endian, as int.from_bytes */
+    PyObject *items[3];
+    items[0] = PyLong_FromUnsignedLongLong((unsigned long long)deadline);
+    items[1] = PyBytes_FromStringAndSize(f + OFF_DIGEST, DIGEST_SIZE);
+    items[2] = PyBytes_FromStringAndSize(f + OFF_ARGS, (Py_ssize_t)need);
+    PyBuffer_Release(&view);
+    return mb_steal_tuple(3, items);
+}
+
+/* child_done(buf, frame_off, doorbell, /) -> bool: a SUB task's plain end (no error, no
+ * value): write_result(buf, frame_off, TASK_DONE, 0, "") then the doorbell's completion
+ * count + 1; True when the parent is parked on the doorbell (the caller rings it). */
+PyObject *
+mb_child_done(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t frame_off;
+    if (!mb_check_nargs("child_done", nargs, 3) || !mb_conv_off(args[1], &frame_off)) {
+        return NULL;
+    }
+    Py_buffer view, bell;
+    if (get_buf(args[0], &view) < 0) {
+        return NULL;
+    }
+    char *f = frame_ptr(&view, frame_off);
+    if (f == NULL || frame_off == 0) {
+        if (f != NULL) {
+            PyErr_SetString(PyExc_ValueError, "child_done: the base frame carries no task");
+        }
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &bell, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (bell.len < DOORBELL_SIZE || ((uintptr_t)bell.buf) % 8 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "child_done: the doorbell must be %d bytes, 8-byte aligned (got %zd)",
+                     DOORBELL_SIZE, bell.len);
+        PyBuffer_Release(&bell);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    f[OFF_ERRMSG] = 0;
+    __atomic_store_n(U32_AT(f, OFF_ERROR), 0, __ATOMIC_RELAXED);
+    __atomic_store_n(U32_AT(f, OFF_STATE), STATE_TASK_DONE, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(I32_AT(bell.buf, DOORBELL_OFF_COMPLETED), 1, __ATOMIC_SEQ_CST);
+    int parked = __atomic_load_n(I32_AT(bell.buf, DOORBELL_OFF_PARKED), __ATOMIC_SEQ_CST) != 0;
+    PyBuffer_Release(&bell);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(parked);
 }
 
 PyObject *

@@ -30,6 +30,9 @@ from simpler_daemon.mailbox import _mailbox as _mb
 
 OFF_PARKED = 0
 OFF_COMPLETED = 8
+# ``_mailbox.child_done`` bumps the count and reads the flag at the same offsets.
+assert (OFF_PARKED, OFF_COMPLETED) == (_mb.DOORBELL_OFF_PARKED, _mb.DOORBELL_OFF_COMPLETED)
+assert mmap.PAGESIZE >= _mb.DOORBELL_SIZE
 
 
 class Doorbell:

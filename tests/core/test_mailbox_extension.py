@@ -1309,3 +1309,46 @@ def test_child_claim_takes_the_older_ready_frame_and_honours_hold(boxes: list[mm
     assert mb.child_claim(box, TASK1) == TASK0
     with pytest.raises(ValueError, match="hold 12 is not a task frame"):
         mb.child_claim(box, 12)
+
+
+def test_child_take_stores_the_pickup_word_then_reads_what_read_task_reads(box: mmap.mmap) -> None:
+    """A SUB child's read of its claimed task in one call: the pick-up word first, then
+    the deadline (the config's first word), the digest and the blob read_task gives."""
+    blob = b"\x00\x00\x00\x00\x02\x00\x00\x00" + (5).to_bytes(8, "little") + bytes(8)
+    config = (1234).to_bytes(8, "little") + b"x" * 8
+    digest = bytes(range(32))
+    mb.publish_task(box, TASK1, 1, config, 0, 0, digest, blob, 1, 1, 1, 0, 1)
+    assert mb.load32(box, TASK1 + mb.OFF_ACCEPTED) == 0
+    got = mb.child_take(box, TASK1)
+    assert got == (1234, digest, blob)
+    assert got[2] == mb.read_task(box, TASK1)[4] and got[1] == mb.read_task(box, TASK1)[3]
+    assert mb.load32(box, TASK1 + mb.OFF_ACCEPTED) == 1
+    # A malformed header: ValueError, and the task counts as picked up (the child fails it).
+    mb.store32(box, TASK0 + mb.OFF_ARGS + 4, 1 << 20)
+    with pytest.raises(ValueError, match="malformed args blob: T=0 S=1048576"):
+        mb.child_take(box, TASK0)
+    assert mb.load32(box, TASK0 + mb.OFF_ACCEPTED) == 1
+    with pytest.raises(ValueError, match="the base frame carries no task"):
+        mb.child_take(box, 0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        mb.child_take(box, 12)
+
+
+def test_child_done_ends_the_task_plainly_and_counts_it_on_the_doorbell(box: mmap.mmap) -> None:
+    bell = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        mb.publish_task(box, TASK0, 1, b"", 0, 0, bytes(32), b"\x00" * 8, 1, 1, 1, 0, 1)
+        mb.write_bytes(box, TASK0 + mb.OFF_ERRMSG, b"stale")
+        assert mb.child_done(box, TASK0, bell) is False  # the parent is not parked
+        state, error, message = mb.read_result(box, TASK0)[:3]
+        assert (state, error, message) == (mb.STATE_TASK_DONE, 0, "")
+        assert mb.load32(bell, mb.DOORBELL_OFF_COMPLETED) == 1
+        mb.store32(bell, mb.DOORBELL_OFF_PARKED, 1)
+        assert mb.child_done(box, TASK0, bell) is True  # parked: the caller rings
+        assert mb.load32(bell, mb.DOORBELL_OFF_COMPLETED) == 2
+        with pytest.raises(ValueError, match="the doorbell must be 16 bytes"):
+            mb.child_done(box, TASK0, bytearray(8))
+        with pytest.raises(ValueError, match="the base frame carries no task"):
+            mb.child_done(box, 0, bell)
+    finally:
+        bell.close()
