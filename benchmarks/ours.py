@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import tasks
+from benchmarks.machine import w3_floor_ns
 from benchmarks.proctree import measure_idle_cpu
 from benchmarks.workloads import (
     ADMISSION_ENV,
@@ -296,7 +297,13 @@ def _w3(eng: Any, p: dict[str, int], repeat: int) -> dict[str, Result]:
                 o.submit_sub(h_spin, a)
 
         reps = _one_run_per_rep(w, orch, repeat, lambda ns: efficiency_rep(n, us, ns), lambda: None)
-        return {"ours": ok(reps, api="Worker.run")}
+    # The same CPU work in bare processes, no engine (benchmarks/machine.py): the
+    # machine's own ceiling in this invocation.
+    floor = [efficiency_rep(n, us, w3_floor_ns(n, us, NUM_WORKERS)) for _ in range(repeat)]
+    return {
+        "ours": ok(reps, api="Worker.run"),
+        "ours_machine": ok(floor, api="bare processes (benchmarks/machine.py)"),
+    }
 
 
 def _w4(eng: Any, p: dict[str, int], repeat: int) -> dict[str, Result]:
