@@ -112,6 +112,29 @@ u64_obj(const char *f, Py_ssize_t off)
         (unsigned long long)__atomic_load_n(U64_AT(f, off), __ATOMIC_RELAXED));
 }
 
+/* The frame named by a (buf, frame_off) call of the reading functions below, with
+ * `view` held (the caller releases it); NULL with an error set. `format` names the
+ * function ("OO&:read_task"). */
+static const char *
+kw_frame(PyObject *args, PyObject *kwargs, const char *format, Py_buffer *view)
+{
+    static char *kwlist[] = {"buf", "frame_off", NULL};
+    PyObject *obj;
+    Py_ssize_t frame_off;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, kwlist, &obj, mb_conv_off,
+                                     &frame_off)) {
+        return NULL;
+    }
+    if (get_buf(obj, view) < 0) {
+        return NULL;
+    }
+    const char *f = frame_ptr(view, frame_off);
+    if (f == NULL) {
+        PyBuffer_Release(view);
+    }
+    return f;
+}
+
 /* The length of the args blob in the frame at `f` (descriptors, scalars and a values
  * section, if any); -1 with ValueError set when its header or values section is
  * malformed.  The caller has read the frame's state (acquire). */
@@ -154,21 +177,9 @@ task_blob_len(const char *f)
 PyObject *
 mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"buf", "frame_off", NULL};
-    PyObject *obj;
-    Py_ssize_t frame_off;
     Py_buffer view;
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:read_task", kwlist, &obj, mb_conv_off,
-                                     &frame_off)) {
-        return NULL;
-    }
-    if (get_buf(obj, &view) < 0) {
-        return NULL;
-    }
-    const char *f = frame_ptr(&view, frame_off);
+    const char *f = kw_frame(args, kwargs, "OO&:read_task", &view);
     if (f == NULL) {
-        PyBuffer_Release(&view);
         return NULL;
     }
     long long need = task_blob_len(f);
@@ -192,6 +203,30 @@ mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
     return mb_steal_tuple(10, items);
 }
 
+/* The task frame (not the base frame) named by a child_take / child_done call's first
+ * two arguments, with `view` held (the caller releases it); NULL with an error set. */
+static char *
+child_frame(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+            Py_buffer *view)
+{
+    Py_ssize_t frame_off;
+    if (!mb_check_nargs(name, nargs, want) || !mb_conv_off(args[1], &frame_off)) {
+        return NULL;
+    }
+    if (get_buf(args[0], view) < 0) {
+        return NULL;
+    }
+    char *f = frame_ptr(view, frame_off);
+    if (f != NULL && frame_off == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: the base frame carries no task", name);
+        f = NULL;
+    }
+    if (f == NULL) {
+        PyBuffer_Release(view);
+    }
+    return f;
+}
+
 /* child_take(buf, frame_off, /) -> (deadline_ms, digest, blob): what a SUB child reads
  * of the task it claimed, after storing its pick-up word (OFF_ACCEPTED = 1) first: the
  * deadline (the config's first word), the callable's digest and the args blob, as
@@ -199,20 +234,9 @@ mb_read_task(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
 PyObject *
 mb_child_take(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t frame_off;
-    if (!mb_check_nargs("child_take", nargs, 2) || !mb_conv_off(args[1], &frame_off)) {
-        return NULL;
-    }
     Py_buffer view;
-    if (get_buf(args[0], &view) < 0) {
-        return NULL;
-    }
-    char *f = frame_ptr(&view, frame_off);
-    if (f == NULL || frame_off == 0) {
-        if (f != NULL) {
-            PyErr_SetString(PyExc_ValueError, "child_take: the base frame carries no task");
-        }
-        PyBuffer_Release(&view);
+    char *f = child_frame("child_take", args, nargs, 2, &view);
+    if (f == NULL) {
         return NULL;
     }
     __atomic_store_n(I32_AT(f, OFF_ACCEPTED), 1, __ATOMIC_SEQ_CST);
@@ -237,20 +261,9 @@ mb_child_take(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 PyObject *
 mb_child_done(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t frame_off;
-    if (!mb_check_nargs("child_done", nargs, 3) || !mb_conv_off(args[1], &frame_off)) {
-        return NULL;
-    }
     Py_buffer view, bell;
-    if (get_buf(args[0], &view) < 0) {
-        return NULL;
-    }
-    char *f = frame_ptr(&view, frame_off);
-    if (f == NULL || frame_off == 0) {
-        if (f != NULL) {
-            PyErr_SetString(PyExc_ValueError, "child_done: the base frame carries no task");
-        }
-        PyBuffer_Release(&view);
+    char *f = child_frame("child_done", args, nargs, 3, &view);
+    if (f == NULL) {
         return NULL;
     }
     if (PyObject_GetBuffer(args[2], &bell, PyBUF_WRITABLE) < 0) {
@@ -278,21 +291,9 @@ mb_child_done(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 PyObject *
 mb_read_trailer(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"buf", "frame_off", NULL};
-    PyObject *obj;
-    Py_ssize_t frame_off;
     Py_buffer view;
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:read_trailer", kwlist, &obj, mb_conv_off,
-                                     &frame_off)) {
-        return NULL;
-    }
-    if (get_buf(obj, &view) < 0) {
-        return NULL;
-    }
-    const char *f = frame_ptr(&view, frame_off);
+    const char *f = kw_frame(args, kwargs, "OO&:read_trailer", &view);
     if (f == NULL) {
-        PyBuffer_Release(&view);
         return NULL;
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -385,21 +386,9 @@ out:
 PyObject *
 mb_read_result(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"buf", "frame_off", NULL};
-    PyObject *obj;
-    Py_ssize_t frame_off;
     Py_buffer view;
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO&:read_result", kwlist, &obj, mb_conv_off,
-                                     &frame_off)) {
-        return NULL;
-    }
-    if (get_buf(obj, &view) < 0) {
-        return NULL;
-    }
-    const char *f = frame_ptr(&view, frame_off);
+    const char *f = kw_frame(args, kwargs, "OO&:read_result", &view);
     if (f == NULL) {
-        PyBuffer_Release(&view);
         return NULL;
     }
     int32_t state = __atomic_load_n(I32_AT(f, OFF_STATE), __ATOMIC_ACQUIRE);
