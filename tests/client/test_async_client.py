@@ -266,7 +266,9 @@ def _serve(stand_in: FastStandIn, go: Callable[[], Coroutine[Any, Any, None]]) -
 
 
 def test_a_welcomed_connection_sends_submit_and_wait_frames(tmp_path: Path) -> None:
-    stand_in = FastStandIn(tmp_path / "d.fast.sock")
+    # The Welcome comes only after the first call was sent, so that call is a Call
+    # whatever the event loop's timing (a prompt Welcome may be read before it or not).
+    stand_in = FastStandIn(tmp_path / "d.fast.sock", late_welcome=True)
 
     async def go() -> None:
         transport = AsyncFastTransport(stand_in.path, "me")
@@ -289,6 +291,31 @@ def test_a_welcomed_connection_sends_submit_and_wait_frames(tmp_path: Path) -> N
         hello, submit = stand_in.frames[0], stand_in.frames[3]
         assert hello.upto == NATIVE_VERSION and hello.label == "me"
         assert submit.wait_seconds == 2.0 and submit.timeout == 10.0
+    finally:
+        stand_in.close()
+
+
+def test_a_welcome_read_before_the_first_call_makes_it_a_wait_frame(tmp_path: Path) -> None:
+    stand_in = FastStandIn(tmp_path / "d.fast.sock")
+
+    async def go() -> None:
+        transport = AsyncFastTransport(stand_in.path, "me")
+        try:
+            conn = await transport._connection()
+            for _ in range(2000):  # 10 s at most, for the prompt Welcome to be read
+                if conn.version >= NATIVE_VERSION:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                pytest.fail("the daemon's Welcome was never read")
+            first = await transport.unary("WaitRun", pb.WaitRunRequest(run_id=5), 10.0)
+            assert first.run_id == 5  # a Wait frame
+        finally:
+            await transport.close()
+
+    try:
+        asyncio.run(go())
+        assert stand_in.kinds() == [Hello, Wait]
     finally:
         stand_in.close()
 

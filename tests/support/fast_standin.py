@@ -39,13 +39,18 @@ __all__ = ["FastStandIn"]
 
 
 class FastStandIn:
-    """``welcome``: answer a Hello's ``upto`` as a version-2 daemon does."""
+    """``welcome``: answer a Hello's ``upto`` as a version-2 daemon does. ``late_welcome``:
+    hold that Welcome until the next frame arrives and send it just before that frame's
+    answer, as a daemon does whose Welcome the client had not read yet when it sent its
+    first call (without it, whether the first call goes out before the Welcome is read
+    depends on the event loop's timing)."""
 
     def __init__(
         self,
         path: Path,
         *,
         welcome: bool = True,
+        late_welcome: bool = False,
         hold: tuple[str, ...] = (),
         items: int = 0,
         item_bytes: int = 0,
@@ -56,6 +61,8 @@ class FastStandIn:
         self.connections = 0
         self.items_sent = 0
         self._welcome, self._hold = welcome, hold
+        self._late_welcome = late_welcome
+        self._welcome_held = False
         self._items, self._item_bytes = items, item_bytes
         self._read = read
         self._closing = threading.Event()
@@ -95,8 +102,14 @@ class FastStandIn:
         kind = type(frame)
         if kind is Hello:
             if self._welcome and frame.upto >= NATIVE_VERSION:
-                conn.sendall(encode(Welcome(NATIVE_VERSION)))
+                if self._late_welcome:
+                    self._welcome_held = True
+                else:
+                    conn.sendall(encode(Welcome(NATIVE_VERSION)))
             return
+        if self._welcome_held:
+            self._welcome_held = False
+            conn.sendall(encode(Welcome(NATIVE_VERSION)))
         if kind is Wait:
             if "WaitRun" not in self._hold:
                 status = pb.RunStatus(run_id=frame.run_id).SerializeToString()
