@@ -57,11 +57,19 @@ PUMP_CHAIN_S: Final = 0.0005
 #: children (tasks of 500 µs of CPU, say). A hit *rate*, not a mean latency: the rare slow
 #: completion of a loaded machine does not turn spinning off.
 PUMP_MIN_HIT_RATE: Final = 0.5
-#: A spinning call is a hit when it spun at most this long (s) per completion it caught.
+#: A spinning call is a hit when it took at most this much of the parent's CPU (s) per
+#: completion it caught. CPU, not wall time: the call yields the core between looks, so
+#: while the children keep every core busy (500 µs tasks on a 2-core machine) a long call
+#: costs little CPU per task, less than the park, wake-up and Python round per
+#: completion it saves; with an idle core to spin on, CPU is wall time, and a call that
+#: waited out long tasks is a miss.
 PUMP_HIT_S: Final = PUMP_SPIN_NS / 1e9
 #: While the pump does not spin, every this many calls spin once (a probe), so spinning
 #: comes back when tasks get short again: long tasks lose one spin per this many tasks.
 PUMP_PROBE_EVERY: Final = 32
+
+#: The calling thread's CPU clock (s): what a spinning call cost (a test may replace it).
+_thread_time = time.thread_time
 
 _SLOT: Final = 2
 _DID: Final = 3
@@ -327,11 +335,11 @@ class SubPump:
                             if running is None:
                                 running = []
                             running.append(fr)
-                started = time.monotonic()
+                started = _thread_time()
         self._count = _mb.sub_pump(
             states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH, self._queue_ok
         )
-        spent = time.monotonic() - started if spin_ns else 0.0
+        spent = _thread_time() - started if spin_ns else 0.0  # the parent's CPU
         caught = 0  # completions a spinning call waited for
         busy = False  # tasks in flight at the start or the end of the call
         queued = False  # a task waits in a queue frame after the call
@@ -412,10 +420,10 @@ class SubPump:
                 queued = True
                 lane.active, lane.staged = (d1, d0) if d1.dispatch_id < d0.dispatch_id else (d0, d1)
         if spin_ns and (caught or busy or running):
-            # A hit: the call spun at most PUMP_HIT_S per completion it caught (short
-            # tasks); a miss: it caught none, or long tasks that only happened to end while
-            # it spun (500 µs tasks would otherwise keep it spinning, taking a core from
-            # the children). A call that had nothing to wait for says nothing.
+            # A hit: the call took at most PUMP_HIT_S of CPU per completion it caught
+            # (short tasks, or a spin that yielded its core to busy children); a miss: it
+            # caught none, or it burned a core waiting for long tasks that only happened
+            # to end while it spun. A call that had nothing to wait for says nothing.
             hit = caught > 0 and spent <= caught * PUMP_HIT_S
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         self._queued = queued

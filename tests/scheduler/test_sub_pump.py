@@ -9,6 +9,7 @@ return values, a reload hold; and no Scheduler round per submitted task.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -23,6 +24,7 @@ from simpler_daemon.engine.orchestrator import Orchestrator
 from simpler_daemon.mailbox import _mailbox
 from simpler_daemon.scheduler.dispatch import SUBMIT_BATCH, Scheduler
 from simpler_daemon.scheduler.runmodel import SlotState
+from simpler_daemon.testing import child_pids
 from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,6 +57,13 @@ def crash_at(args: Any) -> None:
 
 def nap(args: Any) -> None:
     time.sleep(int(args.scalars[0]) / 1e6)
+
+
+def burn(args: Any) -> None:
+    """Burn scalars[0] µs of this thread's CPU (a CPU-bound task, W3's kind)."""
+    end = time.thread_time_ns() + int(args.scalars[0]) * 1000
+    while time.thread_time_ns() < end:
+        pass
 
 
 def empty(args: Any) -> None:
@@ -299,6 +308,42 @@ def wide_gate_worker(request: pytest.FixtureRequest) -> Iterator[Worker]:
         yield w
     finally:
         w.close()
+
+
+def test_a_spin_that_yields_its_core_to_busy_children_goes_on_spinning() -> None:
+    """The pump judges a spinning call by the CPU it took per completion it caught, not
+    by its wall time. Pinned with both children to one CPU, the parent's spin hands that
+    core to a child at every yield: a call that waits for 500 µs tasks takes little
+    CPU per task, so spinning stays on (the wall-time rule turned it off, and each task then
+    cost a park, a wake-up and a Python round of the parent's CPU, taken from the
+    children)."""
+    cpu = min(os.sched_getaffinity(0))
+    me = os.getpid()
+    tids = [int(t) for t in os.listdir(f"/proc/{me}/task")]
+    before = {tid: os.sched_getaffinity(tid) for tid in tids}
+    others = child_pids(me)
+    w = Worker(num_sub_workers=2)
+    try:
+        h = w.register(burn)
+        w.init()
+        pids = sorted(child_pids(me) - others)  # the worker's children
+        assert pids, "the worker forked no children"
+        threads = [int(t) for t in os.listdir(f"/proc/{me}/task")]
+        for pid in [*threads, *pids]:
+            os.sched_setaffinity(pid, {cpu})
+
+        def orch(o: Orchestrator, args: Any = None, config: Any = None) -> None:
+            for _ in range(1000):
+                o.submit_sub(h, targs(scalars=(500,)))
+
+        w.run(orch)
+        pump = sched(w)._pump
+        assert pump.hit_rate >= 0.5, f"the pump stopped spinning: hit rate {pump.hit_rate}"
+    finally:
+        w.close()
+        for tid, mask in before.items():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, mask)
 
 
 def test_pumped_tasks_feed_the_schedulers_spin_gate(
