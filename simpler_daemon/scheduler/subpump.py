@@ -57,18 +57,19 @@ PUMP_CHAIN_S: Final = 0.0005
 #: children (tasks of 500 µs of CPU, say). A hit *rate*, not a mean latency: the rare slow
 #: completion of a loaded machine does not turn spinning off.
 PUMP_MIN_HIT_RATE: Final = 0.5
-#: A spinning call is a hit when it took at most this much of the parent's CPU (s) per
-#: completion it caught. CPU, not wall time: the call yields the core between looks, so
+#: A spinning call is a hit when it took at most this long (s) per completion it caught,
+#: in wall time or else in the parent's CPU. The call yields the core between looks, so
 #: while the children keep every core busy (500 µs tasks on a 2-core machine) a long call
 #: costs little CPU per task, less than the park, wake-up and Python round per
 #: completion it saves; with an idle core to spin on, CPU is wall time, and a call that
-#: waited out long tasks is a miss.
+#: waited out long tasks is a miss. The CPU clock is a system call (wall time is not):
+#: it is read only after a call that wall time alone judged a miss.
 PUMP_HIT_S: Final = PUMP_SPIN_NS / 1e9
 #: While the pump does not spin, every this many calls spin once (a probe), so spinning
 #: comes back when tasks get short again: long tasks lose one spin per this many tasks.
 PUMP_PROBE_EVERY: Final = 32
 
-#: The calling thread's CPU clock (s): what a spinning call cost (a test may replace it).
+#: The calling thread's CPU clock (s): what a long spinning call cost.
 _thread_time = time.thread_time
 
 _SLOT: Final = 2
@@ -169,6 +170,7 @@ class SubPump:
     lane on every round, and a Python call each cost more than the step."""
 
     __slots__ = (
+        "_by_cpu",
         "_calls",
         "_count",
         "_events",
@@ -193,6 +195,8 @@ class SubPump:
         #: Smoothed share of spinning calls that ended with nothing in flight or saw a
         #: task finish (``PUMP_MIN_HIT_RATE``): whether the next call spins.
         self.hit_rate = 1.0
+        #: The last judged call was long in wall time: the next is timed in CPU too.
+        self._by_cpu = False
         self._calls = 0
         #: Every SUB lane is in this call (``select``): only then may a task be queued
         #: behind a busy child, since none the pump cannot see is free for it.
@@ -320,7 +324,7 @@ class SubPump:
         #: Lanes whose task was still running as a spinning call started: its end within
         #: the call is one the spin caught (one that had ended before is not).
         running: list[_Frame] | None = None
-        started = 0.0
+        started = cpu = spent = 0.0
         if spin:
             self._calls += 1
             if self.hit_rate >= PUMP_MIN_HIT_RATE or self._calls % PUMP_PROBE_EVERY == 0:
@@ -335,11 +339,16 @@ class SubPump:
                             if running is None:
                                 running = []
                             running.append(fr)
-                started = _thread_time()
+                started = time.monotonic()
+                if self._by_cpu:
+                    cpu = _thread_time()
         self._count = _mb.sub_pump(
             states, queue, _READY, published, spin_ns, PUMP_MAX_PUBLISH, self._queue_ok
         )
-        spent = _thread_time() - started if spin_ns else 0.0  # the parent's CPU
+        if spin_ns:
+            spent = time.monotonic() - started
+            if self._by_cpu:
+                cpu = _thread_time() - cpu  # the parent's CPU
         caught = 0  # completions a spinning call waited for
         busy = False  # tasks in flight at the start or the end of the call
         queued = False  # a task waits in a queue frame after the call
@@ -420,11 +429,19 @@ class SubPump:
                 queued = True
                 lane.active, lane.staged = (d1, d0) if d1.dispatch_id < d0.dispatch_id else (d0, d1)
         if spin_ns and (caught or busy or running):
-            # A hit: the call took at most PUMP_HIT_S of CPU per completion it caught
-            # (short tasks, or a spin that yielded its core to busy children); a miss: it
-            # caught none, or it burned a core waiting for long tasks that only happened
-            # to end while it spun. A call that had nothing to wait for says nothing.
-            hit = caught > 0 and spent <= caught * PUMP_HIT_S
+            # A hit: the call took at most PUMP_HIT_S per completion it caught, of wall
+            # time (short tasks) or of CPU (a spin that yielded its core to busy
+            # children); a miss: it caught none, or it burned a core waiting for long
+            # tasks that only happened to end while it spun. A call that had nothing to
+            # wait for says nothing. A call long in wall time has the next one timed in
+            # CPU as well (the first such call of a streak counts as a miss).
+            if caught:
+                bound = caught * PUMP_HIT_S
+                long = spent > bound
+                hit = not long or (self._by_cpu and cpu <= bound)
+                self._by_cpu = long
+            else:
+                hit = False
             self.hit_rate += 0.125 * ((1.0 if hit else 0.0) - self.hit_rate)
         self._queued = queued
         self._room = room
