@@ -15,6 +15,7 @@ setup(
                 "simpler_daemon/mailbox/_mailbox_frame.c",
                 "simpler_daemon/mailbox/_mailbox_process.c",
                 "simpler_daemon/mailbox/_mailbox_pump.c",
+                "simpler_daemon/mailbox/_mailbox_gc.c",
             ],
             depends=["simpler_daemon/mailbox/_mailbox.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],

@@ -36,6 +36,7 @@ from simpler_daemon.scheduler.runmodel import (
     TaskKind,
     TaskRef,
     TaskSlot,
+    untrack_slot,
 )
 from simpler_daemon.scheduler.sink import RemoteTensors, SubmitSink
 from simpler_daemon.scheduler.tensormap import TensorMap, overlaps, region
@@ -143,6 +144,7 @@ class Orchestrator:
                 (),
             )
             run.slots.append(slot)
+            untrack_slot(slot)  # until the run ends (Run.end)
             run.remaining += 1
             sink.add_slot(slot)
             ref = _new_int(TaskRef, slot.index)

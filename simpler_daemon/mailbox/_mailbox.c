@@ -16,8 +16,9 @@
  * The sources: _mailbox.h (layout, inline helpers, declarations),
  * _mailbox_args.c (argument converters), _mailbox_atomics.c (atomics, futex),
  * _mailbox_wait.c (spin / park), _mailbox_frame.c (frame access),
- * _mailbox_process.c (process controls), _mailbox_pump.c (the SUB pump) and this
- * file (the method table and module init).
+ * _mailbox_process.c (process controls), _mailbox_pump.c (the SUB pump),
+ * _mailbox_gc.c (the collector's tracking of task records) and this file (the
+ * method table and module init).
  */
 #include "_mailbox.h"
 
@@ -85,6 +86,12 @@ static PyMethodDef mailbox_methods[] = {
              "-> int: the per-task loop of SUB lanes over one ready queue (poll, complete, "
              "publish the next; queue a task behind a busy child only with queue_frames); "
              "returns how many slots it published."),
+    {"gc_untrack", mb_gc_untrack, METH_O,
+     "gc_untrack(obj, /) -> None: take obj off the cyclic collector's lists (no-op when "
+     "untracked or not a collector type)."},
+    {"gc_track_all", mb_gc_track_all, METH_O,
+     "gc_track_all(objs, /) -> None: put every untracked collector object of the list "
+     "objs back on the collector's lists."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -320,6 +320,10 @@ PyObject *mb_write_bytes(PyObject *m, PyObject *args, PyObject *kwargs);
 PyObject *mb_set_pdeathsig(PyObject *m, PyObject *arg);
 PyObject *mb_fork_sibling(PyObject *m, PyObject *arg);
 
+/* _mailbox_gc.c */
+PyObject *mb_gc_untrack(PyObject *m, PyObject *obj);
+PyObject *mb_gc_track_all(PyObject *m, PyObject *seq);
+
 /* _mailbox_pump.c */
 PyObject *mb_sub_pump(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* Interns the attribute names the pump reads; called from the module's exec slot. */

@@ -155,6 +155,14 @@ def write_bytes(buf: WriteableBuffer, off: int, data: ReadableBuffer) -> None: .
 def set_pdeathsig(signum: int, /) -> None: ...
 def fork_sibling() -> int: ...
 
+# --- the cyclic collector ----------------------------------------------------
+
+def gc_untrack(obj: object, /) -> None:
+    """Take ``obj`` off the cyclic collector's lists (no-op when it is not on them)."""
+
+def gc_track_all(objs: list[Any], /) -> None:
+    """Put every collector object of ``objs`` that is off its lists back on them."""
+
 # --- SUB fast loop ---------------------------------------------------------
 
 def child_take(buf: WriteableBuffer, frame_off: int, /) -> tuple[int, bytes, bytes]:

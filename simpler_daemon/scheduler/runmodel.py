@@ -34,6 +34,7 @@ from simpler_daemon.args import CallConfig
 from simpler_daemon.callables import CallableHandle
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.errors import RunCancelled, TaskError, WorkerClosedError
+from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.scheduler.tensormap import TensorMap
 
 if TYPE_CHECKING:
@@ -97,6 +98,13 @@ PUMP_SLOT_FIELDS: Final = (
     "lease_slot",
     "lease_generation",
 )
+
+
+#: Take a slot of a run in flight off the cyclic collector's lists (``Run.end`` puts it
+#: back). Its run holds it until then, so the collector would only walk it: every 700
+#: slots a pass, and a 20,000-task run's slots all promoted to the oldest generation,
+#: whose full pass walks the whole heap (16 ms of a W2 run's 100 on a 2-vCPU VM).
+untrack_slot: Final = _mb.gc_untrack
 
 
 class TaskSlot:
@@ -283,9 +291,14 @@ class Run:
         self.trace: RunTrace | None = None
 
     def end(self, state: RunState) -> None:
-        """Make the run terminal: ``state`` is COMPLETED or FAILED."""
+        """Make the run terminal: ``state`` is COMPLETED or FAILED.
+
+        The slots the collector was not tracking (``untrack_slot``) go back on its
+        lists: once the run is dropped, its cycles through them are found."""
         self.state = state
         self.terminal = True
+        if self.slots:
+            _mb.gc_track_all(self.slots)
 
     def add_done_callback(self, fn: Callable[[Run], None]) -> None:
         if self.terminal:
