@@ -28,6 +28,7 @@ from simpler_daemon import CallConfig, RunCancelled, Tag, Worker
 from simpler_daemon.endpoints.local import LocalMailboxEndpoint
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.layout import OFF_STATE, MailboxState
+from simpler_daemon.scheduler.runmodel import SlotState
 from simpler_daemon.scheduler.subpump import SubPump
 from simpler_daemon.testing import poll_for
 from tests.support import sub_tasks
@@ -304,13 +305,19 @@ def test_a_round_that_leaves_every_frame_busy_makes_one_pump_call(
     """Under fifo a driver round chains pump calls while the queue's head is ready, so a
     dependency chain's next task goes out in the same round. When the call left every
     frame busy and calls do not spin (long tasks), a second call could only poll the
-    frames: the round makes one (500 µs tasks paid ~20 µs of parent CPU each for it)."""
+    frames: the round makes one (500 µs tasks paid ~20 µs of parent CPU each for it).
+
+    Counted for the drive call that published task 4 (the refill of the queue frame
+    task 0's child took task 2 from), with the counting in place before the run starts:
+    patched later, a drive call already under way when task 0 ended could publish it
+    unseen (a flaky test: CI of 2026-12-03)."""
     w = Worker(num_sub_workers=2, heap_bytes=4 << 20)
     w.register(sub_tasks.wait_flag)
     w.init()
     r = Rig(w)
-    per_drive: list[int] = []
+    refills: list[int] = []  # round calls of the drive call that published task 4
     calls = [0]
+    slots: list[Any] = []
     real_round, real_drive = SubPump.round, SubPump.drive
 
     def counted_round(self: SubPump, *a: Any, **k: Any) -> bool:
@@ -320,21 +327,23 @@ def test_a_round_that_leaves_every_frame_busy_makes_one_pump_call(
     def counted_drive(self: SubPump, *a: Any, **k: Any) -> bool:
         calls[0] = 0
         self.hit_rate = 0.0  # long tasks: the pump does not spin
+        waiting = len(slots) > 4 and slots[4].state is SlotState.READY
         did = real_drive(self, *a, **k)
-        if did:
-            per_drive.append(calls[0])
+        if waiting and slots[4].state is not SlotState.READY:
+            refills.append(calls[0])
         return did
 
+    monkeypatch.setattr(SubPump, "round", counted_round)
+    monkeypatch.setattr(SubPump, "drive", counted_drive)
     try:
         run = r.submit(*range(7))  # two run, two wait queued, three wait in the queue
+        slots[:] = run.run.slots
         poll_for(lambda: int(r.pids[0]) and int(r.pids[1]), SOON_S, message="never started")
         poll_for(lambda: all(ln.staged is not None for ln in r.lanes()), SOON_S, message="no queue")
-        monkeypatch.setattr(SubPump, "round", counted_round)
-        monkeypatch.setattr(SubPump, "drive", counted_drive)
+        assert len(slots) == 7 and slots[4].state is SlotState.READY
         r.release(0)  # its child starts a queued task; the round refills the frame
-        poll_for(lambda: int(r.pids[4]) or per_drive, SOON_S, message="no round refilled")
-        poll_for(lambda: per_drive, SOON_S, message="no round did anything")
-        assert per_drive[0] == 1, per_drive
+        poll_for(lambda: slots[4].state is not SlotState.READY, SOON_S, message="no round refilled")
+        assert refills == [1], f"task 4 was published by {refills} (round calls per drive)"
         monkeypatch.undo()
         r.flags[:] = 1
         run.result(timeout=SOON_S)
