@@ -41,6 +41,17 @@ def worker() -> Iterator[Worker]:
         w.close()
 
 
+def put_back(handle: Any, count: int | None = None) -> weakref.ref[Run]:
+    """Check that every slot of ``handle``'s ended run is tracked again (``count`` of
+    them when given); a weak reference to the run, for ``assert_collected`` once the
+    caller dropped ``handle``."""
+    run = handle.run
+    assert run.slots and all(gc.is_tracked(s) for s in run.slots)
+    if count is not None:
+        assert len(run.slots) == count
+    return weakref.ref(run)
+
+
 def assert_collected(ref: weakref.ref[Run]) -> None:
     gc.collect()
     run = ref()
@@ -65,10 +76,8 @@ def test_a_completed_runs_slots_are_tracked_again_and_the_run_is_collected(
     handle = worker.submit(orch)
     handle.result(timeout=60)
     assert seen == [False], "a queued slot was on the collector's lists"
-    run = handle.run
-    assert len(run.slots) == 500 and all(gc.is_tracked(s) for s in run.slots)
-    ref = weakref.ref(run)
-    del run, handle
+    ref = put_back(handle, 500)
+    del handle
     assert_collected(ref)
 
 
@@ -84,10 +93,8 @@ def test_a_failed_orchestration_puts_the_slots_it_made_back(worker: Worker) -> N
     handle = worker.submit(orch)
     with pytest.raises(RuntimeError, match="half way"):
         handle.result(timeout=60)
-    run = handle.run
-    assert len(run.slots) == 300 and all(gc.is_tracked(s) for s in run.slots)
-    ref = weakref.ref(run)
-    del run, handle
+    ref = put_back(handle, 300)
+    del handle
     assert_collected(ref)
 
 
@@ -103,10 +110,8 @@ def test_a_cancelled_run_puts_its_unstarted_slots_back(worker: Worker) -> None:
     assert handle.cancel()
     with pytest.raises(RunCancelled):
         handle.result(timeout=60)
-    run = handle.run
-    assert run.slots and all(gc.is_tracked(s) for s in run.slots)
-    ref = weakref.ref(run)
-    del run, handle
+    ref = put_back(handle)
+    del handle
     assert_collected(ref)
 
 
@@ -129,10 +134,8 @@ def test_a_run_cut_off_by_the_workers_close_puts_its_slots_back() -> None:
         w.close(timeout=0)
     with pytest.raises((RunCancelled, WorkerClosedError)):
         handle.result(timeout=60)
-    run = handle.run
-    assert run.slots and all(gc.is_tracked(s) for s in run.slots)
-    ref = weakref.ref(run)
-    del run, handle
+    ref = put_back(handle)
+    del handle
     assert_collected(ref)
 
 
