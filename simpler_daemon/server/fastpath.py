@@ -63,6 +63,7 @@ from simpler_daemon.protocol.fastwire import (
     frame_limit,
 )
 from simpler_daemon.server.decoding import tolerant
+from simpler_daemon.server.eager import start_eagerly
 from simpler_daemon.server.fastcontext import Deferred, FastAbort, FastContext
 from simpler_daemon.server.peers import peer_credentials
 from simpler_daemon.system.localtrust import bind_private_listener
@@ -476,7 +477,7 @@ class _Connection(asyncio.Protocol):
             return
         name, handler = self._server.native[type(frame)]
         call = _Call(frame.id)
-        self._launch(call, self._run_unary(call, name, handler, frame), frame.timeout)
+        self._launch_eagerly(call, self._run_unary(call, name, handler, frame), frame.timeout)
 
     def _launch(self, call: _Call, coro: Any, timeout: float | None) -> None:
         self._calls[call.id] = call
@@ -484,9 +485,19 @@ class _Connection(asyncio.Protocol):
         if timeout is not None:
             call.deadline = loop.time() + timeout
             self._server.watch_deadlines()
-        # A task per call, even for handlers that never wait: they may use what needs
-        # a current task (asyncio.timeout, locks), as under grpc.aio.
         call.task = loop.create_task(coro)
+
+    def _launch_eagerly(self, call: _Call, coro: Any, timeout: float | None) -> None:
+        """``_launch`` for a run's Submit or Wait frame: the handler starts in this turn
+        and gets a task only once it waits (see :mod:`simpler_daemon.server.eager`).
+        A deferred answer has set ``call.task`` by then (the future standing for it)."""
+        self._calls[call.id] = call
+        if timeout is not None:
+            call.deadline = self._loop.time() + timeout
+            self._server.watch_deadlines()
+        task = start_eagerly(self._loop, coro)
+        if task is not None:
+            call.task = task
 
     def expire(self, now: float) -> None:
         """Cancel the calls whose deadline passed: they answer DEADLINE_EXCEEDED. Drop
