@@ -168,8 +168,16 @@ class Scheduler(ProgressLoop):
                         )
                 if go:
                     self._pump_spin = False
+                    if self._wake is not None:
+                        # The wake below resolves the parked coroutine's future in this
+                        # call: a child that ends what this round publishes need not
+                        # ring the eventfd (a system call on both sides, one more round).
+                        self.doorbell.unpark()
                     try:
                         self.round()
+                    except BaseException:
+                        self.wake()  # not left parked without the flag
+                        raise
                     finally:
                         self._pump_spin = True
                 self._unrounded += 1
@@ -178,6 +186,7 @@ class Scheduler(ProgressLoop):
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)
+            self.doorbell.unpark()  # as ``wake()``
 
     # -- lane callbacks -----------------------------------------------------------------------------
 

@@ -62,6 +62,15 @@ class ProgressLoop(RunCompletion):
                 return True
         return False
 
+    def quiet(self) -> bool:
+        """Nothing to look at again: no task in flight on any lane and no run admitted
+        or waiting (a one-task run the round just ended). Not ``busy`` alone: a run
+        still admitted may have a task made ready that this round left queued."""
+        if self.busy():  # every lane, those whose completions come on a socket too
+            return False
+        admission = self.admission
+        return not (admission.active or admission.waiting or admission.detached)
+
     def spin_budget(self) -> float:
         """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
         they typically run longer than that (spinning would only steal a core from them),
@@ -186,9 +195,17 @@ class ProgressLoop(RunCompletion):
                 self._poked = False
                 if self.round():
                     last_progress = time.monotonic()
-                    if doorbell.completed() != seen or self._poked:
+                    if self._poked:
                         await asyncio.sleep(0)
                         continue
+                    if doorbell.completed() != seen:
+                        if not self.quiet():
+                            await asyncio.sleep(0)
+                            continue
+                        # The round ended the last run and nothing is in flight: the word
+                        # moved for what it completed, and no child can move it again
+                        # before a new task is published (and a submit pokes).
+                        seen = doorbell.completed()
                 spin_s = self.spin_budget()
                 if self.busy() and time.monotonic() - last_progress < spin_s:
                     # Watch the one word every child bumps until a child announces a

@@ -126,6 +126,10 @@ class SchedulerState:
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)
+            # Awake from now on: a child that ends a task meanwhile need not ring the
+            # eventfd (the coroutine's next round sees it; a ring would cost both sides a
+            # system call and this loop one more round).
+            self.doorbell.unpark()
 
     # -- SubmitSink ------------------------------------------------------------------------------
 
