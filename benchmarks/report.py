@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import baseline, calls
+from benchmarks import baseline, calls, daemon_calls
 from benchmarks.workloads import (
     LABELS,
     PENDING_TARGETS,
@@ -701,7 +701,8 @@ def write(doc: Doc, out: Path) -> tuple[Path, Path, list[Path]]:
     md = markdown(doc)
     json_path, md_path = out / f"{stamp}.json", out / f"{stamp}.md"
     pngs = charts(doc, out, stamp)
-    tops = calls.write_top(doc, out, stamp)  # W1's Python calls per function
+    # W1's Python calls per function, and the daemon's per fast-path run (W6)
+    tops = [*calls.write_top(doc, out, stamp), *daemon_calls.write_top(doc, out, stamp)]
     doc["files"] = [p.name for p in (json_path, md_path, *pngs, *tops)]
     _write_atomic(json_path, json.dumps(doc, indent=1, default=str) + "\n")
     _write_atomic(md_path, md)

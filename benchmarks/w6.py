@@ -70,11 +70,18 @@ max_tasks_per_run = {max(n2, 100_000)}
 
 
 @contextlib.contextmanager
-def serve(directory: Path, config_text: str, env: dict[str, str], who: str) -> Iterator[int]:
+def serve(
+    directory: Path,
+    config_text: str,
+    env: dict[str, str],
+    who: str,
+    module: str = "simpler_daemon.server.main",
+) -> Iterator[int]:
     """A ``simpler-daemon serve`` subprocess with ``config_text`` as its configuration
     (written to ``directory``/daemon.toml) and ``env`` as its environment; yields its pid
     once it said READY=1, SIGTERMs it after (SIGKILL past STOP_TIMEOUT). ``who`` names
-    the benchmark in the line printed when the daemon exits with a non-zero status."""
+    the benchmark in the line printed when the daemon exits with a non-zero status;
+    ``module``: what ``python -m`` runs (one whose ``main`` ends in the daemon's)."""
     config = directory / "daemon.toml"
     config.write_text(config_text)
     notify_path = str(directory / "notify.sock")
@@ -83,7 +90,7 @@ def serve(directory: Path, config_text: str, env: dict[str, str], who: str) -> I
     notify.settimeout(0.1)
     err = open(directory / "stderr.txt", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "simpler_daemon.server.main", "serve", "--config", str(config)],
+        [sys.executable, "-m", module, "serve", "--config", str(config)],
         env=dict(env, NOTIFY_SOCKET=notify_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

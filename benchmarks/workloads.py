@@ -124,6 +124,24 @@ W1_CALLS = (
     ),
 )
 
+# W6's count of the daemon's calls per fast-path W1 run (benchmarks/daemon_calls.py).
+W6_CALLS = (
+    Metric(
+        "py_calls",
+        "W1 daemon Python calls per run",
+        "",
+        higher_is_better=False,
+        variants=("ours_fast_calls",),
+    ),
+    Metric(
+        "c_calls",
+        "W1 daemon C calls per run",
+        "",
+        higher_is_better=False,
+        variants=("ours_fast_calls",),
+    ),
+)
+
 # W7: blocking run, run_async, the bare session round trip (the L3 orchestration submits
 # nothing), and 4 remote workers with one task each per run (see benchmarks/w7.py).
 W7_VARIANTS = ("ours", "ours_async", "ours_bare", "ours_x4")
@@ -236,17 +254,27 @@ WORKLOADS: dict[str, Workload] = {
             "W1 and W2 through the daemon's API from a separate client process, over gRPC "
             "and over the local fast path; GetInfo is the bare transport round trip",
             (
-                Metric("median_us", "W1 median µs", "µs", higher_is_better=False),
-                Metric("p99_us", "W1 p99 µs", "µs", higher_is_better=False),
-                Metric("tasks_per_s", "W2 tasks/s", "tasks/s", higher_is_better=True),
-                Metric("info_us", "GetInfo median µs", "µs", higher_is_better=False),
-                Metric("daemon_cpu_us", "W1 daemon CPU µs/run", "µs", higher_is_better=False),
+                *(
+                    replace(m, exclude=("ours_fast_calls",))
+                    for m in (
+                        Metric("median_us", "W1 median µs", "µs", higher_is_better=False),
+                        Metric("p99_us", "W1 p99 µs", "µs", higher_is_better=False),
+                        Metric("tasks_per_s", "W2 tasks/s", "tasks/s", higher_is_better=True),
+                        Metric("info_us", "GetInfo median µs", "µs", higher_is_better=False),
+                        Metric(
+                            "daemon_cpu_us", "W1 daemon CPU µs/run", "µs", higher_is_better=False
+                        ),
+                    )
+                ),
+                *W6_CALLS,
             ),
-            full={"n1": 2000, "n2": 20000},
-            smoke={"n1": 200, "n2": 2000},
+            full={"n1": 2000, "n2": 20000, "calls_warm": 200, "calls_runs": 200},
+            smoke={"n1": 200, "n2": 2000, "calls_warm": 50, "calls_runs": 50},
             peers=(),
             na_reason="daemon API; the targets use Ray's W1 and our W1/W2 of this invocation",
-            ours_variants=("ours_grpc", "ours_fast"),
+            # ours_fast_calls: the daemon's Python calls per fast-path W1 run
+            # (benchmarks/daemon_calls.py), no timing.
+            ours_variants=("ours_grpc", "ours_fast", "ours_fast_calls"),
         ),
         Workload(
             "W7",
@@ -575,6 +603,7 @@ VARIANT_TAGS: dict[str, str] = {
     "ours_grpc": "gRPC",
     "ours_fast": "fast",
     "ours_calls": "sys.setprofile, run",
+    "ours_fast_calls": "fast, sys.setprofile in the daemon",
     "ours_machine": "machine floor: bare processes, no engine",
 }
 
@@ -595,6 +624,7 @@ LABELS: dict[str, str] = {
     "ours_grpc": "ours (gRPC)",
     "ours_fast": "ours (fast path)",
     "ours_calls": "ours (calls counted)",
+    "ours_fast_calls": "ours (fast path, the daemon's calls counted)",
     "ours_machine": "machine floor (bare processes)",
     "mp": "mp.Pool",
     "ppe": "ProcessPoolExecutor",
