@@ -168,11 +168,8 @@ class Scheduler(ProgressLoop):
                         )
                 if go:
                     self._pump_spin = False
-                    if self._wake is not None:
-                        # The wake below resolves the parked coroutine's future in this
-                        # call: a child that ends what this round publishes need not
-                        # ring the eventfd (a system call on both sides, one more round).
-                        self.doorbell.unpark()
+                    if self._wake is not None:  # the wake below is in this call: a child
+                        self.doorbell.unpark()  # ending this round's task need not ring
                     try:
                         self.round()
                     except BaseException:

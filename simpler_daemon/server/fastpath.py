@@ -477,25 +477,18 @@ class _Connection(asyncio.Protocol):
             return
         name, handler = self._server.native[type(frame)]
         call = _Call(frame.id)
-        self._launch_eagerly(call, self._run_unary(call, name, handler, frame), frame.timeout)
+        self._launch(call, self._run_unary(call, name, handler, frame), frame.timeout, True)
 
-    def _launch(self, call: _Call, coro: Any, timeout: float | None) -> None:
+    def _launch(self, call: _Call, coro: Any, timeout: float | None, eager: bool = False) -> None:
+        """Run ``call``'s handler in a task; ``eager`` (a run's Submit or Wait frame): it
+        starts in this turn and gets a task only once it waits (server/eager.py); a
+        deferred answer has set ``call.task`` by then (the future standing for it)."""
         self._calls[call.id] = call
         loop = self._loop
         if timeout is not None:
             call.deadline = loop.time() + timeout
             self._server.watch_deadlines()
-        call.task = loop.create_task(coro)
-
-    def _launch_eagerly(self, call: _Call, coro: Any, timeout: float | None) -> None:
-        """``_launch`` for a run's Submit or Wait frame: the handler starts in this turn
-        and gets a task only once it waits (see :mod:`simpler_daemon.server.eager`).
-        A deferred answer has set ``call.task`` by then (the future standing for it)."""
-        self._calls[call.id] = call
-        if timeout is not None:
-            call.deadline = self._loop.time() + timeout
-            self._server.watch_deadlines()
-        task = start_eagerly(self._loop, coro)
+        task = start_eagerly(loop, coro) if eager else loop.create_task(coro)
         if task is not None:
             call.task = task
 
