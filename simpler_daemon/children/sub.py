@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
@@ -95,23 +94,6 @@ _ARGS_END = len(_EMPTY_BLOB)
 
 class DeadlineExceeded(Exception):
     """Raised inside a task that ran past its ``CallConfig.deadline_ms``."""
-
-
-#: A child waits for its next task up to this many times ``spin_ns`` when its tasks
-#: come steadily that much later after the last one ended (see ``MailboxLoop.run``).
-SPIN_STRETCH: Final = 4
-
-
-def stretched_spin(gap_ns: int, spin_ns: int) -> int:
-    """How long a child spins for its next task, given the smoothed gap between its
-    tasks. Tasks that come steadily a little later than ``spin_ns`` after the last one
-    ended (a caller whose own work between runs takes longer) are waited for a half
-    again as long as they usually take, up to SPIN_STRETCH times ``spin_ns``: the child
-    is then still spinning when the next one comes, and the parent pays no futex
-    wake-up for it. Shorter gaps, longer ones (spinning through them would only burn
-    the core) and ``spin_ns`` 0 (no spin configured) keep ``spin_ns``."""
-    want = gap_ns + (gap_ns >> 1)
-    return want if 0 < spin_ns < want <= spin_ns * SPIN_STRETCH else spin_ns
 
 
 @dataclass
@@ -278,11 +260,6 @@ class MailboxLoop:
         else:
             watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
         spin_ns = spin = self.ctx.spin_ns
-        longest = spin_ns * SPIN_STRETCH
-        # The smoothed gap from the end of one task to the claim of the next (ns); its
-        # last sample is taken when a task is picked up (``ended``: when the last ended).
-        gap = ended = 0
-        clock = time.monotonic_ns
         park = self.ctx.park_timeout
         parent = self.ctx.parent_pid
         load32 = _mb.load32
@@ -301,13 +278,10 @@ class MailboxLoop:
                 s1 = load32(buf, f1)
                 got = claim(buf, self.hold)  # pick and claim, in C: once per task
                 if got > 0:
-                    if ended:
-                        gap += (min(clock() - ended, longest << 1) - gap) >> 3
                     self.frame = got
                     self.plain = False
                     self.run_task()
                     self.hold = 0 if self.plain else got
-                    ended = clock()
                     continue
                 if got == 0:
                     self.hold = 0
@@ -315,10 +289,7 @@ class MailboxLoop:
             else:
                 st = load32(buf, frame)
                 if st == TASK_READY:
-                    if ended:
-                        gap += (min(clock() - ended, longest << 1) - gap) >> 3
                     self.run_task()
-                    ended = clock()
                     continue
                 expected = (bst, st, 0)
             if bst == CONTROL_REQUEST:
@@ -330,12 +301,11 @@ class MailboxLoop:
                 # timed-out park must not spin again (with child_spin_us at its maximum
                 # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
                 spin = 0
-                ended = 0  # an idle spell is no gap between tasks
                 if parent and os.getppid() != parent:
                     return 0
                 self.on_idle()
             else:
-                spin = stretched_spin(gap, spin_ns)
+                spin = spin_ns
         self.shutdown()
         return 0
 

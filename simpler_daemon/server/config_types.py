@@ -306,8 +306,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """How long (µs) a SUB worker spins for its next task after one ends, before it
     parks on its futex (0 = park at once): a task arriving within it skips a wake-up; it
     costs up to this much CPU per task, none while idle (the Worker's child_spin_ns).
-    While tasks come steadily a little later than that, the worker spins 1.5 times their
-    usual gap, up to 4 times this (docs/mailbox.md, Wake-ups).
     Both spins are read at start: a change needs a restart."""
     sub_queue_depth: int = 2
     """Tasks a SUB worker holds: 2 queues the next task in a second mailbox frame while
