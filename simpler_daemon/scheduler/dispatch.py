@@ -10,10 +10,9 @@ Each round (the SUB lanes of the run that may dispatch go through the C fast loo
                                                            singles on their exact target,
                                                            SUB tasks on idle SUB workers)
 
-The parts, one concept per module (the package docstring has the map):
-``state.py`` (queues, admission, counters), ``completion.py`` (what happens when
-tasks and runs end), ``progress.py`` (the coroutine, wake-ups, dead lanes) and this
-module (the dispatch rules and one round).
+The parts (the package docstring has the map): ``state.py`` (queues, admission,
+counters), ``completion.py`` (what happens when tasks and runs end), ``progress.py``
+(the coroutine, wake-ups, dead lanes) and this module (dispatch rules, one round).
 
 Under ``fifo`` admission only the partition of the run at the head of admission
 is dispatched; under ``fair`` every admitted run's partition is, each idle
@@ -50,9 +49,8 @@ log = logging.getLogger("simpler_daemon.scheduler")
 
 #: A group head blocked this long while a reserved target idles with queued singles warns.
 STALL_WARNING_S = 5.0
-#: While an orchestration submits SUB tasks and no SUB worker is idle, a round runs
-#: once per this many submits, not per submit (a one-task run still starts at once):
-#: the rest is dispatched in bulk once the orchestration yields.
+#: While an orchestration submits SUB tasks and no SUB worker is idle, a round runs once
+#: per this many submits (a one-task run still starts at once; the rest goes in bulk).
 SUBMIT_BATCH = 32
 #: A SUB submit that sees a finished child runs a round only this long after the last
 #: one: a slow orchestration keeps its workers busy, a fast one is not slowed.
@@ -156,7 +154,9 @@ class Scheduler(ProgressLoop):
                             and not lane.stopping
                             and not lane.endpoint.poisoned
                         ):
-                            go = True
+                            # A plan submitted back to back: every other submit, so
+                            # the round gives the worker a task and queues the next.
+                            go = not run.bulk_submits or self._unrounded >= 2
                             break
                     else:
                         # a child finished since the last round (its lane is free for the

@@ -289,6 +289,10 @@ class Run:
         self.kept_slots: dict[int, TaskSlot] = {}
         #: The run's task attempts when its Worker traces (``scheduler/trace.py``).
         self.trace: RunTrace | None = None
+        #: Its orchestration submits a known plan back to back (the daemon's SubmitRun
+        #: of more than a few tasks): a submit at an idle SUB worker dispatches every
+        #: other time only, so each of those rounds hands it two (see ``add_slot``).
+        self.bulk_submits = False
 
     def end(self, state: RunState) -> None:
         """Make the run terminal: ``state`` is COMPLETED or FAILED.

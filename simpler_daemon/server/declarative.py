@@ -51,6 +51,7 @@ def declarative(
 
     async def orch(o: Any, _args: Any, _config: Any) -> None:
         bind(o.run)
+        o.run.bulk_submits = True  # the Scheduler may dispatch them two at a time
         slicer = Slicer()
         try:
             for i, p in enumerate(plan):

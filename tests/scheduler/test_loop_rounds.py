@@ -1,4 +1,6 @@
-"""The loop-bound Scheduler's park, around a one-task run (the daemon's common case).
+"""The loop-bound Scheduler's rounds and park, around the daemon's common runs.
+
+Around a one-task run:
 
 * A submit on the loop that wakes the parked coroutine clears the doorbell's
   ``parked`` flag in the same call, before the child can end the task it published:
@@ -7,6 +9,9 @@
 * The round that ends the last run is followed by the park, not by one more round
   (nothing is in flight and no run is admitted: nothing can have moved since, but for
   a child's late bump of the doorbell word, see the test).
+
+And a plan submitted back to back (``Run.bulk_submits``, the daemon's SubmitRun of
+more than a few tasks) dispatches at every other submit that finds a worker idle.
 
 Real SUB children on the running loop; the order is shown by the Scheduler's own
 state and counters, read between steps of the loop, never by timing.
@@ -25,6 +30,7 @@ from simpler_daemon import CallableHandle, Worker
 from simpler_daemon.mailbox import _mailbox as _mb
 from simpler_daemon.mailbox.doorbell import OFF_PARKED
 from simpler_daemon.scheduler.dispatch import Scheduler
+from simpler_daemon.scheduler.runmodel import SlotState
 from tests.support import sub_tasks as tasks
 from tests.support.sub_tasks import targs
 
@@ -105,3 +111,40 @@ async def test_the_round_that_ends_the_last_run_is_followed_by_the_park() -> Non
         assert sum(extra) <= RUNS // 4, (
             f"{sum(extra)} of {RUNS} runs were followed by a round before the park: {extra}"
         )
+
+
+async def _submit_rounds(
+    w: Worker, sched: Scheduler, noop: CallableHandle, bulk: bool
+) -> list[int]:
+    """A run whose async orchestration submits RUNS tasks, each once the last one ended
+    (so every submit finds the SUB workers idle); per submit, the rounds it ran itself."""
+    per_submit: list[int] = []
+
+    async def orch(o: Any, _a: Any = None, _c: Any = None) -> None:
+        o.run.bulk_submits = bulk
+        for _ in range(RUNS):
+            before = sched.stats["rounds"]
+            ref = o.submit_sub(noop, targs())
+            per_submit.append(sched.stats["rounds"] - before)
+            for _ in range(100_000):  # turns of the loop until the task ended
+                slot = o.run.slot(ref)
+                if slot is None or slot.state is SlotState.COMPLETED:
+                    break
+                await asyncio.sleep(0)
+            else:
+                raise AssertionError(f"task {int(ref)} did not end")
+
+    await w.run_async(orch)
+    return per_submit
+
+
+async def test_a_plan_submitted_back_to_back_dispatches_at_every_other_submit() -> None:
+    """The daemon's SubmitRun of more than a few tasks marks its run ``bulk_submits``:
+    a submit that finds a SUB worker idle dispatches at once only every other time (the
+    round then hands that worker a task and queues the next one behind it), where a
+    plain orchestration's submit dispatches every time."""
+    async with started() as (w, sched, noop):
+        plain = await _submit_rounds(w, sched, noop, bulk=False)
+        assert plain == [1] * RUNS, f"rounds per submit of a plain orchestration: {plain}"
+        bulk = await _submit_rounds(w, sched, noop, bulk=True)
+        assert sum(bulk) <= RUNS // 2, f"rounds per submit of a bulk plan: {bulk}"
