@@ -38,6 +38,7 @@ import sys
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -169,20 +170,40 @@ def top_text(result: Result, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_top(doc: dict[str, Any], out: Path, stamp: str) -> list[Path]:
-    """``<stamp>-w1-calls.txt`` (and ``-before`` for the baseline) when W1 counted calls."""
+def write_listings(
+    doc: dict[str, Any],
+    out: Path,
+    stamp: str,
+    where: tuple[str, str, str],
+    text: Callable[[Result, str], str],
+) -> list[Path]:
+    """``<stamp>-<name>.txt`` (and ``-before`` for the baseline) from the per-function list
+    of variant ``variant`` of workload ``workload`` when it counted; ``where`` is
+    ``(workload, variant, name)``, ``text`` renders one result under a title."""
+    workload, variant, name = where
     written = []
-    wl = doc["workloads"].get("W1", {})
+    wl = doc["workloads"].get(workload, {})
     sources = (("", wl.get("systems", {})), ("-before", wl.get("baseline_systems", {})))
     for suffix, systems in sources:
-        res = systems.get("ours_calls")
+        res = systems.get(variant)
         if not res or res.get("status") != "ok" or not res.get("info", {}).get("top"):
             continue
         what = "the working tree" if not suffix else f"the baseline {doc['baseline']['rev']}"
-        path = out / f"{stamp}-w1-calls{suffix}.txt"
-        path.write_text(top_text(res, f"W1 Python calls per run, {what}"))
+        path = out / f"{stamp}-{name}{suffix}.txt"
+        path.write_text(text(res, what))
         written.append(path)
     return written
+
+
+def write_top(doc: dict[str, Any], out: Path, stamp: str) -> list[Path]:
+    """``<stamp>-w1-calls.txt`` (and ``-before`` for the baseline) when W1 counted calls."""
+    return write_listings(
+        doc,
+        out,
+        stamp,
+        ("W1", "ours_calls", "w1-calls"),
+        lambda res, what: top_text(res, f"W1 Python calls per run, {what}"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.calls import CallCounter
+from benchmarks.calls import CallCounter, write_listings
 from benchmarks.workloads import Result, ok, standalone
 
 #: The signal that starts and stops the count in the daemon.
@@ -167,18 +167,13 @@ def top_text(result: Result, title: str) -> str:
 
 def write_top(doc: dict[str, Any], out: Path, stamp: str) -> list[Path]:
     """``<stamp>-w6-daemon-calls.txt`` (``-before`` for the baseline) when W6 counted."""
-    written = []
-    wl = doc["workloads"].get("W6", {})
-    sources = (("", wl.get("systems", {})), ("-before", wl.get("baseline_systems", {})))
-    for suffix, systems in sources:
-        res = systems.get("ours_fast_calls")
-        if not res or res.get("status") != "ok" or not res.get("info", {}).get("top"):
-            continue
-        what = "the working tree" if not suffix else f"the baseline {doc['baseline']['rev']}"
-        path = out / f"{stamp}-w6-daemon-calls{suffix}.txt"
-        path.write_text(top_text(res, f"W6 daemon calls per fast-path W1 run, {what}"))
-        written.append(path)
-    return written
+    return write_listings(
+        doc,
+        out,
+        stamp,
+        ("W6", "ours_fast_calls", "w6-daemon-calls"),
+        lambda res, what: top_text(res, f"W6 daemon calls per fast-path W1 run, {what}"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
