@@ -128,6 +128,13 @@ class Scheduler(ProgressLoop):
     # -- SubmitSink ------------------------------------------------------------------------------
 
     def add_slot(self, slot: TaskSlot) -> None:
+        # ``wake()``, inline (once per submit), before anything is published: a child
+        # that ends this task finds the doorbell's ``parked`` flag down and does not ring.
+        self._poked = True
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+            self.doorbell.unpark()
         if slot.deps == 0:
             slot.state = SlotState.READY
             run = slot.run
@@ -168,22 +175,11 @@ class Scheduler(ProgressLoop):
                         )
                 if go:
                     self._pump_spin = False
-                    if self._wake is not None:  # the wake below is in this call: a child
-                        self.doorbell.unpark()  # ending this round's task need not ring
                     try:
                         self.round()
-                    except BaseException:
-                        self.wake()  # not left parked without the flag
-                        raise
                     finally:
                         self._pump_spin = True
                 self._unrounded += 1
-        # ``wake()``, inline (once per submit).
-        self._poked = True
-        w = self._wake
-        if w is not None and not w.done():
-            w.set_result(None)
-            self.doorbell.unpark()  # as ``wake()``
 
     # -- lane callbacks -----------------------------------------------------------------------------
 
