@@ -67,6 +67,7 @@ ALLOWED_MODULES = 'callables.allowed_modules=["simpler_daemon.examples."]'
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 WARM_UP = 8  # runs per host before measuring
+LOG_TAIL_LINES = 6  # of each host's log, in an error
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
@@ -80,6 +81,20 @@ def _wait_listening(proc: subprocess.Popen[bytes], log: Path, host: int) -> str:
             tail = " | ".join(text.strip().splitlines()[-5:])
             raise RuntimeError(f"simpler-remote-worker on host {host} is not listening: {tail}")
         time.sleep(0.02)
+
+
+class HostsError(RuntimeError):
+    """A failure while the hosts ran, with the end of every host's log (the hosts' side
+    of a refused session: the logs go with the hosts)."""
+
+
+def _with_logs(exc: Exception, logs: Path) -> HostsError:
+    tails = []
+    for log in sorted(logs.glob("host-*.log")):
+        lines = log.read_text(errors="replace").strip().splitlines()[-LOG_TAIL_LINES:]
+        tails.append(f"{log.stem}: " + " | ".join(lines))
+    kind = type(exc).__name__
+    return HostsError(f"{kind}: {exc}; the hosts' logs end with: " + "; ".join(tails))
 
 
 @contextlib.contextmanager
@@ -107,7 +122,10 @@ def four_hosts() -> Iterator[list[str]]:
                     )
                 procs.append(proc)
                 endpoints.append(_wait_listening(proc, log, i))
-            yield endpoints
+            try:
+                yield endpoints
+            except Exception as exc:
+                raise _with_logs(exc, Path(tmp)) from exc
         finally:
             for proc in procs:
                 if proc.poll() is None:
