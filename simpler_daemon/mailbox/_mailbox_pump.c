@@ -17,9 +17,11 @@
  * `queue` (a collections.deque of TaskSlot, the Scheduler's SUB queue of one run):
  * poll each lane's task frame, complete a task that finished plainly, take the next
  * ready slot from the head of `queue`, publish it (payload, trailer, state, wake the
- * child), until nothing is in flight, `max_publish` slots were published, or no lane
+ * child), until nothing is in flight, `max_publish` slots were published, no lane
  * progressed for `spin_ns` (0: one pass over the lanes, so that a task it published is
- * never completed by the same call).  It decides no policy: the Scheduler chose the queue and
+ * never completed by the same call), or a task of another run than the queue's (one in
+ * flight at entry; with an empty queue, any task in flight at entry) completed: that
+ * pass is the last, so the Scheduler sees the other run's completion at once.  It decides no policy: the Scheduler chose the queue and
  * the lanes; the pump stops at anything unusual and leaves it to the Python path: a
  * completion that needs it ends the call after the current pass, with nothing more
  * published in that pass.
@@ -66,6 +68,9 @@ typedef struct {
     Py_ssize_t peer; /* the other frame of the same child, or -1 */
     int64_t at;
     long stop;
+    /* The task in flight is one of another run than the queue's, published before the
+     * call (or the queue was empty then): its completion ends the call after the pass. */
+    int other;
     PyObject *lane; /* strong: the lane's list (written back at the end) */
     PyObject *done; /* strong: the lane's done list */
 } pump_lane;
@@ -448,6 +453,30 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
+    /* The run whose queue this is: its head's (none when the queue is empty). A task in
+     * flight at entry of any other run is marked: its completion may finish that run or
+     * make its next task ready, so the Scheduler must see it before this call goes on
+     * publishing the queue's tasks (on a loaded machine a wait's yield can outlast a
+     * whole task, so every pass would progress and the call would run to max_publish). */
+    if (!failed) {
+        int have_qrun = 0;
+        uint64_t qrun = 0;
+        Py_ssize_t qlen = PyObject_Length(queue);
+        if (qlen < 0) {
+            failed = 1;
+        }
+        else if (qlen > 0) {
+            PyObject *head = PySequence_GetItem(queue, 0);
+            if (head == NULL || !attr_u64(head, str_run_id, &qrun)) {
+                failed = 1;
+            }
+            have_qrun = !failed;
+            Py_XDECREF(head);
+        }
+        for (Py_ssize_t i = 0; i < loaded && !failed; i++) {
+            ln[i].other = ln[i].slot != NULL && (!have_qrun || ln[i].run_id != qrun);
+        }
+    }
     /* Pair the frames of each child: both ends must name each other. */
     for (Py_ssize_t i = 0; i < loaded && !failed; i++) {
         Py_ssize_t p = ln[i].peer;
@@ -470,7 +499,7 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
         int queue_open = 1, unusual = 0;
         int64_t last = monotonic_ns();
         for (;;) {
-            int progress = 0, inflight = 0;
+            int progress = 0, inflight = 0, other_done = 0;
             for (Py_ssize_t i = 0; i < nl; i++) {
                 pump_lane *l = &ln[i];
                 if (l->stop || l->slot == NULL) {
@@ -490,6 +519,8 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
                 }
                 else if (r == 1) {
                     progress = 1;
+                    other_done |= l->other;
+                    l->other = 0;
                 }
             }
             /* Free children first (round 0: the frame and its peer IDLE), then the
@@ -524,7 +555,7 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
             for (Py_ssize_t i = 0; i < nl; i++) {
                 inflight += ln[i].slot != NULL && !ln[i].stop;
             }
-            if (failed || unusual || !inflight || spin_ns == 0) {
+            if (failed || unusual || other_done || !inflight || spin_ns == 0) {
                 break; /* spin_ns 0: one pass, never a completion of what it published */
             }
             int64_t now = monotonic_ns();

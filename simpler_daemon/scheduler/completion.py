@@ -242,6 +242,14 @@ class RunCompletion(SchedulerState, SubmitSink):
 
     # -- completions ------------------------------------------------------------------------------------
 
+    def _complete_all(self) -> bool:
+        """Handle the completions the lanes' Python path gathered (True: the round did
+        something)."""
+        comps, self.completions = self.completions, []
+        for c in comps:
+            self._handle_completion(c)
+        return True
+
     def _handle_completion(self, c: WorkerCompletion) -> None:
         slot: TaskSlot = c.dispatch.task_slot
         run = slot.run

@@ -234,22 +234,26 @@ class Scheduler(ProgressLoop):
             pumping = q is not None and bool(self.manager.sub)
             # Under fair another run's queue may get work meanwhile: one call only.
             chain = self.fair is None
+            progressed = False
+            for lane in self._lanes:
+                if lane.inflight and not (pumping and pump.owns(lane)):
+                    lane.progress()
+            if pumping and self.completions:
+                # Before the pump's call, which may go on for many tasks: a run these
+                # finish ends now, and what they made ready competes (fair.py) first.
+                progressed = self._complete_all()
+                q = None if self._held else self._pump_queue()
+                if q is None:  # several fair queues now: the Python path dispatches
+                    pumping = False
+                    for lane in self._lanes:
+                        if lane.inflight:
+                            lane.progress()
             if pumping:
-                for lane in self._lanes:
-                    if lane.inflight and not pump.owns(lane):
-                        lane.progress()
                 assert q is not None
-                progressed = pump.drive(self, q, self.manager.sub, self._pump_spin, chain=chain)
-            else:
-                progressed = False
-                for lane in self._lanes:
-                    if lane.inflight:
-                        lane.progress()
+                if pump.drive(self, q, self.manager.sub, self._pump_spin, chain=chain):
+                    progressed = True
             if self.completions:
-                progressed = True
-                comps, self.completions = self.completions, []
-                for c in comps:
-                    self._handle_completion(c)
+                progressed = self._complete_all()
                 # What they made ready goes through the pump too: a chain one of whose
                 # tasks took the Python path (a completion left to Python) gets back.
                 q = self._pump_queue() if pumping and not self._held else None

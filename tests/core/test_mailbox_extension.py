@@ -1145,6 +1145,40 @@ def test_sub_pump_queues_a_task_only_behind_one_of_its_own_run(boxes: list[mmap.
     assert list(q) == [d] and lanes[1][2] is None  # no run 7 task to wait behind
 
 
+def test_sub_pump_returns_after_a_pass_that_completed_another_runs_task(
+    boxes: list[mmap.mmap],
+) -> None:
+    """A task of another run than the queue's, in flight when the call starts, may
+    finish that run: the pass that completes it is the call's last, however long the
+    call could go on (a child that ends every task at once, a spin of 2 s)."""
+    import threading
+    from collections import deque
+
+    other, mine = FakeSlot(1), FakeSlot(2)
+    other.run_id = 7
+    lanes = [lane(boxes[0]), lane(boxes[1])]
+    mb.sub_pump(lanes, deque([other, mine]), READY, [], 0, 100)  # lane 0: run 7, lane 1: 5
+    child_done(boxes[0])
+    stop = threading.Event()
+
+    def child() -> None:  # lane 0's child: ends each task as soon as it is published
+        while not stop.is_set():
+            if mb.load32(boxes[0], TASK0) == mb.STATE_TASK_READY:
+                child_done(boxes[0])
+
+    helper = threading.Thread(target=child, daemon=True)
+    helper.start()
+    try:
+        q: deque[FakeSlot] = deque(FakeSlot(i) for i in range(3, 8))
+        published: list[object] = []
+        assert mb.sub_pump(lanes, q, READY, published, 2 * 10**9, 100) == 1
+    finally:
+        stop.set()
+        helper.join()
+    assert lanes[0][7] == [other] and published == [lanes[0][2]] and len(q) == 4
+    assert lanes[1][2] is mine and lanes[1][7] == []  # still in flight
+
+
 def test_sub_pump_waits_for_a_claimed_frame_and_completes_both_in_order(
     boxes: list[mmap.mmap],
 ) -> None:

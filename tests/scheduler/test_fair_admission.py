@@ -32,6 +32,7 @@ from simpler_daemon.engine.orchestrator import Orchestrator, Run, RunState
 from simpler_daemon.engine.worker import RunHandle
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.fair import FairAdmission
+from simpler_daemon.scheduler.subpump import SubPump
 from tests.support.sub_tasks import targs
 from tests.support.worker_pool import Pool
 
@@ -118,6 +119,34 @@ def test_fair_priorities_share_the_workers_in_proportion(make_pool: Any) -> None
         f"the low run had {low_during} dispatches while the high run made {high_during}"
         f" ({low_before} before, {at_end[0]} at the high run's end)"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_run_whose_last_task_the_python_path_completed_ends_before_the_pump_goes_on(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While two runs have SUB work, ``fair`` dispatches in Python; once the high run's
+    queue is empty the low run's queue goes through the pump. The round that sees the
+    high run's last completion on the Python path handles it before that pump call
+    (which, on a loaded machine, can go on for a hundred tasks): the high run ends
+    then, not after the low run's batch. Checked on every pump call, not by timing."""
+    pool = make_pool(1, admission="fair")
+    sched = pool.w.scheduler
+    assert sched is not None
+    drive = SubPump.drive
+    pending: list[int] = []
+
+    def watched(pump: SubPump, *args: Any, **kwargs: Any) -> bool:
+        pending.append(len(sched.completions))
+        return drive(pump, *args, **kwargs)
+
+    monkeypatch.setattr(SubPump, "drive", watched)
+    low = pool.submit(_tasks(pool.h["sleep_ms"], 30, 2), priority=1)
+    high = pool.submit(_tasks(pool.h["sleep_ms"], 30, 2), priority=3)
+    high.wait(timeout=60)
+    low.wait(timeout=60)
+    assert pending, "the pump was never driven: the scenario did not reach it"
+    assert not any(pending), f"pump calls with completions not yet handled: {pending}"
 
 
 @pytest.mark.timeout(120)
