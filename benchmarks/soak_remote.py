@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -63,6 +64,8 @@ from simpler_daemon.testing.netns import TestHosts
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EX = "simpler_daemon.examples"
 PORT: Final = 19073
+#: The line a worker prints once its socket is bound.
+_LISTENING: Final = re.compile(rb"^listening on \S+:\d+$", re.MULTILINE)
 MARK_ENV: Final = "SIMPLER_SOAK_REMOTE_MARK"
 #: ``SIMPLER_SOAK_LOOPBACK=1``: loopback hosts even as root (no link blips then).
 LOOPBACK_ENV: Final = "SIMPLER_SOAK_LOOPBACK"
@@ -166,7 +169,8 @@ class Hosts:
         self.services[i] = proc
         self.seen.add(proc.pid)
         deadline = time.monotonic() + timeout
-        while b"listening on" not in log.read_bytes()[start:]:
+        # The worker's own line, printed once its socket is bound (not a log line).
+        while not _LISTENING.search(log.read_bytes()[start:]):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"simpler-remote-worker on host {i} did not start (exit {proc.poll()}):\n"

@@ -68,7 +68,9 @@ READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 WARM_UP = 8  # runs per host before measuring
 LOG_TAIL_LINES = 6  # of each host's log, in an error
-_LISTENING = re.compile(r"listening on (\S+:\d+)")
+#: The line the worker prints once its socket is bound (its own line: a log line may
+#: quote the address before that).
+_LISTENING = re.compile(r"^listening on (\S+:\d+)$", re.MULTILINE)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], log: Path, host: int) -> str:

@@ -754,7 +754,8 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     if args.insecure and not cfg.is_loopback(config.listen_address[0]):
         log.warning(
-            "--insecure: listening on %s without %s",
+            # Not "listening on": that line is the ready signal, printed once bound.
+            "--insecure: %s is served without %s",
             config.worker.listen,
             " and ".join(
                 w

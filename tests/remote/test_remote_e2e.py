@@ -586,6 +586,19 @@ def test_token_file_authenticates_and_a_wrong_token_is_refused(
         assert rw.stop() == 0, rw.log_text()
 
 
+def test_no_line_says_listening_before_the_worker_listens(hosts: RemoteHosts) -> None:
+    """A watcher of the worker's output may connect at the first line that says
+    ``listening on``: only lines printed once the socket is bound say it. (W10 took the
+    ``--insecure`` warning, logged before the bind, for the ready line.)"""
+    for w in hosts.workers:
+        lines = w.log_text().splitlines()
+        ready = lines.index(f"listening on {w.endpoint}")
+        early = [line for line in lines[:ready] if "listening on" in line]
+        assert not early, early
+        if hosts.netns:  # a listener off loopback: the warning is printed, worded apart
+            assert any("--insecure" in line for line in lines[:ready]), lines
+
+
 def test_a_hostname_endpoint_is_refused_at_the_spec() -> None:
     with pytest.raises(ValueError, match="not a numeric address"):
         RemoteWorkerSpec(endpoint="remote-host.example:19073")
