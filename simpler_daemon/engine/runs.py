@@ -233,6 +233,12 @@ class RunBuilder:
     def orch_failed(self, run: Run, exc: BaseException) -> None:
         if exc is not run.error:
             run.orch_exception = exc
+        else:
+            # A submit after the run failed raised the run's own error into the
+            # orchestration: kept as the run's (and a daemon record's) error, its
+            # traceback would hold the orchestration's frames, hence the Orchestrator
+            # and the Run, for as long as the error is kept.
+            exc.__traceback__ = None
         self.scheduler.fail_building(run, exc)
 
     def cancel_now(self, run: Run, reason: str = "") -> None:

@@ -16,6 +16,7 @@ import asyncio
 import gc
 import re
 import sys
+import time
 import tracemalloc
 import urllib.request
 import weakref
@@ -113,6 +114,43 @@ async def test_a_finished_record_keeps_a_status_and_no_run() -> None:
         assert failed.error.outcome == "TASK_FAILURE"
         assert failed.counts.failed >= 1 and failed.counts.total == 10
         assert table.record(rec2.run_id).status().error.message == failed.error.message
+
+
+@pytest.mark.asyncio
+async def test_a_run_whose_orchestration_submitted_after_its_failure_is_freed() -> None:
+    """A submit after the run failed raises the run's error into the orchestration. The
+    record keeps that error: its traceback (the orchestration's frames, which hold the
+    Orchestrator) must not keep the Run alive. The orchestration waits for the failure,
+    so this is the case every time (the 10-task run above meets it only by timing)."""
+    w = Worker(num_sub_workers=1)
+    h = w.register(answer)
+    bad = w.register(tasks.fail)
+    async with w:
+        table = _table(w)
+        rec = table.new_record(label="mem", client="uid:1", key="", total=None)
+        raised: list[BaseException] = []
+
+        async def orch(o: Any, _a: Any, _c: Any) -> None:
+            rec.bind(o.run)
+            o.submit_sub(bad, targs())
+            deadline = time.monotonic() + 60
+            # The engine's own state, which no event announces: polled, with a deadline.
+            while o.run.error is None and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+            try:
+                o.submit_sub(h, targs(scalars=(1,)))
+            except TaskError as exc:
+                raised.append(exc)
+                raise
+
+        await table.launch(rec, orch)
+        assert rec.run is not None
+        run_ref = weakref.ref(rec.run)
+        failed = await table.wait(rec, 60, include_results=True)
+        assert failed.state == pb.RUN_STATE_FAILED and failed.error.task_index == 0
+        assert len(raised) == 1  # the case under test happened
+        raised.clear()
+        assert run_ref() is None, gc.get_referrers(run_ref())
 
 
 @pytest.mark.asyncio
