@@ -19,9 +19,9 @@
  * ready slot from the head of `queue`, publish it (payload, trailer, state, wake the
  * child), until nothing is in flight, `max_publish` slots were published, no lane
  * progressed for `spin_ns` (0: one pass over the lanes, so that a task it published is
- * never completed by the same call), or a task of another run than the queue's (one in
- * flight at entry; with an empty queue, any task in flight at entry) completed: that
- * pass is the last, so the Scheduler sees the other run's completion at once.  It decides no policy: the Scheduler chose the queue and
+ * never completed by the same call), or a task of another run than the queue's head (one
+ * in flight at entry) completed: that pass is the last, so the Scheduler sees the other
+ * run's completion at once.  It decides no policy: the Scheduler chose the queue and
  * the lanes; the pump stops at anything unusual and leaves it to the Python path: a
  * completion that needs it ends the call after the current pass, with nothing more
  * published in that pass.
@@ -69,7 +69,7 @@ typedef struct {
     int64_t at;
     long stop;
     /* The task in flight is one of another run than the queue's, published before the
-     * call (or the queue was empty then): its completion ends the call after the pass. */
+     * call: its completion ends the call after the pass. */
     int other;
     PyObject *lane; /* strong: the lane's list (written back at the end) */
     PyObject *done; /* strong: the lane's done list */
@@ -453,11 +453,12 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    /* The run whose queue this is: its head's (none when the queue is empty). A task in
-     * flight at entry of any other run is marked: its completion may finish that run or
-     * make its next task ready, so the Scheduler must see it before this call goes on
-     * publishing the queue's tasks (on a loaded machine a wait's yield can outlast a
-     * whole task, so every pass would progress and the call would run to max_publish). */
+    /* The run whose queue this is: its head's. A task in flight at entry of any other run
+     * is marked: its completion may finish that run or make its next task ready, so the
+     * Scheduler must see it before this call goes on publishing the queue's tasks (on a
+     * loaded machine a wait's yield can outlast a whole task, so every pass would
+     * progress and the call would run to max_publish). With an empty queue nothing is
+     * published: the call ends with the tasks in flight, as before. */
     if (!failed) {
         int have_qrun = 0;
         uint64_t qrun = 0;
@@ -474,7 +475,7 @@ mb_sub_pump(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(head);
         }
         for (Py_ssize_t i = 0; i < loaded && !failed; i++) {
-            ln[i].other = ln[i].slot != NULL && (!have_qrun || ln[i].run_id != qrun);
+            ln[i].other = have_qrun && ln[i].slot != NULL && ln[i].run_id != qrun;
         }
     }
     /* Pair the frames of each child: both ends must name each other. */
