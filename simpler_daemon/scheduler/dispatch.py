@@ -55,6 +55,12 @@ SUBMIT_BATCH = 32
 #: A SUB submit that sees a finished child runs a round only this long after the last
 #: one: a slow orchestration keeps its workers busy, a fast one is not slowed.
 ROUND_GAP_S = 0.0002
+#: Children that keep up with fast submits (the round of a submit freed a lane, and the
+#: next submit came within LOCKSTEP_GAP_S of it) get the next tasks this many at a time:
+#: else a round per submit, each freeing the lane the next submit finds idle (two lanes
+#: in turn), costs more than the tasks. A slower orchestration keeps its round a submit.
+LOCKSTEP_SUBMITS = 8
+LOCKSTEP_GAP_S = 0.00002
 
 
 class Scheduler(ProgressLoop):
@@ -94,6 +100,8 @@ class Scheduler(ProgressLoop):
         self._pump = SubPump()
         #: SUB submits since the last round (``SUBMIT_BATCH``).
         self._unrounded = 0
+        #: The last round was a submit's and completed tasks (``LOCKSTEP_SUBMITS``).
+        self._freed_inline = False
         self._round_seen = -1  # the doorbell's completion word when the last round began
         self._round_at = 0.0  # and when (time.monotonic())
         #: Whether this round's pump may wait for children (not inside a submit: the
@@ -163,7 +171,11 @@ class Scheduler(ProgressLoop):
                         ):
                             # A plan submitted back to back: every other submit, so
                             # the round gives the worker a task and queues the next.
-                            go = not run.bulk_submits or self._unrounded >= 2
+                            go = (not run.bulk_submits or self._unrounded >= 2) and (
+                                not self._freed_inline
+                                or self._unrounded >= LOCKSTEP_SUBMITS
+                                or time.monotonic() - self._round_at > LOCKSTEP_GAP_S
+                            )
                             break
                     else:
                         # a child finished since the last round (its lane is free for the
@@ -175,10 +187,12 @@ class Scheduler(ProgressLoop):
                         )
                 if go:
                     self._pump_spin = False
+                    completed = self.stats["completed"]
                     try:
                         self.round()
                     finally:
                         self._pump_spin = True
+                    self._freed_inline = self.stats["completed"] != completed
                 self._unrounded += 1
 
     # -- lane callbacks -----------------------------------------------------------------------------
@@ -219,6 +233,7 @@ class Scheduler(ProgressLoop):
         try:
             self.stats["rounds"] += 1
             self._unrounded = 0
+            self._freed_inline = False
             self._round_seen = self.doorbell.completed()
             self._round_at = time.monotonic()
             pump = self._pump
@@ -701,28 +716,6 @@ class Scheduler(ProgressLoop):
         )
         self.finish_if_done(g.run)
         return True
-
-    def _sub_capacity(self) -> int:
-        """SUB workers that can still run a task: live ones, or all of them while dead
-        ones are being replaced."""
-        subs = self.manager.sub
-        if self.replaces_dead_subs:
-            # A lane the pool gave up on (``gone``) will never come back.
-            return sum(1 for lane in subs if lane.gone is None)
-        return sum(1 for lane in subs if not lane.endpoint.poisoned and not lane.stopping)
-
-    def _no_sub_capacity(self) -> bool:
-        """``_sub_capacity() == 0``, answered at the first lane that can run (every round
-        with busy SUB workers asks)."""
-        if self.replaces_dead_subs:
-            return all(lane.gone is not None for lane in self.manager.sub)
-        return all(lane.endpoint.poisoned or lane.stopping for lane in self.manager.sub)
-
-    def _no_sub_left(self) -> str:
-        """Why no SUB worker can run a task, naming what made the pool give up."""
-        why = next((lane.gone for lane in self.manager.sub if lane.gone is not None), None)
-        base = "no live SUB worker is left and none is being replaced"
-        return f"{base}: {why}" if why else base
 
     def _stage_successor(self, succ: Run) -> bool:
         rid = succ.run_id

@@ -184,6 +184,34 @@ class ProgressLoop(RunCompletion):
                 if self.on_lane_dead is not None and not self._stopped:
                     self.on_lane_dead(lane)
 
+    def _sub_capacity(self) -> int:
+        """SUB workers that can still run a task: live ones, or all of them while dead
+        ones are being replaced."""
+        subs = self.manager.sub
+        if self.replaces_dead_subs:
+            # A lane the pool gave up on (``gone``) will never come back.
+            return sum(1 for lane in subs if lane.gone is None)
+        return sum(1 for lane in subs if not lane.endpoint.poisoned and not lane.stopping)
+
+    def _no_sub_capacity(self) -> bool:
+        """``_sub_capacity() == 0``, answered at the first lane that can run (every round
+        with busy SUB workers asks: loops, not ``all`` over a generator)."""
+        if self.replaces_dead_subs:
+            for lane in self.manager.sub:  # noqa: SIM110 - no generator frame
+                if lane.gone is None:
+                    return False
+            return True
+        for lane in self.manager.sub:
+            if not lane.stopping and not lane.endpoint.poisoned:
+                return False
+        return True
+
+    def _no_sub_left(self) -> str:
+        """Why no SUB worker can run a task, naming what made the pool give up."""
+        why = next((lane.gone for lane in self.manager.sub if lane.gone is not None), None)
+        base = "no live SUB worker is left and none is being replaced"
+        return f"{base}: {why}" if why else base
+
     async def run(self) -> None:
         """Progress rounds until stopped; spin briefly, then park on the doorbell."""
         loop = asyncio.get_running_loop()
