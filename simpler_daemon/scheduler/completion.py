@@ -48,7 +48,13 @@ MAX_ORCH_ERROR_CHARS: Final = 65536
 #: at once must not keep a task circling).
 MAX_PICKUP_REQUEUES: Final = 3
 
-__all__ = ["MAX_ORCH_ERROR_CHARS", "MAX_PICKUP_REQUEUES", "RunCompletion"]
+__all__ = ["MAX_ORCH_ERROR_CHARS", "MAX_PICKUP_REQUEUES", "RunCompletion", "pumped_completion"]
+
+
+def pumped_completion(slot: TaskSlot, worker_id: int) -> WorkerCompletion:
+    """The completion of a task the C pump ran to SUCCESS on SUB lane ``worker_id``
+    (the pump keeps none: made for a listener that reads one)."""
+    return WorkerCompletion(WorkerDispatch(slot, 0), worker_id, WorkerType.SUB, Outcome.SUCCESS)
 
 
 class RunCompletion(SchedulerState, SubmitSink):
@@ -323,8 +329,10 @@ class RunCompletion(SchedulerState, SubmitSink):
         self.stats["dispatched"] += k
         if self.fair is not None:
             self.fair.charge(run, k)  # k single charges in a row add up to this one
-        event = self.on_task_event
-        if event is not None:
+        if self.on_pumped is not None:
+            self.on_pumped(published, "dispatched", -1)
+        elif self.on_task_event is not None:
+            event = self.on_task_event
             for slot in published:
                 event(slot, "dispatched", None)
         published.clear()
@@ -332,7 +340,8 @@ class RunCompletion(SchedulerState, SubmitSink):
     def complete_pumped(self, lane: WorkerThread, done: list[Any]) -> None:
         """``_handle_completion`` of a SUCCESS, for the tasks the pump completed on
         ``lane`` (a slot, or (slot, msgpack bytes) when it returned a value)."""
-        event = self.on_task_event
+        if self.on_pumped is not None or self.on_task_event is not None:
+            done = self._announce_pumped(lane, done)
         completed = SlotState.COMPLETED
         self.stats["completed"] += len(done)
         for item in done:
@@ -345,11 +354,6 @@ class RunCompletion(SchedulerState, SubmitSink):
             if run is RETIRED_RUN:
                 self.stats["completed"] -= 1
                 continue  # force-finished by close(); nothing waits for it
-            if event is not None:
-                c = WorkerCompletion(
-                    WorkerDispatch(slot, 0), lane.worker_id, WorkerType.SUB, Outcome.SUCCESS
-                )
-                event(slot, "completed", c)
             run.counts["running"] -= 1
             failure = slot.failure
             if failure is not None:
@@ -367,6 +371,30 @@ class RunCompletion(SchedulerState, SubmitSink):
                 run.counts["done"] += 1
             if not run.remaining:
                 self.finish_if_done(run)
+
+    def _announce_pumped(self, lane: WorkerThread, done: list[Any]) -> list[TaskSlot]:
+        """The task events of ``complete_pumped``'s completions, before any is counted
+        (a listener may fail one: ``slot.failure``): their results set, the slots of
+        retired runs left out. One ``on_pumped`` call for the batch when it is set."""
+        slots: list[TaskSlot] = []
+        for item in done:
+            if type(item) is tuple:
+                slot, data = item
+                slot.set_result(0, data)
+            else:
+                slot = item
+            if slot.run is not RETIRED_RUN:
+                slots.append(slot)
+        if not slots:
+            return slots
+        if self.on_pumped is not None:
+            self.on_pumped(slots, "completed", lane.worker_id)
+        else:
+            event = self.on_task_event
+            assert event is not None
+            for slot in slots:
+                event(slot, "completed", pumped_completion(slot, lane.worker_id))
+        return slots
 
     # -- retries (CallConfig.max_retries; scheduler/retries.py) ---------------------------------
 

@@ -65,6 +65,10 @@ class TaskKind(enum.Enum):
     NEXT_LEVEL_GROUP = "NEXT_LEVEL_GROUP"
 
 
+#: A tuple, not a set: membership by identity, no ``Enum.__hash__`` call (per task).
+_GROUP_KINDS: Final = (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
+
+
 @dataclass(slots=True)
 class FailureInfo:
     """The first failure of a slot or run."""
@@ -186,7 +190,7 @@ class TaskSlot:
 
     @property
     def is_group(self) -> bool:
-        return self.kind in (TaskKind.SUB_GROUP, TaskKind.NEXT_LEVEL_GROUP)
+        return self.kind in _GROUP_KINDS
 
     def set_result(self, member: int, data: bytes) -> None:
         """Keep the encoded return value of the task (``member`` of a group)."""
@@ -382,7 +386,11 @@ class Run:
         kept: dict[int, TaskSlot] = {}
         for slot in self.slots:
             slot.run = RETIRED_RUN
-            if slot.state is SlotState.COMPLETED and slot.result is None and not slot.is_group:
+            if (
+                slot.state is SlotState.COMPLETED
+                and slot.result is None
+                and slot.kind not in _GROUP_KINDS  # ``is_group``, inline (per task)
+            ):
                 continue
             slot.blobs = ()
             slot.consumers = ()

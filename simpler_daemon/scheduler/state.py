@@ -105,6 +105,11 @@ class SchedulerState:
         self.replaces_dead_subs = False
         self.on_admit: Callable[[Run], None] | None = None
         self.on_task_event: Callable[[TaskSlot, str, WorkerCompletion | None], None] | None = None
+        #: ``on_task_event`` for a batch of the C pump's (``(slots, event, worker_id)``):
+        #: "dispatched" (first members published, ``worker_id`` -1) or "completed" (each
+        #: a SUCCESS on SUB lane ``worker_id``); the list is only lent. None: one
+        #: ``on_task_event`` a slot.
+        self.on_pumped: Callable[[list[TaskSlot], str, int], None] | None = None
         self.stats = {
             "dispatched": 0,
             "completed": 0,

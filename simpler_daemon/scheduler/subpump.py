@@ -506,6 +506,7 @@ class SubPump:
         stuck: list[_Lane] | None = None
         for rec in lanes:
             stop = False
+            batch: list[Any] | None = None  # the lane's completions, both frames'
             for fr in rec.frames:
                 st = fr.state
                 stop = stop or bool(st[_STOP])
@@ -529,7 +530,12 @@ class SubPump:
                             gate.observe(fr.done_issued_at, now)
                             k -= 1
                         gate.observe_caught(k, now)
-                    sched.complete_pumped(rec.lane, items)
+                    if batch is None:
+                        batch = items
+                    else:
+                        batch += items
+            if batch is not None:
+                sched.complete_pumped(rec.lane, batch)
             if rec.lane.inflight:
                 if stop:
                     if stuck is None:

@@ -50,6 +50,18 @@ ATTEMPT_BYTES: Final = 72
 _OUTCOME_NAMES: list[str] = []
 _OUTCOME_CODES: dict[str, int] = {}
 
+
+def _outcome_code(name: str) -> int:
+    """The code of outcome ``name`` in every trace of the process (given on first use)."""
+    code = _OUTCOME_CODES.get(name)
+    if code is None:
+        code = _OUTCOME_CODES[name] = len(_OUTCOME_NAMES)
+        _OUTCOME_NAMES.append(name)
+    return code
+
+
+_SUCCESS_CODE: Final = _outcome_code("SUCCESS")
+
 TaskEvent = Callable[["TaskSlot", str, "WorkerCompletion | None"], None]
 
 
@@ -122,11 +134,7 @@ class RunTrace:
             if len(self.names) >= MAX_TRACE_ATTEMPTS:
                 self.dropped += 1
                 return
-            name = c.outcome._name_
-            code = _OUTCOME_CODES.get(name)
-            if code is None:
-                code = _OUTCOME_CODES[name] = len(_OUTCOME_NAMES)
-                _OUTCOME_NAMES.append(name)
+            code = _outcome_code(c.outcome._name_)
             lane = c.worker_id if c.worker_type._value_ == "sub" else -1 - c.worker_id
             base = self.submitted_ns
             self.ints.extend((slot.index, key[1], n, t0 - base, now - base, lane, code))
@@ -134,6 +142,33 @@ class RunTrace:
         elif event == "requeued":
             # Never picked up: not an attempt (its number is given again).
             self.open.pop((slot.slot_id, max(slot.members_started - 1, 0)), None)
+
+    def on_pumped(self, slots: list[TaskSlot], event: str, worker_id: int) -> None:
+        """``on_event`` for a batch of the C pump's: "dispatched" (each slot's first
+        member, just published) or "completed" (each a SUCCESS on SUB lane
+        ``worker_id``), all at one timestamp (the batch's)."""
+        now = time.perf_counter_ns()
+        opened = self.open
+        tries = self.tries
+        if event == "dispatched":
+            for slot in slots:
+                key = (slot.slot_id, 0)
+                opened[key] = (now, tries.get(key, 0) + 1 if tries else 1)
+            return
+        base = self.submitted_ns
+        code = _SUCCESS_CODE
+        ints, names = self.ints, self.names
+        for slot in slots:
+            key = (slot.slot_id, 0)
+            started = opened.pop(key, None)
+            t0, n = started if started is not None else (now, 1)
+            if tries:
+                tries.pop(key, None)
+            if len(names) >= MAX_TRACE_ATTEMPTS:
+                self.dropped += 1
+                continue
+            ints.extend((slot.index, 0, n, t0 - base, now - base, worker_id, code))
+            names.append(slot.handle.name)
 
     def end(self) -> None:
         """The run ended: note when, and drop the bookkeeping of attempts under way."""

@@ -177,6 +177,7 @@ class ServiceBase:
         # The run table's hook also records the attempts of traced runs: the daemon's
         # Worker traces every run (topology.new_worker), for GetRunTrace.
         sched.on_task_event = self._runs.on_task_event
+        sched.on_pumped = self._runs.on_pumped
         if self._metrics is not None:  # gauges read at scrape time: heap, runs by state...
             self._metrics.watch_daemon(self._worker, self._runs.state_counts)
         self.start_ns = time.time_ns()

@@ -15,6 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.scheduler.completion import pumped_completion
 
 if TYPE_CHECKING:
     from simpler_daemon.engine.orchestrator import TaskSlot
@@ -89,6 +90,23 @@ class RunEvents:
         if state != self.state and state not in TERMINAL_STATES:
             self.state = state
             self._publish(self._event(pb.RUN_EVENT_TYPE_RUN_STATE))
+
+    def on_pumped(self, slots: list[TaskSlot], event: str, worker_id: int) -> None:
+        """``on_task_event`` for a batch of the C pump's ("dispatched", or "completed":
+        each a SUCCESS on SUB lane ``worker_id``): the counts at once when nobody reads
+        the events one by one (no metrics, no watcher), else one event a slot."""
+        if self._metrics is None and not self.watchers:
+            k = len(slots)
+            if event == "dispatched":
+                self.running += k
+            else:
+                self.running -= k
+                self.done += k
+            self.seq += k
+            return
+        for slot in slots:
+            c = None if event == "dispatched" else pumped_completion(slot, worker_id)
+            self.on_task_event(slot, event, c)
 
     def on_task_event(self, slot: TaskSlot, event: str, completion: Any) -> None:
         metrics = self._metrics

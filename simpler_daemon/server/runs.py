@@ -49,6 +49,7 @@ from simpler_daemon.errors import (
     WorkerClosedError,
 )
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.scheduler.completion import pumped_completion
 from simpler_daemon.server import oplog
 from simpler_daemon.server.config import LimitsConfig, run_result_limit
 from simpler_daemon.server.history import History
@@ -97,6 +98,14 @@ _STATE_KEY: Final[dict[int, str]] = {
     pb.RUN_STATE_CANCELLED: "cancelled",
     pb.RUN_STATE_LOST: "lost",  # from the run history: active when its daemon stopped
 }
+
+
+def _any_result(slots: list[TaskSlot]) -> bool:
+    """Whether a task of ``slots`` sent a value back (a loop: no generator frame)."""
+    for slot in slots:  # noqa: SIM110
+        if slot.result is not None:
+            return True
+    return False
 
 
 class Backpressure(LimitExceeded):
@@ -374,18 +383,28 @@ class RunTable:
     # -- scheduler events ------------------------------------------------------------------
 
     def on_task_event(self, slot: TaskSlot, event: str, completion: Any) -> None:
-        """The Scheduler's ``on_task_event`` hook: the attempt into the run's trace (what
+        """The Scheduler's ``on_task_event`` hook: a returned value accounted against the
+        run's limit (a task past it fails), then the attempt into the run's trace (what
         ``scheduler.trace.traced`` does, without a call around this one: it runs twice
         per task), then to the run's record."""
+        rec = self._live.get(slot.run_id)
+        try:
+            if (
+                rec is not None
+                and event == "completed"
+                and completion is not None
+                and slot.result is not None
+            ):
+                # First: past the run's limit the task fails, and its trace says so.
+                rec.keep_result(slot, completion, run_result_limit(self._limits))
+        except Exception:  # never into the Scheduler: it would fail every run
+            log.exception("run %d: event bookkeeping failed", slot.run_id)
         trace = slot.run.trace
         if trace is not None:
             trace.on_event(slot, event, completion)
-        rec = self._live.get(slot.run_id)
         if rec is None:
             return
         try:
-            if event == "completed" and completion is not None and slot.result is not None:
-                rec.keep_result(slot, completion, run_result_limit(self._limits))
             rec.on_task_event(slot, event, completion)
             if (
                 event == "completed"
@@ -395,6 +414,34 @@ class RunTable:
                 self._log_task_failure(rec, slot, completion)
         except Exception:  # never into the Scheduler: it would fail every run
             log.exception("run %d: event bookkeeping failed", slot.run_id)
+
+    def on_pumped(self, slots: list[TaskSlot], event: str, worker_id: int) -> None:
+        """The Scheduler's ``on_pumped`` hook: ``on_task_event`` for a batch of the C
+        pump's (published, or completed with SUCCESS on SUB lane ``worker_id``), one call
+        per run of the batch for its trace and for its record. A completed batch with a
+        result among it takes the per-task path (the result's size is accounted)."""
+        live = self._live
+        i, n = 0, len(slots)
+        while i < n:
+            run = slots[i].run
+            j = i + 1
+            while j < n and slots[j].run is run:
+                j += 1
+            group = slots if j - i == n else slots[i:j]
+            i = j
+            if event == "completed" and _any_result(group):
+                for slot in group:
+                    self.on_task_event(slot, event, pumped_completion(slot, worker_id))
+                continue
+            trace = run.trace
+            if trace is not None:
+                trace.on_pumped(group, event, worker_id)
+            rec = live.get(run.run_id)
+            if rec is not None:
+                try:
+                    rec.on_pumped(group, event, worker_id)
+                except Exception:  # never into the Scheduler: it would fail every run
+                    log.exception("run %d: event bookkeeping failed", run.run_id)
 
     def _log_task_failure(self, rec: RunRecord, slot: TaskSlot, completion: Any) -> None:
         kind = completion.worker_type.value  # "sub" / "next_level"

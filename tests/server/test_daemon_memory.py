@@ -64,6 +64,7 @@ def _table(w: Worker) -> RunTable:
     table = RunTable(w, LimitsConfig(), None)
     assert w.scheduler is not None
     w.scheduler.on_task_event = table.on_task_event
+    w.scheduler.on_pumped = table.on_pumped
     return table
 
 
