@@ -39,7 +39,7 @@ from simpler_daemon.engine.runs import RunBuilder, wait_run
 from simpler_daemon.errors import StartupError, WorkerClosedError, WorkerStateError
 from simpler_daemon.scheduler.dispatch import Scheduler
 from simpler_daemon.scheduler.lanes import WorkerManager
-from simpler_daemon.scheduler.trace import traced
+from simpler_daemon.scheduler.trace import traced, traced_pumped
 
 if TYPE_CHECKING:
     from simpler_daemon.callables import CallableRegistry
@@ -339,6 +339,7 @@ class Lifecycle:
             self._runs = RunBuilder(self.scheduler, self._driver, trace=self.trace)
             if self.trace:
                 self.scheduler.on_task_event = traced(self.scheduler.on_task_event)
+                self.scheduler.on_pumped = traced_pumped()
             self.scheduler.max_value_bytes = self.max_value_bytes
             if self.level >= 4:
                 self.scheduler.remote = self._fleet

@@ -48,7 +48,12 @@ MAX_ORCH_ERROR_CHARS: Final = 65536
 #: at once must not keep a task circling).
 MAX_PICKUP_REQUEUES: Final = 3
 
-__all__ = ["MAX_ORCH_ERROR_CHARS", "MAX_PICKUP_REQUEUES", "RunCompletion", "pumped_completion"]
+__all__ = [
+    "MAX_ORCH_ERROR_CHARS",
+    "MAX_PICKUP_REQUEUES",
+    "RunCompletion",
+    "pumped_completion",
+]
 
 
 def pumped_completion(slot: TaskSlot, worker_id: int) -> WorkerCompletion:

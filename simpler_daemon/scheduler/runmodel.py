@@ -605,3 +605,21 @@ class Admission:
 
     def runs(self) -> list[Run]:
         return [*self.active, *self.detached, *self.waiting]
+
+
+def by_run(slots: list[TaskSlot]) -> list[list[TaskSlot]]:
+    """``slots`` cut where the run changes: the runs of an ``on_pumped`` batch, in
+    order (one run, the usual case: ``[slots]`` itself)."""
+    run = slots[0].run
+    groups: list[list[TaskSlot]] | None = None
+    start = 0
+    for j, slot in enumerate(slots):
+        if slot.run is not run:
+            if groups is None:
+                groups = []
+            groups.append(slots[start:j])
+            start, run = j, slot.run
+    if groups is None:
+        return [slots]
+    groups.append(slots[start:])
+    return groups

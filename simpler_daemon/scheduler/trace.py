@@ -28,11 +28,13 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
+from simpler_daemon.scheduler.runmodel import by_run
+
 if TYPE_CHECKING:
     from simpler_daemon.scheduler.lanes import WorkerCompletion
     from simpler_daemon.scheduler.runmodel import TaskSlot
 
-__all__ = ["MAX_TRACE_ATTEMPTS", "RunTrace", "traced"]
+__all__ = ["MAX_TRACE_ATTEMPTS", "RunTrace", "traced", "traced_pumped"]
 
 #: Attempts one run's trace keeps; later ones are counted in ``dropped`` (a run of up to
 #: the daemon's default limits.max_tasks_per_run tasks, each run once, fits).
@@ -252,6 +254,19 @@ def _run_event(name: str, t0: int, dur: int, args: dict[str, Any]) -> dict[str, 
 
 def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def traced_pumped() -> Callable[[list[TaskSlot], str, int], None]:
+    """The Scheduler's ``on_pumped`` hook of a tracing Worker: each run of the batch
+    into its trace at once (the daemon's run table does this itself)."""
+
+    def record(slots: list[TaskSlot], event: str, worker_id: int) -> None:
+        for group in by_run(slots):
+            trace = group[0].run.trace
+            if trace is not None:
+                trace.on_pumped(group, event, worker_id)
+
+    return record
 
 
 def traced(inner: TaskEvent | None) -> TaskEvent:

@@ -50,6 +50,7 @@ from simpler_daemon.errors import (
 )
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.scheduler.completion import pumped_completion
+from simpler_daemon.scheduler.runmodel import by_run
 from simpler_daemon.server import oplog
 from simpler_daemon.server.config import LimitsConfig, run_result_limit
 from simpler_daemon.server.history import History
@@ -421,18 +422,12 @@ class RunTable:
         per run of the batch for its trace and for its record. A completed batch with a
         result among it takes the per-task path (the result's size is accounted)."""
         live = self._live
-        i, n = 0, len(slots)
-        while i < n:
-            run = slots[i].run
-            j = i + 1
-            while j < n and slots[j].run is run:
-                j += 1
-            group = slots if j - i == n else slots[i:j]
-            i = j
+        for group in by_run(slots):
             if event == "completed" and _any_result(group):
                 for slot in group:
                     self.on_task_event(slot, event, pumped_completion(slot, worker_id))
                 continue
+            run = group[0].run
             trace = run.trace
             if trace is not None:
                 trace.on_pumped(group, event, worker_id)

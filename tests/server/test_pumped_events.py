@@ -18,6 +18,7 @@ import pytest
 
 from simpler_daemon import Worker
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.scheduler.runmodel import by_run
 from simpler_daemon.server.config import LimitsConfig
 from simpler_daemon.server.run_record import RunRecord
 from simpler_daemon.server.runs import RunTable
@@ -146,3 +147,16 @@ async def test_a_watched_record_gets_an_event_per_task() -> None:
         assert kinds.count(pb.RUN_EVENT_TYPE_TASK_COMPLETED) == n
         assert kinds[-1] == pb.RUN_EVENT_TYPE_RUN_STATE
         assert events[-1].state == pb.RUN_STATE_COMPLETED
+
+
+def test_a_batch_is_cut_where_its_run_changes() -> None:
+    class Slot:
+        def __init__(self, run: object) -> None:
+            self.run = run
+
+    a, b = object(), object()
+    one = [Slot(a), Slot(a)]
+    assert by_run(one)[0] is one  # type: ignore[arg-type]  # one run: the batch itself, no copy
+    mixed = [Slot(a), Slot(a), Slot(b), Slot(a)]
+    groups = by_run(mixed)  # type: ignore[arg-type]
+    assert [[s.run for s in g] for g in groups] == [[a, a], [b], [a]]
