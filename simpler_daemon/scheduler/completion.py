@@ -326,9 +326,11 @@ class RunCompletion(SchedulerState, SubmitSink):
         """What ``_send`` does per dispatch, for the slots the pump published (one run)."""
         run = published[0].run
         running = SlotState.RUNNING
+        now = time.perf_counter_ns()
         for slot in published:
             slot.state = running
             slot.members_started = 1
+            slot.dispatched_ns = now
         k = len(published)
         run.counts["running"] += k
         self.stats["dispatched"] += k

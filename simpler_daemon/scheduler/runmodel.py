@@ -115,6 +115,10 @@ class TaskSlot:
     """Parent-side record of one task (or one group) inside a run (the fields the C SUB
     pump reads are :data:`PUMP_SLOT_FIELDS`)."""
 
+    #: When the C pump last published it (``time.perf_counter_ns`` of the batch; set by
+    #: ``claim_published``, unset before: read with a default): a traced attempt's start.
+    dispatched_ns: int
+
     __slots__ = (
         "blobs",
         "causes",
@@ -123,6 +127,7 @@ class TaskSlot:
         "consumers",
         "deps",
         "digest",
+        "dispatched_ns",
         "failure",
         "group_size",
         "handle",

@@ -14,6 +14,10 @@ drained (tasks the C pump completes in a batch end at the batch's drain)::
                 -> attempts += (index, member, attempt, t0, t1, lane, outcome, name)
     requeued    -> the open attempt is dropped (the child never picked it up)
 
+A task the C SUB pump publishes notes no dispatch: its slot's ``dispatched_ns`` (set by
+``claim_published``) is the attempt's start, read when it completes (in a batch,
+``on_pumped``, or on the Python path).
+
 :meth:`RunTrace.chrome` gives the Chrome Trace Event format (``{"traceEvents": [...]}``)
 that Perfetto and ``chrome://tracing`` load: one complete event (``ph: "X"``) per
 attempt, ``ts``/``dur`` in microseconds from the run's submission, ``pid`` 1 = the
@@ -128,7 +132,14 @@ class RunTrace:
             key = (slot.slot_id, c.dispatch.group_index)
             started = self.open.pop(key, None)
             now = time.perf_counter_ns()
-            t0, n = started if started is not None else (now, 1)
+            if started is not None:
+                t0, n = started
+            elif key[1] == 0 and hasattr(slot, "dispatched_ns"):
+                # Published by the C pump (``on_pumped`` notes no dispatch), ended here.
+                t0 = slot.dispatched_ns
+                n = self.tries.get(key, 0) + 1 if self.tries else 1
+            else:
+                t0, n = now, 1
             if event == "retried":
                 self.tries[key] = n  # the next attempt is number n + 1
             elif self.tries:  # its last attempt: no number to give any more
@@ -146,30 +157,24 @@ class RunTrace:
             self.open.pop((slot.slot_id, max(slot.members_started - 1, 0)), None)
 
     def on_pumped(self, slots: list[TaskSlot], event: str, worker_id: int) -> None:
-        """``on_event`` for a batch of the C pump's: "dispatched" (each slot's first
-        member, just published) or "completed" (each a SUCCESS on SUB lane
-        ``worker_id``), all at one timestamp (the batch's)."""
-        now = time.perf_counter_ns()
-        opened = self.open
-        tries = self.tries
-        if event == "dispatched":
-            for slot in slots:
-                key = (slot.slot_id, 0)
-                opened[key] = (now, tries.get(key, 0) + 1 if tries else 1)
+        """``on_event`` for a batch of the C pump's: "completed" (each a SUCCESS on SUB
+        lane ``worker_id``, at the batch's timestamp), an attempt from the slot's
+        ``dispatched_ns`` (set when the pump published it: "dispatched" has nothing
+        to note)."""
+        if event != "completed":
             return
+        now = time.perf_counter_ns()
+        tries = self.tries
         base = self.submitted_ns
         code = _SUCCESS_CODE
         ints, names = self.ints, self.names
         for slot in slots:
-            key = (slot.slot_id, 0)
-            started = opened.pop(key, None)
-            t0, n = started if started is not None else (now, 1)
-            if tries:
-                tries.pop(key, None)
+            # A retried task's earlier attempts: this one is the next, and its last.
+            n = tries.pop((slot.slot_id, 0), 0) + 1 if tries else 1
             if len(names) >= MAX_TRACE_ATTEMPTS:
                 self.dropped += 1
                 continue
-            ints.extend((slot.index, 0, n, t0 - base, now - base, worker_id, code))
+            ints.extend((slot.index, 0, n, slot.dispatched_ns - base, now - base, worker_id, code))
             names.append(slot.handle.name)
 
     def end(self) -> None:
@@ -261,6 +266,8 @@ def traced_pumped() -> Callable[[list[TaskSlot], str, int], None]:
     into its trace at once (the daemon's run table does this itself)."""
 
     def record(slots: list[TaskSlot], event: str, worker_id: int) -> None:
+        if event != "completed":
+            return  # the slots carry their dispatch time (``dispatched_ns``)
         for group in by_run(slots):
             trace = group[0].run.trace
             if trace is not None:

@@ -592,15 +592,15 @@ class RunRecord(RunEvents):
             self.watchers.discard(watcher)
 
     def _keep_status(self, run: Run, cancelled: bool, message: str) -> None:
-        """The run is terminal: keep what its status needs and let go of the Run (its
-        slots, args and dependency map; ``Run.release``) and of the handle."""
+        """The run is terminal: keep what its status needs and let go of the Run and of
+        the handle (``_on_done`` releases its slots, args and dependency map once the
+        answers owed are written: ``Run.release`` walks every slot)."""
         self._error = run.error
         self._was_cancelled = cancelled
         if self.result_bytes:
             self._results = run.encoded_results()
             # From now on it counts what it costs in memory, not what it adds to a reply.
             self.result_bytes += len(self._results) * RESULT_KEPT_OVERHEAD
-        run.release()
         self.run = None
         self.handle = None
         err = self._error
@@ -713,4 +713,7 @@ class RunRecord(RunEvents):
         self._t0.clear()
         # Before _end: a watcher's terminal event is built from the kept status.
         self._keep_status(run, state == pb.RUN_STATE_CANCELLED, message)
-        self._end(message)
+        try:
+            self._end(message)
+        finally:
+            run.release()

@@ -429,7 +429,7 @@ class RunTable:
                 continue
             run = group[0].run
             trace = run.trace
-            if trace is not None:
+            if trace is not None and event == "completed":  # a dispatch: nothing to note
                 trace.on_pumped(group, event, worker_id)
             rec = live.get(run.run_id)
             if rec is not None:

@@ -194,3 +194,33 @@ def test_attempt_numbers_through_retries_and_requeues() -> None:
     # (task index, member, attempt, start, end, lane, outcome code) per attempt
     assert [(r[0], r[2], r[5]) for r in rows] == [(0, 1, 0), (1, 1, 1), (1, 2, 1)]
     assert trace.open == {} and trace.tries == {}
+
+
+def test_an_attempt_the_pump_published_lasts_from_its_publication() -> None:
+    """A plain SUB task is published by the C pump, which notes no dispatch event: its
+    attempt starts at the slot's publication time, whether it ends in the pump's batch
+    (a success) or on the Python path (a failure). Each task sleeps 30 ms, so its
+    attempt lasts at least that (a loaded machine can only make it longer)."""
+    w = Worker(num_sub_workers=1, trace=True)
+    try:
+        sleep = w.register(tasks.sleep_ms)
+        fail = w.register(tasks.sleep_then_fail)
+        w.init()
+
+        def ok(o: Any, _args: Any, _config: Any) -> None:
+            o.submit_sub(sleep, targs(scalars=(30,)))
+
+        def bad(o: Any, _args: Any, _config: Any) -> None:
+            o.submit_sub(fail, targs(scalars=(30,)))
+
+        done = w.submit(ok)
+        done.wait(timeout=60)
+        failed = w.submit(bad)
+        with pytest.raises(TaskError):
+            failed.wait(timeout=60)
+        for handle, outcome in ((done, "SUCCESS"), (failed, "TASK_FAILURE")):
+            (ev,) = task_events(handle.trace())
+            assert ev["args"]["outcome"] == outcome and ev["args"]["attempt"] == 1
+            assert ev["dur"] >= 29_000, ev  # microseconds
+    finally:
+        w.close()

@@ -124,6 +124,12 @@ def sleep_ms(args: Any) -> None:
     time.sleep(args.scalars[0] / 1000.0)
 
 
+def sleep_then_fail(args: Any) -> None:
+    """Sleep scalars[0] ms, then raise."""
+    time.sleep(args.scalars[0] / 1000.0)
+    raise RuntimeError("failed after its sleep, on purpose")
+
+
 def chain_step(args: Any) -> None:
     """The counter in tensors[0][0] must equal scalars[0]; then increment it."""
     c = args.tensors[0]
