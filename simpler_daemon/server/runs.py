@@ -597,10 +597,12 @@ class RunTable:
             self._remember_finished(rec)
         else:
             self._active[run_id] = rec
-            self._client_runs[rec.client] += 1
+            runs = self._client_runs  # ``+= 1`` of a new key: Counter.__missing__, Python
+            runs[rec.client] = runs.get(rec.client, 0) + 1
             self._started_ns[run_id] = time.time_ns()
             rec.on_finished = self._run_finished
-        log.debug("run %d started for %s (%s)", run_id, rec.client, rec.label or "no label")
+        if log.isEnabledFor(logging.DEBUG):  # one call per run, not Logger.debug's two
+            log.debug("run %d started for %s (%s)", run_id, rec.client, rec.label or "no label")
         return run_id
 
     # -- the clients' queues ---------------------------------------------------------------
