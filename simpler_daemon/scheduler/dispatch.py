@@ -468,9 +468,12 @@ class Scheduler(ProgressLoop):
         # 4. singles, only on their exact target, least pass first per target
         if self.singles:
             did |= self._singles_fair(fair, reserved)
-        # 5. SUB tasks on idle SUB workers, least pass first
-        if self.subs:
-            did |= self._subs_fair(fair)
+        # 5. SUB tasks on idle SUB workers, least pass first (when a queue holds one: a
+        #    run's queue stays, empty, until the run ends; W1's rounds find it so)
+        for q in self.subs.values():
+            if q:
+                did |= self._subs_fair(fair)
+                break
         return did
 
     def _stage_fair(self, fair: FairAdmission, reserved: set[int]) -> bool:
