@@ -326,11 +326,16 @@ class RunCompletion(SchedulerState, SubmitSink):
         """What ``_send`` does per dispatch, for the slots the pump published (one run)."""
         run = published[0].run
         running = SlotState.RUNNING
-        now = time.perf_counter_ns()
-        for slot in published:
-            slot.state = running
-            slot.members_started = 1
-            slot.dispatched_ns = now
+        if self.on_pumped is None and self.on_task_event is None:
+            for slot in published:  # nobody traces: no dispatch time to stamp
+                slot.state = running
+                slot.members_started = 1
+        else:
+            now = time.perf_counter_ns()
+            for slot in published:
+                slot.state = running
+                slot.members_started = 1
+                slot.dispatched_ns = now
         k = len(published)
         run.counts["running"] += k
         self.stats["dispatched"] += k
