@@ -40,7 +40,7 @@ from simpler_daemon.protocol.fastwire import (
     Welcome,
     encode,
 )
-from simpler_daemon.server.keys import fingerprint_now, native_fingerprint
+from simpler_daemon.server.keys import _digest, fingerprint, fingerprint_now, native_fingerprint
 from tests.support.daemon_harness import (
     DaemonProcess,
     module_daemon,
@@ -119,6 +119,20 @@ def test_a_submit_frames_fingerprint_is_its_submit_run_requests(
         "SubmitRun", request_.idempotency_key, tasks, request_.label, request_.priority
     )
     assert native == fingerprint_now("SubmitRun", request_)
+
+
+@pytest.mark.asyncio
+async def test_a_submit_of_many_tasks_is_fingerprinted_on_a_thread_to_the_same_digest() -> None:
+    """Past keys._MANY_TASKS tasks the size is not worked out (``ByteSize`` walks every
+    task): the request goes to the thread, whose digest is the one computed in place,
+    and the native form's."""
+    one = sub_task("sha256:" + "ab" * 32)
+    request = pb.SubmitRunRequest(tasks=[one] * 2000, idempotency_key="k", label="many")
+    assert fingerprint_now("SubmitRun", request) is None
+    digest = await fingerprint("SubmitRun", request)
+    assert digest == _digest("SubmitRun", request)
+    tasks = [t.SerializeToString(deterministic=True) for t in request.tasks]
+    assert digest == native_fingerprint("SubmitRun", "k", tasks, "many", 0)
 
 
 # --------------------------------------------------------------------------- a daemon
