@@ -81,6 +81,8 @@ class RunTrace:
     attempts under way is dropped when the run ends (:meth:`end`)."""
 
     __slots__ = (
+        "_batches",
+        "_pending",
         "admitted_ns",
         "dropped",
         "ended_ns",
@@ -109,10 +111,14 @@ class RunTrace:
         #: last attempt ends): the next one's number is one more.
         self.tries: dict[tuple[int, int], int] = {}
         self.dropped = 0
+        #: Batches of the C pump's completions not written into ``ints`` yet: (end ns,
+        #: lane, slots), each a first attempt that succeeded (:meth:`settle`).
+        self._batches: list[tuple[int, int, list[TaskSlot]]] = []
+        self._pending = 0  # attempts in them
 
     def __len__(self) -> int:
         """Attempts kept."""
-        return len(self.names)
+        return len(self.names) + self._pending
 
     def on_event(self, slot: TaskSlot, event: str, c: WorkerCompletion | None) -> None:
         """The Scheduler's task event for a slot of this run (twice per task: written for
@@ -144,7 +150,7 @@ class RunTrace:
                 self.tries[key] = n  # the next attempt is number n + 1
             elif self.tries:  # its last attempt: no number to give any more
                 self.tries.pop(key, None)
-            if len(self.names) >= MAX_TRACE_ATTEMPTS:
+            if len(self.names) + self._pending >= MAX_TRACE_ATTEMPTS:
                 self.dropped += 1
                 return
             code = _outcome_code(c.outcome._name_)
@@ -165,17 +171,52 @@ class RunTrace:
             return
         now = time.perf_counter_ns()
         tries = self.tries
+        if not tries:
+            # Every one a first attempt: kept as the batch, written out by ``settle``
+            # (after the run's answer), so the run's own path pays one append a batch.
+            k = len(slots)
+            room = MAX_TRACE_ATTEMPTS - len(self.names) - self._pending
+            if k > room:
+                self.dropped += k - max(room, 0)
+                if room <= 0:
+                    return
+                slots, k = slots[:room], room
+            self._batches.append((now, worker_id, slots[:]))
+            self._pending += k
+            return
         base = self.submitted_ns
         code = _SUCCESS_CODE
         ints, names = self.ints, self.names
         for slot in slots:
             # A retried task's earlier attempts: this one is the next, and its last.
             n = tries.pop((slot.slot_id, 0), 0) + 1 if tries else 1
-            if len(names) >= MAX_TRACE_ATTEMPTS:
+            if len(names) + self._pending >= MAX_TRACE_ATTEMPTS:
                 self.dropped += 1
                 continue
             ints.extend((slot.index, 0, n, slot.dispatched_ns - base, now - base, worker_id, code))
             names.append(slot.handle.name)
+
+    def settle(self) -> None:
+        """Write the pending batches of the C pump's completions into ``ints`` and
+        ``names`` and let go of their slots (the daemon calls it on its loop once a
+        run's answer is written; an engine run's trace keeps them while its run does)."""
+        batches = self._batches
+        if not batches:
+            return
+        self._batches = []
+        self._pending = 0
+        self._write(batches, self.ints, self.names)
+
+    def _write(
+        self, batches: list[tuple[int, int, list[TaskSlot]]], ints: array[int], names: list[str]
+    ) -> None:
+        base = self.submitted_ns
+        code = _SUCCESS_CODE
+        for t1, lane, slots in batches:
+            end = t1 - base
+            for slot in slots:
+                ints.extend((slot.index, 0, 1, slot.dispatched_ns - base, end, lane, code))
+                names.append(slot.handle.name)
 
     def end(self) -> None:
         """The run ended: note when, and drop the bookkeeping of attempts under way."""
@@ -184,17 +225,23 @@ class RunTrace:
         self.tries = {}
 
     def nbytes(self) -> int:
-        """About what the kept trace costs in memory."""
-        return 512 + ATTEMPT_BYTES * len(self.names)
+        """About what the kept trace costs in memory (the pending batches as written)."""
+        return 512 + ATTEMPT_BYTES * (len(self.names) + self._pending)
 
     def chrome(self, run_id: int, *, state: str = "", worker: str = "Worker") -> dict[str, Any]:
         """The trace in Chrome Trace Event format (see the module docstring); ``state``
-        the run's state for the run's own event, ``worker`` the process's name."""
+        the run's state for the run's own event, ``worker`` the process's name.
+
+        Reads without writing (any thread may ask while the run runs): the pending
+        batches are rendered from a copy, and stay pending."""
         base = self.submitted_ns
         lanes: dict[int, str] = {}
         events: list[dict[str, Any]] = []
-        ints = self.ints
-        for k, name in enumerate(self.names):
+        ints, names = self.ints, self.names
+        if self._batches:
+            ints, names = array("q", ints), names[:]
+            self._write(self._batches[:], ints, names)
+        for k, name in enumerate(names):
             index, member, attempt, t0, t1, lane, code = ints[k * FIELDS : (k + 1) * FIELDS]
             sub = lane >= 0
             lane_id = lane if sub else -1 - lane
@@ -237,7 +284,7 @@ class RunTrace:
         other: dict[str, Any] = {
             "run_id": run_id,
             "submitted_unix_ns": self.wall_ns,
-            "attempts": len(self.names),
+            "attempts": len(names),
         }
         if self.dropped:
             other["attempts_dropped"] = self.dropped

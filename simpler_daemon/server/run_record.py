@@ -729,4 +729,6 @@ class RunRecord(RunEvents):
         try:
             self._end(message)
         finally:
+            if self.trace is not None:
+                self.trace.settle()  # its pending batches hold the slots released now
             run.release()

@@ -18,6 +18,7 @@ import pytest
 
 from simpler_daemon import Worker
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.scheduler import trace as trace_module
 from simpler_daemon.scheduler.runmodel import by_run
 from simpler_daemon.server.config import LimitsConfig
 from simpler_daemon.server.run_record import RunRecord
@@ -89,6 +90,8 @@ async def test_two_runs_of_plain_tasks_count_and_trace_every_task() -> None:
             assert status.state == pb.RUN_STATE_COMPLETED
             assert (status.counts.total, status.counts.done) == (n, n)
             assert (status.counts.running, status.counts.failed) == (0, 0)
+            assert rec.trace is not None and len(rec.trace) == n
+            assert not rec.trace._batches  # written out once answered: no slot held
             assert attempts(rec) == [(i, 0, 1, "SUCCESS") for i in range(n)]
             assert rec.seq >= 2 * n  # a sequence number per task event, as one by one
     # The pump's path took (most of) the tasks: in batches, none of them empty.
@@ -160,3 +163,23 @@ def test_a_batch_is_cut_where_its_run_changes() -> None:
     mixed = [Slot(a), Slot(a), Slot(b), Slot(a)]
     groups = by_run(mixed)  # type: ignore[arg-type]
     assert [[s.run for s in g] for g in groups] == [[a, a], [b], [a]]
+
+
+@pytest.mark.asyncio
+async def test_a_trace_keeps_at_most_its_cap_of_attempts_and_counts_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MAX_TRACE_ATTEMPTS bounds what a trace keeps, pending batches included; the
+    attempts past it are counted as dropped, and the trace says so."""
+    monkeypatch.setattr(trace_module, "MAX_TRACE_ATTEMPTS", 10)
+    w = Worker(num_sub_workers=2, admission="fifo", trace=True)
+    h = w.register(tasks.noop)
+    async with w:
+        table, _ = hooked(w)
+        rec = await launch(table, 40, h)
+        assert (await table.wait(rec, WAIT_S)).state == pb.RUN_STATE_COMPLETED
+        assert rec.trace is not None
+        assert len(rec.trace) == 10 and rec.trace.dropped == 30
+        doc = rec.trace.chrome(rec.run_id)
+        assert doc["otherData"]["attempts"] == 10
+        assert doc["otherData"]["attempts_dropped"] == 30
