@@ -19,6 +19,7 @@ import numpy as np
 from simpler_daemon.args import CallConfig, Tag, check_priority, scalar_word
 from simpler_daemon.errors import RunCancelled, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
+from simpler_daemon.protocol.pbwire import field
 from simpler_daemon.retrypolicy import DEFAULT_RETRY_ON, qualified_name
 from simpler_daemon.taskvalues import array_header, encode_kwargs, encode_value
 
@@ -267,16 +268,52 @@ def submit_request(
     include_results: bool = False,
 ) -> pb.SubmitRunRequest:
     """``priority``: 1 to 1000 (``ValueError`` / ``TypeError`` otherwise, before any call)."""
+    if not isinstance(tasks, (list, tuple)):
+        tasks = list(tasks)
+    many = len(tasks) > _COPIED_TASKS and _all_tasks(tasks)
     request = pb.SubmitRunRequest(
-        tasks=list(tasks),
+        tasks=() if many else list(tasks),
         idempotency_key=key,
         label=label,
         priority=check_priority(priority),
         include_results=include_results,
     )
+    if many:
+        request.MergeFromString(_encoded_tasks(tasks))
     if wait_seconds is not None:
         request.wait_seconds = wait_seconds
     return request
+
+
+#: A SubmitRun of more tasks than this gets them from their encodings, each distinct
+#: Task object encoded once, rather than by copying every message into the request:
+#: ``[task] * 20_000`` took 4.8 ms that way, 1.9 ms this way.
+_COPIED_TASKS: Final = 64
+#: The key byte of SubmitRunRequest.tasks (field 2, length-delimited).
+_TASKS_TAG: Final = b"\x12"
+
+
+def _all_tasks(tasks: Sequence[Any]) -> bool:
+    """Whether every element is a Task message (else the constructor's error stands)."""
+    for task in tasks:  # noqa: SIM110 - no generator frame per element
+        if type(task) is not pb.Task:
+            return False
+    return True
+
+
+def _encoded_tasks(tasks: Sequence[pb.Task]) -> bytes:
+    """The ``tasks`` field of a SubmitRunRequest as protobuf writes it, from each
+    distinct Task object's encoding (a run of one task repeated encodes it once)."""
+    done: dict[int, bytes] = {}
+    parts: list[bytes] = []
+    for task in tasks:
+        part = done.get(id(task))
+        if part is None:
+            encoded: list[bytes] = []
+            field(encoded, _TASKS_TAG, task.SerializeToString())
+            part = done[id(task)] = b"".join(encoded)
+        parts.append(part)
+    return b"".join(parts)
 
 
 def orchestration_request(

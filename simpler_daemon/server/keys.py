@@ -15,6 +15,8 @@ import asyncio
 import hashlib
 from typing import Any, Final
 
+from simpler_daemon.protocol.pbwire import field, varint
+
 __all__ = ["fingerprint", "fingerprint_now", "native_fingerprint"]
 
 #: Requests larger than this are fingerprinted on a thread (hashing megabytes stalls the loop).
@@ -55,33 +57,16 @@ def native_fingerprint(
     matches whichever form it came in."""
     parts: list[bytes] = []
     if key:
-        _field(parts, b"\x0a", key.encode())
+        field(parts, b"\x0a", key.encode())
     for task in tasks:
-        _field(parts, b"\x12", task)
+        field(parts, b"\x12", task)
     if label:
-        _field(parts, b"\x1a", label.encode())
+        field(parts, b"\x1a", label.encode())
     if priority:
-        parts += (b"\x28", _varint(priority))
+        parts += (b"\x28", varint(priority))
     h = hashlib.sha256(method.encode())
     h.update(b"".join(parts))
     return h.digest()
-
-
-_SMALL: Final = [bytes((i,)) for i in range(0x80)]
-
-
-def _field(parts: list[bytes], tag: bytes, data: bytes) -> None:
-    size = len(data)
-    parts += (tag, _SMALL[size] if size < 0x80 else _varint(size), data)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _digest(method: str, request: Any) -> bytes:
