@@ -19,7 +19,7 @@ import numpy as np
 from simpler_daemon.args import CallConfig, Tag, check_priority, scalar_word
 from simpler_daemon.errors import RunCancelled, TaskError
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
-from simpler_daemon.protocol.pbwire import field
+from simpler_daemon.protocol.pbwire import varint
 from simpler_daemon.retrypolicy import DEFAULT_RETRY_ON, qualified_name
 from simpler_daemon.taskvalues import array_header, encode_kwargs, encode_value
 
@@ -309,9 +309,8 @@ def _encoded_tasks(tasks: Sequence[pb.Task]) -> bytes:
     for task in tasks:
         part = done.get(id(task))
         if part is None:
-            encoded: list[bytes] = []
-            field(encoded, _TASKS_TAG, task.SerializeToString())
-            part = done[id(task)] = b"".join(encoded)
+            data = task.SerializeToString()
+            part = done[id(task)] = _TASKS_TAG + varint(len(data)) + data
         parts.append(part)
     return b"".join(parts)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Final
 
 from simpler_daemon.scheduler.runmodel import by_run
@@ -67,6 +68,9 @@ def _outcome_code(name: str) -> int:
 
 
 _SUCCESS_CODE: Final = _outcome_code("SUCCESS")
+
+#: A pending batch of the C pump's completions (``RunTrace._batches``).
+_Batch = tuple[int, int, list["TaskSlot"], "list[int] | None"]
 
 TaskEvent = Callable[["TaskSlot", str, "WorkerCompletion | None"], None]
 
@@ -112,8 +116,9 @@ class RunTrace:
         self.tries: dict[tuple[int, int], int] = {}
         self.dropped = 0
         #: Batches of the C pump's completions not written into ``ints`` yet: (end ns,
-        #: lane, slots), each a first attempt that succeeded (:meth:`settle`).
-        self._batches: list[tuple[int, int, list[TaskSlot]]] = []
+        #: lane, slots, their attempt numbers; None: all first ones), each a success
+        #: (:meth:`settle`).
+        self._batches: list[_Batch] = []
         self._pending = 0  # attempts in them
 
     def __len__(self) -> int:
@@ -162,39 +167,24 @@ class RunTrace:
             # Never picked up: not an attempt (its number is given again).
             self.open.pop((slot.slot_id, max(slot.members_started - 1, 0)), None)
 
-    def on_pumped(self, slots: list[TaskSlot], event: str, worker_id: int) -> None:
-        """``on_event`` for a batch of the C pump's: "completed" (each a SUCCESS on SUB
-        lane ``worker_id``, at the batch's timestamp), an attempt from the slot's
-        ``dispatched_ns`` (set when the pump published it: "dispatched" has nothing
-        to note)."""
-        if event != "completed":
-            return
+    def on_pumped(self, slots: list[TaskSlot], worker_id: int) -> None:
+        """``on_event`` of "completed" for a batch of the C pump's (each a SUCCESS on
+        SUB lane ``worker_id``, at the batch's timestamp; its start the slot's
+        ``dispatched_ns``: a pumped dispatch has nothing to note). Kept as the batch,
+        written out by :meth:`settle`, so the run's own path pays one append a batch."""
         now = time.perf_counter_ns()
         tries = self.tries
-        if not tries:
-            # Every one a first attempt: kept as the batch, written out by ``settle``
-            # (after the run's answer), so the run's own path pays one append a batch.
-            k = len(slots)
-            room = MAX_TRACE_ATTEMPTS - len(self.names) - self._pending
-            if k > room:
-                self.dropped += k - max(room, 0)
-                if room <= 0:
-                    return
-                slots, k = slots[:room], room
-            self._batches.append((now, worker_id, slots[:]))
-            self._pending += k
-            return
-        base = self.submitted_ns
-        code = _SUCCESS_CODE
-        ints, names = self.ints, self.names
-        for slot in slots:
-            # A retried task's earlier attempts: this one is the next, and its last.
-            n = tries.pop((slot.slot_id, 0), 0) + 1 if tries else 1
-            if len(names) + self._pending >= MAX_TRACE_ATTEMPTS:
-                self.dropped += 1
-                continue
-            ints.extend((slot.index, 0, n, slot.dispatched_ns - base, now - base, worker_id, code))
-            names.append(slot.handle.name)
+        # A retried task's earlier attempts: this one is the next, and its last.
+        attempts = [tries.pop((s.slot_id, 0), 0) + 1 for s in slots] if tries else None
+        k = len(slots)
+        room = MAX_TRACE_ATTEMPTS - len(self.names) - self._pending
+        if k > room:
+            self.dropped += k - max(room, 0)
+            if room <= 0:
+                return
+            slots, k = slots[:room], room
+        self._batches.append((now, worker_id, slots[:], attempts))
+        self._pending += k
 
     def settle(self) -> None:
         """Write the pending batches of the C pump's completions into ``ints`` and
@@ -207,15 +197,14 @@ class RunTrace:
         self._pending = 0
         self._write(batches, self.ints, self.names)
 
-    def _write(
-        self, batches: list[tuple[int, int, list[TaskSlot]]], ints: array[int], names: list[str]
-    ) -> None:
+    def _write(self, batches: list[_Batch], ints: array[int], names: list[str]) -> None:
         base = self.submitted_ns
         code = _SUCCESS_CODE
-        for t1, lane, slots in batches:
+        for t1, lane, slots, attempts in batches:
             end = t1 - base
-            for slot in slots:
-                ints.extend((slot.index, 0, 1, slot.dispatched_ns - base, end, lane, code))
+            # attempts may be longer (a batch cut at MAX_TRACE_ATTEMPTS), repeat() endless
+            for slot, n in zip(slots, attempts or repeat(1), strict=False):
+                ints.extend((slot.index, 0, n, slot.dispatched_ns - base, end, lane, code))
                 names.append(slot.handle.name)
 
     def end(self) -> None:
@@ -318,7 +307,7 @@ def traced_pumped() -> Callable[[list[TaskSlot], str, int], None]:
         for group in by_run(slots):
             trace = group[0].run.trace
             if trace is not None:
-                trace.on_pumped(group, event, worker_id)
+                trace.on_pumped(group, worker_id)
 
     return record
 

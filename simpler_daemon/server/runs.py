@@ -430,7 +430,7 @@ class RunTable:
             run = group[0].run
             trace = run.trace
             if trace is not None and event == "completed":  # a dispatch: nothing to note
-                trace.on_pumped(group, event, worker_id)
+                trace.on_pumped(group, worker_id)
             rec = live.get(run.run_id)
             if rec is not None:
                 try:
