@@ -12,11 +12,13 @@ event a task) all end with the counts, trace and events a task-by-task path give
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
-from simpler_daemon import Worker
+from simpler_daemon import CallableHandle, Worker
 from simpler_daemon.protocol._proto.simpler.daemon.v1 import daemon_pb2 as pb
 from simpler_daemon.scheduler import trace as trace_module
 from simpler_daemon.scheduler.runmodel import by_run
@@ -34,21 +36,28 @@ def answer(args: Any) -> int:
     return int(args.scalars[0]) * 3
 
 
-def hooked(w: Worker, limits: LimitsConfig | None = None) -> tuple[RunTable, list[int]]:
-    """The daemon's run table over ``w``, hooked as the servicer hooks it; and the sizes
-    of the batches its ``on_pumped`` got."""
-    table = RunTable(w, limits or LimitsConfig(), None)
-    sched = w.scheduler
-    assert sched is not None
-    batches: list[int] = []
+@contextlib.asynccontextmanager
+async def hooked(
+    admission: str, fn: Callable[[Any], Any], limits: LimitsConfig | None = None
+) -> AsyncIterator[tuple[RunTable, CallableHandle, list[int]]]:
+    """A traced Worker with ``fn`` registered, and the daemon's run table over it,
+    hooked as the servicer hooks it: the table, ``fn``'s handle and the sizes of the
+    batches the table's ``on_pumped`` got."""
+    w = Worker(num_sub_workers=2, admission=admission, trace=True)
+    h = w.register(fn)
+    async with w:
+        table = RunTable(w, limits or LimitsConfig(), None)
+        sched = w.scheduler
+        assert sched is not None
+        batches: list[int] = []
 
-    def on_pumped(slots: list[Any], event: str, worker_id: int) -> None:
-        batches.append(len(slots))
-        table.on_pumped(slots, event, worker_id)
+        def on_pumped(slots: list[Any], event: str, worker_id: int) -> None:
+            batches.append(len(slots))
+            table.on_pumped(slots, event, worker_id)
 
-    sched.on_task_event = table.on_task_event
-    sched.on_pumped = on_pumped
-    return table, batches
+        sched.on_task_event = table.on_task_event
+        sched.on_pumped = on_pumped
+        yield table, h, batches
 
 
 async def launch(table: RunTable, n: int, h: Any, *, valued: bool = False) -> RunRecord:
@@ -80,10 +89,7 @@ def attempts(rec: RunRecord) -> list[tuple[int, int, int, str]]:
 @pytest.mark.asyncio
 async def test_two_runs_of_plain_tasks_count_and_trace_every_task() -> None:
     n = 300
-    w = Worker(num_sub_workers=2, admission="fifo", trace=True)
-    h = w.register(tasks.noop)
-    async with w:
-        table, batches = hooked(w)
+    async with hooked("fifo", tasks.noop) as (table, h, batches):
         a, b = await launch(table, n, h), await launch(table, n, h)
         for rec in (a, b):
             status = await table.wait(rec, WAIT_S)
@@ -100,12 +106,9 @@ async def test_two_runs_of_plain_tasks_count_and_trace_every_task() -> None:
 
 @pytest.mark.asyncio
 async def test_results_are_accounted_one_by_one_against_the_run_limit() -> None:
-    w = Worker(num_sub_workers=2, admission="fair", trace=True)
-    h = w.register(answer)
-    async with w:
-        # Room for about 5 small results: a later one fails the run, naming the limit,
-        # and its attempt in the trace says TASK_FAILURE.
-        table, _ = hooked(w, LimitsConfig(max_run_result_bytes=5 * 16))
+    # Room for about 5 small results: a later one fails the run, naming the limit,
+    # and its attempt in the trace says TASK_FAILURE.
+    async with hooked("fair", answer, LimitsConfig(max_run_result_bytes=5 * 16)) as (table, h, _):
         rec = await launch(table, 40, h, valued=True)
         status = await table.wait(rec, WAIT_S)
         assert status.state == pb.RUN_STATE_FAILED
@@ -118,10 +121,7 @@ async def test_results_are_accounted_one_by_one_against_the_run_limit() -> None:
 @pytest.mark.asyncio
 async def test_a_watched_record_gets_an_event_per_task() -> None:
     n = 50
-    w = Worker(num_sub_workers=2, admission="fair", trace=True)
-    h = w.register(tasks.noop)
-    async with w:
-        table, _ = hooked(w)
+    async with hooked("fair", tasks.noop) as (table, h, _):
         rec = table.new_record(label="watched", client="uid:1", key="", total=None)
         started = asyncio.Event()
         go = asyncio.Event()
@@ -172,10 +172,7 @@ async def test_a_trace_keeps_at_most_its_cap_of_attempts_and_counts_the_rest(
     """MAX_TRACE_ATTEMPTS bounds what a trace keeps, pending batches included; the
     attempts past it are counted as dropped, and the trace says so."""
     monkeypatch.setattr(trace_module, "MAX_TRACE_ATTEMPTS", 10)
-    w = Worker(num_sub_workers=2, admission="fifo", trace=True)
-    h = w.register(tasks.noop)
-    async with w:
-        table, _ = hooked(w)
+    async with hooked("fifo", tasks.noop) as (table, h, _):
         rec = await launch(table, 40, h)
         assert (await table.wait(rec, WAIT_S)).state == pb.RUN_STATE_COMPLETED
         assert rec.trace is not None
