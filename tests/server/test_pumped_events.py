@@ -39,20 +39,20 @@ def answer(args: Any) -> int:
 @contextlib.asynccontextmanager
 async def hooked(
     admission: str, fn: Callable[[Any], Any], limits: LimitsConfig | None = None
-) -> AsyncIterator[tuple[RunTable, CallableHandle, list[int]]]:
+) -> AsyncIterator[tuple[RunTable, CallableHandle, dict[str, list[int]]]]:
     """A traced Worker with ``fn`` registered, and the daemon's run table over it,
     hooked as the servicer hooks it: the table, ``fn``'s handle and the sizes of the
-    batches the table's ``on_pumped`` got."""
+    batches the table's ``on_pumped`` got, by event."""
     w = Worker(num_sub_workers=2, admission=admission, trace=True)
     h = w.register(fn)
     async with w:
         table = RunTable(w, limits or LimitsConfig(), None)
         sched = w.scheduler
         assert sched is not None
-        batches: list[int] = []
+        batches: dict[str, list[int]] = {"dispatched": [], "completed": []}
 
         def on_pumped(slots: list[Any], event: str, worker_id: int) -> None:
-            batches.append(len(slots))
+            batches[event].append(len(slots))
             table.on_pumped(slots, event, worker_id)
 
         sched.on_task_event = table.on_task_event
@@ -100,8 +100,12 @@ async def test_two_runs_of_plain_tasks_count_and_trace_every_task() -> None:
             assert not rec.trace._batches  # written out once answered: no slot held
             assert attempts(rec) == [(i, 0, 1, "SUCCESS") for i in range(n)]
             assert rec.seq >= 2 * n  # a sequence number per task event, as one by one
-    # The pump's path took (most of) the tasks: in batches, none of them empty.
-    assert batches and min(batches) >= 1 and sum(batches) <= 4 * n
+    # The pump's path took (most of) the tasks: in batches, none of them empty. A task
+    # may be published twice (taken back unstarted from a queue frame for an idle
+    # lane, then published again), but it completes once.
+    done = batches["completed"]
+    assert done and min(done) >= 1 and sum(done) <= 2 * n
+    assert batches["dispatched"] and min(batches["dispatched"]) >= 1
 
 
 @pytest.mark.asyncio
@@ -146,7 +150,9 @@ async def test_a_watched_record_gets_an_event_per_task() -> None:
         go.set()
         await asyncio.wait_for(watcher, WAIT_S)
         kinds = [ev.type for ev in events]
-        assert kinds.count(pb.RUN_EVENT_TYPE_TASK_DISPATCHED) == n
+        # Dispatched at least once each: a task taken back unstarted from a queue frame
+        # (for an idle lane) is dispatched again; each completes once.
+        assert kinds.count(pb.RUN_EVENT_TYPE_TASK_DISPATCHED) >= n
         assert kinds.count(pb.RUN_EVENT_TYPE_TASK_COMPLETED) == n
         assert kinds[-1] == pb.RUN_EVENT_TYPE_RUN_STATE
         assert events[-1].state == pb.RUN_STATE_COMPLETED
