@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -117,6 +118,39 @@ class ChildContext:
     #: 2: the parent may queue the next task in the other task frame while one runs
     #: (a queue frame, see ``MailboxLoop.run``); 1: task frame 0 only.
     task_frames: int = 1
+
+
+_monotonic_ns = time.monotonic_ns
+
+#: A child spins for its next task while at least this share of its recent waits got
+#: one within ``spin_ns`` (smoothed by ``SPIN_GAP_ALPHA``): when tasks come further apart
+#: (a daemon's client that makes one run at a time), the spin would catch none and
+#: only take turns at the core with the processes the answer goes through.
+SPIN_MIN_HIT_RATE: Final = 0.5
+SPIN_GAP_ALPHA: Final = 0.125
+
+
+class _SpinGap:
+    """Whether the child's next wait spins: the share of its recent waits for a task that
+    a spin would have caught, whether it spun or parked (the time from going idle to
+    the next task claimed, against ``spin_ns``). Spinning comes back when tasks come
+    close together again: a parked child measures the gap as well."""
+
+    __slots__ = ("hit_rate", "idle_since", "spin_ns")
+
+    def __init__(self, spin_ns: int) -> None:
+        self.spin_ns = spin_ns
+        self.hit_rate = 1.0
+        #: When the child last ran out of work (monotonic ns; 0: it has work).
+        self.idle_since = 0
+
+    def task_came(self) -> None:
+        hit = _monotonic_ns() - self.idle_since <= self.spin_ns
+        self.hit_rate += SPIN_GAP_ALPHA * ((1.0 if hit else 0.0) - self.hit_rate)
+        self.idle_since = 0
+
+    def spins(self) -> bool:
+        return self.hit_rate >= SPIN_MIN_HIT_RATE
 
 
 def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> None:
@@ -264,6 +298,7 @@ class MailboxLoop:
         parent = self.ctx.parent_pid
         load32 = _mb.load32
         claim = _mb.child_claim
+        gate = _SpinGap(spin_ns)
         while True:
             bst = load32(buf, BASE_FRAME)
             if bst == SHUTDOWN or load32(buf, OFF_SHUTDOWN):
@@ -278,6 +313,8 @@ class MailboxLoop:
                 s1 = load32(buf, f1)
                 got = claim(buf, self.hold)  # pick and claim, in C: once per task
                 if got > 0:
+                    if gate.idle_since:
+                        gate.task_came()
                     self.frame = got
                     self.plain = False
                     self.run_task()
@@ -289,12 +326,16 @@ class MailboxLoop:
             else:
                 st = load32(buf, frame)
                 if st == TASK_READY:
+                    if gate.idle_since:
+                        gate.task_came()
                     self.run_task()
                     continue
                 expected = (bst, st, 0)
             if bst == CONTROL_REQUEST:
                 self.handle_control()
                 continue
+            if not gate.idle_since:
+                gate.idle_since = _monotonic_ns()
             idle = _mb.child_wait(buf, watch, expected, spin, park) < 0
             if idle:
                 # Spin only right after work: an idle child that re-parks after a
@@ -305,7 +346,7 @@ class MailboxLoop:
                     return 0
                 self.on_idle()
             else:
-                spin = spin_ns
+                spin = spin_ns if gate.spins() else 0
         self.shutdown()
         return 0
 
