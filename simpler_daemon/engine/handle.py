@@ -118,6 +118,20 @@ class RunHandle(BridgedFuture):
 
     # -- waiting ------------------------------------------------------------------------------
 
+    def settle(self) -> bool:
+        """On the Worker's bound event loop, before waiting for the run: wait for its
+        tasks in this call when they are quick and the run is alone (``Scheduler.settle``:
+        a one-task run then ends without a turn of the loop). True when the run is
+        terminal. Anywhere else it only says whether the run is terminal."""
+        run = self.run
+        if run.terminal:
+            return True
+        loop = self._worker._driver.loop
+        sched = self._worker.scheduler
+        if loop is None or sched is None or asyncio._get_running_loop() is not loop:
+            return False
+        return sched.settle(run)
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the run is terminal; raise its error.
 
@@ -150,7 +164,8 @@ class RunHandle(BridgedFuture):
         seconds = check_timeout(timeout, f"wait for run {self.run_id}")
         loop = asyncio.get_running_loop()
         if self._worker._driver.loop is loop:
-            await wait_run(self.run, seconds)  # callbacks fire on this loop
+            if not self.settle():  # a one-task run ends here, without a loop turn
+                await wait_run(self.run, seconds)  # callbacks fire on this loop
         else:
             await self._wait_foreign(loop, seconds)
         self._raise()

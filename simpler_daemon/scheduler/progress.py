@@ -20,11 +20,16 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from simpler_daemon.endpoints.base import Outcome
 from simpler_daemon.scheduler.completion import RunCompletion
 from simpler_daemon.scheduler.runmodel import FailureInfo
+from simpler_daemon.scheduler.subpump import PUMP_MIN_HIT_RATE
+
+if TYPE_CHECKING:
+    from simpler_daemon.scheduler.runmodel import Run
+    from simpler_daemon.scheduler.subpump import SubPump
 
 log = logging.getLogger("simpler_daemon.scheduler")
 
@@ -49,9 +54,56 @@ def _resolve(wake: asyncio.Future[None]) -> None:
 class ProgressLoop(RunCompletion):
     """Runs Scheduler rounds on a bound loop: spin briefly, then park on the doorbell."""
 
+    _pump: SubPump
+
     def round(self) -> bool:  # pragma: no cover - the Scheduler defines it
         """Progress, drain, dispatch. True when anything happened."""
         raise NotImplementedError
+
+    def settle(self, run: Run) -> bool:
+        """A caller on the bound loop is about to wait for ``run``: run the round that
+        waits for its tasks now, in the caller's turn, instead of on the progress
+        coroutine's next one. True when the run is terminal after it.
+
+        Only for a run alone in the Scheduler (no other run admitted, waiting or
+        detached: the round's spin holds up no other run's work) whose orchestration
+        returned, with nothing queued and every task in flight on the pump's lanes,
+        while the pump's spins catch their tasks (``PUMP_MIN_HIT_RATE``: a run of long
+        tasks is left to the coroutine, which parks). A one-task run then ends inside
+        the call that submitted it: its answer needs no future, no loop turn, no park
+        and wake-up (the daemon's waiting SubmitRun, ``RunHandle.wait_async``)."""
+        if run.terminal:
+            return True
+        admission = self.admission
+        if (
+            self.in_round
+            or run.building
+            or admission.head is not run
+            or admission.successor is not None
+            or admission.waiting
+            or admission.detached
+            or self._pump.hit_rate < PUMP_MIN_HIT_RATE
+            or self.subs.get(run.run_id)
+        ):
+            return False
+        pump = self._pump
+        inflight = False
+        for lane in self._lanes:
+            if lane.inflight:
+                if not pump.owns(lane):
+                    return False
+                inflight = True
+        if not inflight:
+            return False
+        self.round()
+        if not run.terminal:
+            return False
+        self.stats["settled"] += 1
+        if not self._suspect and self.quiet():
+            # What the submit poked the coroutine for is done: when it wakes, it parks
+            # again without a round (``run``).
+            self._poked = False
+        return True
 
     def busy(self) -> bool:
         if self.completions:
@@ -220,8 +272,11 @@ class ProgressLoop(RunCompletion):
         try:
             while not self._stopped:
                 seen = doorbell.completed()
+                # Woken for what a waiter's ``settle`` did meanwhile (nothing poked since,
+                # nothing in flight or admitted): park again without a round.
+                idle = not self._poked and not self._suspect and self.quiet()
                 self._poked = False
-                if self.round():
+                if not idle and self.round():
                     last_progress = time.monotonic()
                     if self._poked:
                         await asyncio.sleep(0)

@@ -117,6 +117,8 @@ class SchedulerState:
             "retried": 0,
             "rounds": 0,
             "parks": 0,
+            #: Runs that ended inside ``settle`` (their waiter's own call).
+            "settled": 0,
         }
         #: Group members whose failed attempt runs again (completion.py), waiting for a lane.
         self.member_retries: list[tuple[TaskSlot, int]] = []
