@@ -5,14 +5,17 @@ owe until a run ends (:class:`Deferred`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import grpc
 
 from simpler_daemon.protocol.metadata import CLIENT_ID_METADATA, FIELD_METADATA
 from simpler_daemon.server.peers import PeerCredentials
 
-__all__ = ["Deferred", "FastAbort", "FastContext"]
+__all__ = ["CODE_NUMBER", "Deferred", "FastAbort", "FastContext"]
+
+#: A status code's number in a Reply or End frame.
+CODE_NUMBER: Final[dict[grpc.StatusCode, int]] = {c: c.value[0] for c in grpc.StatusCode}
 
 
 class FastAbort(grpc.aio.AbortError):  # type: ignore[misc]  # grpc is untyped
@@ -71,7 +74,9 @@ class Deferred:
     ``rec``'s run ends, or after ``timeout`` seconds (None: no limit), whichever is
     first. The connection then writes ``finish()``'s response from that very turn (the
     run's completion callback, or the timer), without a handler woken for it; when
-    ``finish`` raises, ``refuse(exc)`` names the status: ``(code, details, field)``."""
+    ``finish`` raises, ``refuse(exc)`` names the status: ``(code, details, field)``.
+    Of ``rec`` the connection reads ``terminal``, ``when_finished`` and ``settle`` (a
+    RunRecord's: a lone run of quick tasks may end inside that call)."""
 
     __slots__ = ("finish", "rec", "refuse", "timeout")
 

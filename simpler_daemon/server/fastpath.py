@@ -64,7 +64,9 @@ from simpler_daemon.protocol.fastwire import (
 )
 from simpler_daemon.server.decoding import tolerant
 from simpler_daemon.server.eager import start_eagerly
+from simpler_daemon.server.fastcontext import CODE_NUMBER as _CODE_NUMBER
 from simpler_daemon.server.fastcontext import Deferred, FastAbort, FastContext
+from simpler_daemon.server.fastowed import owe
 from simpler_daemon.server.peers import peer_credentials
 from simpler_daemon.system.localtrust import bind_private_listener
 
@@ -73,7 +75,6 @@ __all__ = ["Deferred", "FastAbort", "FastContext", "FastServer"]
 log = logging.getLogger("simpler_daemon.daemon")
 
 Code = grpc.StatusCode
-_CODE_NUMBER: Final[dict[grpc.StatusCode, int]] = {c: c.value[0] for c in grpc.StatusCode}
 #: Bytes the socket's write buffer holds before a server stream waits.
 _HIGH_WATER: Final = 4 << 20
 #: Unread client-stream bytes of one connection before it stops reading.
@@ -567,12 +568,8 @@ class _Connection(asyncio.Protocol):
 
     def _defer(self, call: _Call, name: str, deferred: Deferred) -> None:
         """Answer ``call`` when ``deferred``'s run ends or its wait expires, from that
-        turn (see :class:`_Owed`)."""
-        owed = _Owed(self, call, name, deferred)
-        if deferred.rec.terminal:  # cannot happen (the handler checked, nothing ran since)
-            owed.answer()
-            return
-        owed.arm()
+        turn (server/fastowed.py)."""
+        owe(self, call, name, deferred)
 
     async def _run_stream(self, call: _Call, handler: Any, request: Any) -> None:
         end = End(call.id)
@@ -599,96 +596,6 @@ class _Connection(asyncio.Protocol):
         finally:
             self._finish(call)
         self._send(encode(end))
-
-
-class _Owed:
-    """A fast-path call whose answer is owed when its run ends or its wait expires.
-
-    A future stands for the call meanwhile (``call.task``): a Cancel, the client going
-    away or the daemon closing cancels it; its deadline (``_Connection.expire``)
-    answers DEADLINE_EXCEEDED as a handler's would. Every reference it holds is
-    dropped once it has answered or stopped: the run's callback list, the timer and
-    the future all point back at it, and a cycle left behind would be garbage for the
-    cyclic collector on every waiting call (it was ~30 objects a run)."""
-
-    __slots__ = ("call", "conn", "deferred", "name", "remove", "timer", "waiting")
-
-    def __init__(self, conn: _Connection, call: _Call, name: str, deferred: Deferred) -> None:
-        self.conn: _Connection | None = conn
-        self.call = call
-        self.name = name
-        self.deferred: Deferred | None = deferred
-        self.waiting: asyncio.Future[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.remove: Callable[[], None] | None = None
-
-    def arm(self) -> None:
-        conn = self.conn
-        assert conn is not None and self.deferred is not None
-        loop = conn._loop
-        waiting: asyncio.Future[None] = loop.create_future()
-        self.waiting = waiting
-        self.call.task = waiting
-        self.remove = self.deferred.rec.when_finished(self.answer)
-        timeout = self.deferred.timeout
-        if timeout is not None:
-            self.timer = loop.call_later(timeout, self.answer)
-        waiting.add_done_callback(self.stopped)
-
-    def _release(self) -> _Connection | None:
-        """Drop every reference (the run's callback, the timer, the future); the
-        connection, for the one answer still to write."""
-        conn, self.conn = self.conn, None
-        remove, self.remove = self.remove, None
-        if remove is not None:
-            remove()
-        timer, self.timer = self.timer, None
-        if timer is not None:
-            timer.cancel()
-        self.waiting = None
-        self.call.task = None
-        if conn is not None:
-            conn._finish(self.call)
-        return conn
-
-    def answer(self) -> None:
-        """The run ended, or the wait's time is up: write the reply."""
-        waiting = self.waiting
-        if waiting is not None:
-            if waiting.done():
-                return
-            waiting.remove_done_callback(self.stopped)
-            waiting.set_result(None)
-        deferred, self.deferred = self.deferred, None
-        conn = self._release()
-        if conn is None or deferred is None:
-            return
-        call_id, name = self.call.id, self.name
-        try:
-            reply = conn._answer(call_id, name, deferred.finish())
-        except Exception as exc:  # refused as the handler would have (include_results)
-            try:
-                code, details, field = deferred.refuse(exc)
-            except Exception as bug:  # the mapping itself failed: still answer
-                log.error("fast path: %s failed: %s", name, bug, exc_info=bug)
-                code, details, field = (
-                    Code.INTERNAL,
-                    f"internal error in {name} ({type(bug).__name__}); see the daemon log",
-                    "",
-                )
-            reply = Reply(call_id, _CODE_NUMBER[code], details, field)
-        conn._send(encode(reply))
-
-    def stopped(self, _: asyncio.Future[None]) -> None:
-        """Cancelled before the answer (a Cancel, the client gone, the call's deadline)."""
-        self.deferred = None
-        conn = self._release()
-        if conn is not None and self.call.expired:
-            conn._send(
-                encode(
-                    Reply(self.call.id, _CODE_NUMBER[Code.DEADLINE_EXCEEDED], "Deadline Exceeded")
-                )
-            )
 
 
 class FastServer:

@@ -310,13 +310,21 @@ class RunRecord(RunEvents):
             )
         return event
 
+    def settle(self) -> bool:
+        """Before a wait for the run's end: a run alone in the engine with quick tasks
+        ends in this call (``RunHandle.settle``). True when the run is terminal."""
+        if self.terminal:
+            return True
+        handle = self.handle
+        return handle is not None and handle.settle()
+
     async def wait_finished(self, timeout: float | None) -> None:
         """Return once the run is terminal or ``timeout`` seconds (None: no limit) passed.
 
         What ``asyncio.timeout`` around ``finished.wait()`` does, at a third of the cost
         (one future and one timer handle, no Timeout object or task bookkeeping): it is
         on the path of every SubmitRun that waits."""
-        if self.terminal:
+        if self.terminal or self.settle():
             return
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -345,9 +353,10 @@ class RunRecord(RunEvents):
 
     def when_finished(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` once the run is terminal (after the run table's own
-        bookkeeping), from the loop's turn that ends the run: the fast path writes a
-        waiting call's reply from there, without waking a handler. The run must not be
-        terminal yet. Returns what removes the callback (a call cancelled or expired)."""
+        bookkeeping: a reply with results sees what the finished run keeps), from the
+        loop's turn that ends the run: the fast path writes a waiting call's reply from
+        there, without waking a handler. The run must not be terminal yet. Returns what
+        removes the callback (a call cancelled or expired)."""
         assert not self.terminal, "when_finished on a terminal run"
         if self._on_end is None:
             self._on_end = []

@@ -52,6 +52,13 @@ _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
 
 
+async def _until_end(rec: Any, timeout: float | None) -> None:
+    """Return once ``rec``'s run is terminal or ``timeout`` seconds passed (0: at once;
+    None: no limit). Its status is built by the caller, once."""
+    if timeout != 0 and not rec.terminal:
+        await rec.wait_finished(timeout)
+
+
 class _Request(NamedTuple):
     """What the submit path reads of a SubmitRunRequest, from a Submit frame (``tasks``:
     protobuf Task messages, see ``Planner.native_tasks``)."""
@@ -126,10 +133,11 @@ class RunsRpc(ServiceBase):
             log.debug("run %d is from client %r", rec.run_id, client_label(context))
         if wait is None:
             return pb.SubmitRunResponse(run_id=rec.run_id)
-        if type(context) is FastContext and wait != 0 and not rec.terminal:
-            # The reply is written from the run's completion (no handler woken for it).
+        if wait != 0 and type(context) is FastContext and not rec.terminal:
+            # The reply is written from the run's completion (no handler woken for it;
+            # a lone run of quick tasks ends inside ``_defer``, see RunRecord.settle).
             return self._defer(rec, wait, "SubmitRun", lambda: self._submitted(rec, results))
-        await runs.wait(rec, wait)
+        await _until_end(rec, wait)
         return self._submitted(rec, results)
 
     async def _deduplicated(
@@ -144,7 +152,7 @@ class RunsRpc(ServiceBase):
             return self._defer(
                 rec, wait, "SubmitRun", lambda: self._submitted(rec, results, deduplicated=True)
             )
-        await self._runs.wait(rec, wait)
+        await _until_end(rec, wait)
         return self._submitted(rec, results, deduplicated=True)
 
     def _submitted(self, rec: Any, results: bool, *, deduplicated: bool = False) -> Any:
@@ -301,9 +309,9 @@ class RunsRpc(ServiceBase):
         except UnrecordedRun as lost:  # nothing known of it, not even its owner: LOST
             return lost.status()
         self._owners.check_run(self._who(context), rec.client, rec.run_id, "wait for")
-        if type(context) is FastContext and timeout != 0 and not rec.terminal:
+        if timeout != 0 and type(context) is FastContext and not rec.terminal:
             return self._defer(rec, timeout, "WaitRun", lambda: self._waited(rec, include))
-        await self._runs.wait(rec, timeout)
+        await _until_end(rec, timeout)
         return self._waited(rec, include)
 
     def _waited(self, rec: Any, include_results: bool) -> Any:

@@ -1,4 +1,4 @@
-"""The fast path's owed answers (server/fastpath.py ``_Owed``): a waiting SubmitRun or
+"""The fast path's owed answers (server/fastowed.py): a waiting SubmitRun or
 WaitRun is answered from its run's completion, its wait's timer, its deadline or a
 Cancel, and leaves no reference cycle behind.
 
@@ -44,8 +44,9 @@ CALLS = 200
 
 
 class _Record:
-    """What the connection reads of a run record: ``terminal`` and ``when_finished``
-    (as server/run_record.py's: the callbacks run once, when the run ends)."""
+    """What the connection reads of a run record: ``terminal``, ``when_finished`` (as
+    server/run_record.py's: the callbacks run once, when the run ends) and ``settle``
+    (these runs never end inside it)."""
 
     def __init__(self, run_id: int) -> None:
         self.run_id = run_id
@@ -60,6 +61,9 @@ class _Record:
                 self._callbacks.remove(callback)
 
         return remove
+
+    def settle(self) -> bool:
+        return self.terminal
 
     def end(self) -> None:
         self.terminal = True
