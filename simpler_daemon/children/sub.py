@@ -122,35 +122,56 @@ class ChildContext:
 
 _monotonic_ns = time.monotonic_ns
 
-#: A child spins for its next task while at least this share of its recent waits got
-#: one within ``spin_ns`` (smoothed by ``SPIN_GAP_ALPHA``): when tasks come further apart
-#: (a daemon's client that makes one run at a time), the spin would catch none and
-#: only take turns at the core with the processes the answer goes through.
-SPIN_MIN_HIT_RATE: Final = 0.5
-SPIN_GAP_ALPHA: Final = 0.125
+#: A child spins for its next task while at least this share of its recent spins got
+#: one (within ``spin_ns`` of running out of work; smoothed by ``SPIN_GAP_ALPHA``). When
+#: tasks come further apart (a daemon's client that makes one run at a time) the spin
+#: catches none and only takes turns at a core with the processes the answer goes
+#: through; a child whose spins catch a task now and then (a parent that publishes in
+#: rounds) keeps them, each catch saving the parent a wake-up.
+SPIN_MIN_HIT_RATE: Final = 0.1
+SPIN_GAP_ALPHA: Final = 0.0625
+#: While it does not spin, one wait in this many spins anyway (a probe): spinning comes
+#: back when tasks come close together again. A parked child cannot judge by itself:
+#: the time it waited includes its own wake-up.
+SPIN_PROBE_EVERY: Final = 16
 
 
 class _SpinGap:
-    """Whether the child's next wait spins: the share of its recent waits for a task that
-    a spin would have caught, whether it spun or parked (the time from going idle to
-    the next task claimed, against ``spin_ns``). Spinning comes back when tasks come
-    close together again: a parked child measures the gap as well."""
+    """Whether the child spins while it waits for its next task: the share of its recent
+    spinning waits that got a task within ``spin_ns`` of running out of work (a wait
+    that parked first says nothing; a probe spins now and then)."""
 
-    __slots__ = ("hit_rate", "idle_since", "spin_ns")
+    __slots__ = ("hit_rate", "idle_since", "spin_ns", "spun", "waits")
 
     def __init__(self, spin_ns: int) -> None:
         self.spin_ns = spin_ns
         self.hit_rate = 1.0
         #: When the child last ran out of work (monotonic ns; 0: it has work).
         self.idle_since = 0
+        #: Whether this wait spins (and so is judged).
+        self.spun = False
+        self.waits = 0
+
+    def went_idle(self) -> int:
+        """The child ran out of work: how long it spins for the next task (ns)."""
+        self.idle_since = _monotonic_ns()
+        self.waits += 1
+        self.spun = self.hit_rate >= SPIN_MIN_HIT_RATE or self.waits % SPIN_PROBE_EVERY == 0
+        return self.spin_ns if self.spun else 0
 
     def task_came(self) -> None:
-        hit = _monotonic_ns() - self.idle_since <= self.spin_ns
-        self.hit_rate += SPIN_GAP_ALPHA * ((1.0 if hit else 0.0) - self.hit_rate)
+        if self.spun:
+            self._judge(_monotonic_ns() - self.idle_since <= self.spin_ns)
         self.idle_since = 0
 
-    def spins(self) -> bool:
-        return self.hit_rate >= SPIN_MIN_HIT_RATE
+    def timed_out(self) -> None:
+        """A park ran out (``park_timeout``) with no task: a spin before it missed."""
+        if self.spun:
+            self._judge(False)
+            self.spun = False
+
+    def _judge(self, hit: bool) -> None:
+        self.hit_rate += SPIN_GAP_ALPHA * ((1.0 if hit else 0.0) - self.hit_rate)
 
 
 def write_failure(buf: Any, frame: int, state: int, error: int, text: str) -> None:
@@ -293,12 +314,12 @@ class MailboxLoop:
             )
         else:
             watch = (BASE_FRAME + OFF_STATE, frame + OFF_STATE, OFF_SHUTDOWN)
-        spin_ns = spin = self.ctx.spin_ns
+        spin = 0
         park = self.ctx.park_timeout
         parent = self.ctx.parent_pid
         load32 = _mb.load32
         claim = _mb.child_claim
-        gate = _SpinGap(spin_ns)
+        gate = _SpinGap(self.ctx.spin_ns)
         while True:
             bst = load32(buf, BASE_FRAME)
             if bst == SHUTDOWN or load32(buf, OFF_SHUTDOWN):
@@ -335,18 +356,17 @@ class MailboxLoop:
                 self.handle_control()
                 continue
             if not gate.idle_since:
-                gate.idle_since = _monotonic_ns()
+                spin = gate.went_idle()  # out of work: spin for the next task, or not
             idle = _mb.child_wait(buf, watch, expected, spin, park) < 0
             if idle:
                 # Spin only right after work: an idle child that re-parks after a
                 # timed-out park must not spin again (with child_spin_us at its maximum
                 # that was 10 ms of spinning every park_timeout, ~1.6 % of a core).
                 spin = 0
+                gate.timed_out()
                 if parent and os.getppid() != parent:
                     return 0
                 self.on_idle()
-            else:
-                spin = spin_ns if gate.spins() else 0
         self.shutdown()
         return 0
 
