@@ -2,10 +2,11 @@
 
 A handler on the fast path returns a :class:`Deferred` for a SubmitRun that waits or a
 WaitRun on a run still going; the connection then answers from the run's end (the
-record's ``when_finished`` callbacks, which run before the daemon's bookkeeping of
-that end), from the wait's timer, from the call's deadline or not at all (a Cancel,
-the client gone), without a handler woken for it. A lone run of quick tasks ends
-inside ``owe`` itself (``RunRecord.settle``): answered there, with no future or timer.
+record's ``when_finished`` callbacks, after the run table's bookkeeping of that end:
+a status with results shows what the finished run keeps), from the wait's timer,
+from the call's deadline or not at all (a Cancel, the client gone), without a handler
+woken for it. A lone run of quick tasks ends inside ``owe`` itself
+(``RunRecord.settle``): answered there, with no future or timer.
 """
 
 from __future__ import annotations

@@ -133,9 +133,9 @@ class RunsRpc(ServiceBase):
             log.debug("run %d is from client %r", rec.run_id, client_label(context))
         if wait is None:
             return pb.SubmitRunResponse(run_id=rec.run_id)
-        if wait != 0 and type(context) is FastContext and not rec.terminal:
-            # The reply is written from the run's completion (no handler woken for it;
-            # a lone run of quick tasks ends inside ``_defer``, see RunRecord.settle).
+        if type(context) is FastContext and wait != 0 and not rec.terminal:
+            # The reply is written from the run's completion (no handler woken for it; a
+            # lone run of quick tasks ends before the call does: server/fastowed.py).
             return self._defer(rec, wait, "SubmitRun", lambda: self._submitted(rec, results))
         await _until_end(rec, wait)
         return self._submitted(rec, results)
@@ -309,7 +309,7 @@ class RunsRpc(ServiceBase):
         except UnrecordedRun as lost:  # nothing known of it, not even its owner: LOST
             return lost.status()
         self._owners.check_run(self._who(context), rec.client, rec.run_id, "wait for")
-        if timeout != 0 and type(context) is FastContext and not rec.terminal:
+        if type(context) is FastContext and timeout != 0 and not rec.terminal:
             return self._defer(rec, timeout, "WaitRun", lambda: self._waited(rec, include))
         await _until_end(rec, timeout)
         return self._waited(rec, include)
