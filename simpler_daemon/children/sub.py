@@ -9,8 +9,9 @@ Each iteration, in this order::
                       into the args area), store TASK_DONE, ring the parent if parked
     3. base frame     CONTROL_REQUEST -> register / reload / unregister / ping / stats,
                       CONTROL_DONE by compare-exchange (never over SHUTDOWN)
-    4. idle           spin on the state words (GIL released), then park on the
-                      futex; after a timed-out park check that the parent lives
+    4. idle           spin on the state words (GIL released; only while spins catch
+                      tasks, ``_SpinGap``), then park on the futex; after a
+                      timed-out park check that the parent lives
 
 With a queue frame (``ChildContext.task_frames == 2``) step 2 looks at
 both task frames: the TASK_READY one with the lower dispatch id is claimed
