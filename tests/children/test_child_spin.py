@@ -31,17 +31,30 @@ pytestmark = pytest.mark.timeout(60)
 SPIN_NS = 50_000
 
 
-def test_far_apart_tasks_stop_the_spin_and_close_ones_bring_it_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [10**9]
-    monkeypatch.setattr(sub, "_monotonic_ns", lambda: now[0])
+class Clock:
+    """A made-up monotonic clock (ns) for the child's gate."""
+
+    def __init__(self) -> None:
+        self.now = 10**9
+
+    def __call__(self) -> int:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(sub, "_monotonic_ns", c)
+    return c
+
+
+def test_far_apart_tasks_stop_the_spin_and_close_ones_bring_it_back(clock: Clock) -> None:
     gate = sub._SpinGap(SPIN_NS)
 
     def task_after(gap_ns: int) -> bool:
         """Out of work, then a task ``gap_ns`` later: whether the child spun for it."""
         spin = gate.went_idle()
-        now[0] += gap_ns
+        clock.now += gap_ns
         gate.task_came()
         assert gate.idle_since == 0
         return spin == SPIN_NS
@@ -58,33 +71,25 @@ def test_far_apart_tasks_stop_the_spin_and_close_ones_bring_it_back(
     assert task_after(SPIN_NS // 5)
 
 
-def test_a_child_whose_spins_catch_some_tasks_keeps_spinning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_child_whose_spins_catch_some_tasks_keeps_spinning(clock: Clock) -> None:
     """A parent that publishes in rounds: every third wait of the child is short. Each
     catch saves the parent a wake-up, so the spin stays."""
-    now = [10**9]
-    monkeypatch.setattr(sub, "_monotonic_ns", lambda: now[0])
     gate = sub._SpinGap(SPIN_NS)
     spun = []
     for i in range(300):
         spun.append(gate.went_idle() == SPIN_NS)
-        now[0] += SPIN_NS // 5 if i % 3 == 0 else 3 * SPIN_NS
+        clock.now += SPIN_NS // 5 if i % 3 == 0 else 3 * SPIN_NS
         gate.task_came()
     assert all(spun[-50:])
 
 
-def test_a_park_that_times_out_after_a_spin_counts_as_a_miss(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [10**9]
-    monkeypatch.setattr(sub, "_monotonic_ns", lambda: now[0])
+def test_a_park_that_times_out_after_a_spin_counts_as_a_miss(clock: Clock) -> None:
     gate = sub._SpinGap(SPIN_NS)
     for _ in range(60):  # idle for good: every park runs out
         gate.went_idle()
         gate.timed_out()
         gate.timed_out()  # a second timed-out park of the same wait is not judged again
-        now[0] += 10**9
+        clock.now += 10**9
         gate.task_came()
     assert gate.hit_rate < sub.SPIN_MIN_HIT_RATE
 

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import pytest_asyncio
 
-from simpler_daemon import CallableHandle, TaskArgs, Worker
+from simpler_daemon import CallableHandle, RunHandle, TaskArgs, Worker
 from simpler_daemon.examples.tasks import empty
 from simpler_daemon.scheduler import progress, subpump
+from simpler_daemon.scheduler.dispatch import Scheduler
 from tests.support.sub_tasks import sleep_ms, targs
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio]
@@ -32,15 +33,23 @@ WAIT_S = 30.0
 RUNS = 20
 
 
+class Rig(NamedTuple):
+    w: Worker
+    sched: Scheduler
+    quick: CallableHandle  # an empty task
+    slow: CallableHandle  # sleeps scalars[0] ms
+
+
 @pytest_asyncio.fixture
-async def worker() -> AsyncIterator[tuple[Worker, CallableHandle, CallableHandle]]:
+async def worker() -> AsyncIterator[Rig]:
     w = Worker(num_sub_workers=2, admission="fifo")
     quick = w.register(empty)
     slow = w.register(sleep_ms)
     w.init()
     try:
         await w.start_async()
-        yield w, quick, slow
+        assert w.scheduler is not None
+        yield Rig(w, w.scheduler, quick, slow)
     finally:
         await w.close_async()
 
@@ -60,12 +69,15 @@ def one_task(h: CallableHandle, args: TaskArgs | None = None) -> Any:
     return orch
 
 
+async def slow_run(rig: Rig, ms: int) -> RunHandle:
+    """A run of one task sleeping ``ms`` ms, just submitted."""
+    return await rig.w.submit_async(one_task(rig.slow, targs(scalars=(ms,))))
+
+
 async def test_a_lone_one_task_run_ends_inside_the_waiters_call(
-    worker: tuple[Worker, CallableHandle, CallableHandle], spins_catch: None
+    worker: Rig, spins_catch: None
 ) -> None:
-    w, quick, _ = worker
-    sched = w.scheduler
-    assert sched is not None
+    w, sched, quick, _ = worker
     for i in range(RUNS):
         handle = await w.submit_async(one_task(quick))
         assert not handle.done()  # published by the submit, still in flight
@@ -76,12 +88,8 @@ async def test_a_lone_one_task_run_ends_inside_the_waiters_call(
         await handle.wait_async(timeout=WAIT_S)  # already over: returns at once
 
 
-async def test_wait_async_settles_the_run_it_waits_for(
-    worker: tuple[Worker, CallableHandle, CallableHandle], spins_catch: None
-) -> None:
-    w, quick, _ = worker
-    sched = w.scheduler
-    assert sched is not None
+async def test_wait_async_settles_the_run_it_waits_for(worker: Rig, spins_catch: None) -> None:
+    w, sched, quick, _ = worker
     before = sched.stats["settled"]
     for _ in range(RUNS):
         await w.run_async(one_task(quick))
@@ -89,13 +97,11 @@ async def test_wait_async_settles_the_run_it_waits_for(
 
 
 async def test_a_run_that_is_not_alone_is_left_to_the_progress_coroutine(
-    worker: tuple[Worker, CallableHandle, CallableHandle], spins_catch: None
+    worker: Rig, spins_catch: None
 ) -> None:
-    w, quick, slow = worker
-    sched = w.scheduler
-    assert sched is not None
-    first = await w.submit_async(one_task(slow, targs(scalars=(300,))))
-    second = await w.submit_async(one_task(quick))
+    sched = worker.sched
+    first = await slow_run(worker, 300)
+    second = await worker.w.submit_async(one_task(worker.quick))
     rounds = sched.stats["rounds"]
     assert not second.settle()  # another run is admitted: no round, no spin
     assert sched.stats["rounds"] == rounds
@@ -105,12 +111,10 @@ async def test_a_run_that_is_not_alone_is_left_to_the_progress_coroutine(
 
 
 async def test_a_run_whose_tasks_outlast_the_spins_is_left_to_the_coroutine(
-    worker: tuple[Worker, CallableHandle, CallableHandle],
+    worker: Rig,
 ) -> None:
-    w, _, slow = worker
-    sched = w.scheduler
-    assert sched is not None
-    handle = await w.submit_async(one_task(slow, targs(scalars=(50,))))
+    sched = worker.sched
+    handle = await slow_run(worker, 50)
     sched._pump.hit_rate = 0.0  # as after spins that caught no task
     rounds = sched.stats["rounds"]
     assert not handle.settle()
@@ -120,12 +124,10 @@ async def test_a_run_whose_tasks_outlast_the_spins_is_left_to_the_coroutine(
 
 
 async def test_settle_off_the_bound_loop_only_says_whether_the_run_ended(
-    worker: tuple[Worker, CallableHandle, CallableHandle], spins_catch: None
+    worker: Rig, spins_catch: None
 ) -> None:
-    w, _, slow = worker
-    sched = w.scheduler
-    assert sched is not None
-    handle = await w.submit_async(one_task(slow, targs(scalars=(50,))))
+    sched = worker.sched
+    handle = await slow_run(worker, 50)
     # From another thread, while this loop's coroutine runs its rounds: a round there
     # would race them (and, with this spin, wait for the task and end the run).
     assert not await asyncio.get_running_loop().run_in_executor(None, handle.settle)
