@@ -305,8 +305,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     child_spin_us: int = 50
     """How long (µs) a SUB worker spins for its next task after one ends, before it
     parks on its futex (0 = park at once): a task arriving within it skips a wake-up; it
-    costs up to this much CPU per task, none while idle (the Worker's child_spin_ns).
-    Both spins are read at start: a change needs a restart."""
+    costs up to this much CPU per task, none while idle (the Worker's child_spin_ns). A
+    worker whose spins catch almost no task (tasks further apart) parks at once but for
+    a probe now and then. Both spins are read at start: a change needs a restart."""
     sub_queue_depth: int = 2
     """Tasks a SUB worker holds: 2 queues the next task in a second mailbox frame while
     one runs, so the worker starts it without waiting for the daemon (a queued task that
