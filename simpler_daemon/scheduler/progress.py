@@ -95,7 +95,11 @@ class ProgressLoop(RunCompletion):
                 inflight = True
         if not inflight:
             return False
-        self.round()
+        try:
+            self.round()
+        except Exception:  # into the waiter's call (a handler's reply): leave it to run()
+            log.exception("a round for a waiter (settle) failed; the progress loop goes on")
+            return False
         if not run.terminal:
             return False
         self.stats["settled"] += 1

@@ -134,3 +134,23 @@ async def test_settle_off_the_bound_loop_only_says_whether_the_run_ended(
     assert sched.stats["settled"] == 0
     await handle.wait_async(timeout=WAIT_S)
     assert await asyncio.get_running_loop().run_in_executor(None, handle.settle)
+
+
+async def test_a_round_that_fails_in_settle_leaves_the_run_to_the_coroutine(
+    worker: Rig, spins_catch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a round must not reach the waiter (a daemon handler about to reply): the
+    failure is logged, ``settle`` says the run goes on, and the coroutine's own rounds
+    end it."""
+    w, sched, quick, _ = worker
+    handle = await w.submit_async(one_task(quick))
+    real = sched.round
+
+    def broken() -> bool:
+        monkeypatch.setattr(sched, "round", real)  # only this one round fails
+        raise RuntimeError("a bug in a round")
+
+    monkeypatch.setattr(sched, "round", broken)
+    assert not handle.settle()
+    await handle.wait_async(timeout=WAIT_S)
+    assert handle.run.error is None
