@@ -312,11 +312,11 @@ class RunRecord(RunEvents):
 
     def settle(self) -> bool:
         """Before a wait for the run's end: a run alone in the engine with quick tasks
-        ends in this call (``RunHandle.settle``). True when the run is terminal."""
-        if self.terminal:
-            return True
-        handle = self.handle
-        return handle is not None and handle.settle()
+        ends in this call (``RunHandle.settle``). True when this record is terminal
+        (its run's end recorded, its answers owed written)."""
+        if not self.terminal and self.handle is not None:
+            self.handle.settle()
+        return self.terminal
 
     async def wait_finished(self, timeout: float | None) -> None:
         """Return once the run is terminal or ``timeout`` seconds (None: no limit) passed.
