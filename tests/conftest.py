@@ -37,6 +37,9 @@ pytest.register_assert_rewrite(
     "tests.support.worker_pool",
 )
 
+# grpc core's process-wide settings, as in a client program: the first import of grpc in
+# this process goes through them, whichever test module is collected first.
+import simpler_daemon.system.grpcsetup  # noqa: E402, F401
 from simpler_daemon.testing import (  # noqa: E402
     child_pids,
     settled_shm_leaks,
