@@ -49,9 +49,12 @@ lint: $(TEST_STAMP) build
 # children and daemon subprocesses to start, so more processes than cores pay.
 # TEST_PROCS=0 runs everything in this one process. Bytecode is cached (a machine that sets
 # PYTHONDONTWRITEBYTECODE would otherwise compile the package again in every daemon and
-# rewrite every test module's asserts again in every pytest process).
+# rewrite every test module's asserts again in every pytest process). A pytest process that
+# crashes fails the run at once, naming the test it ran (--max-worker-restart 0): one that
+# pytest-xdist replaces under --dist loadfile can leave the run waiting forever for work
+# that never comes (pytest-xdist issues 784 and 1378).
 TEST_PROCS ?= 4
-PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_PROCS) --dist loadfile
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_PROCS) --dist loadfile --max-worker-restart 0
 # The dashboard's browser tests (tests/server/test_dashboard_browser.py) drive Debian's
 # Chromium through its chromedriver: installed here when absent and root; otherwise those
 # tests skip and say why (pytest -ra lists the reason).
