@@ -87,6 +87,12 @@ class RunCompletion(SchedulerState, SubmitSink):
             run.state = RunState.PREPARED
         if not run.remaining:
             self.finish_if_done(run)
+            if run.terminal and not self._suspect and self.quiet():
+                # Its tasks ended inside its build (``dispatch.SINGLE_RUNS``): what its
+                # submits poked the progress coroutine for is done, and it parks again
+                # without a round.
+                self._poked = False
+                return
         self.wake()
 
     def fail_building(self, run: Run, exc: BaseException) -> None:
@@ -205,6 +211,9 @@ class RunCompletion(SchedulerState, SubmitSink):
         if run.remaining or run.building or run.terminal:
             return
         run.end(RunState.FAILED if run.error is not None else RunState.COMPLETED)
+        slots = run.slots  # a run of one SUB task extends the streak (dispatch.SINGLE_RUNS)
+        one = len(slots) == 1 and slots[0].kind is TaskKind.SUB
+        self.single_runs = self.single_runs + 1 if one else 0
         if run.trace is not None:
             run.trace.end()
         self._drop_partitions(run.run_id)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from simpler_daemon.callables import CallableRegistry
 from simpler_daemon.endpoints.base import Outcome, WorkerDispatch
-from simpler_daemon.scheduler.fair import DEFAULT_MAX_ACTIVE_RUNS
+from simpler_daemon.scheduler.fair import DEFAULT_MAX_ACTIVE_RUNS, NO_PASS, run_pass
 from simpler_daemon.scheduler.lanes import WorkerCompletion, WorkerManager, WorkerThread
 from simpler_daemon.scheduler.progress import ProgressLoop
 from simpler_daemon.scheduler.runmodel import FailureInfo, Run, SlotState, TaskKind, TaskSlot
@@ -61,6 +61,8 @@ ROUND_GAP_S = 0.0002
 #: in turn), costs more than the tasks. A slower orchestration keeps its round a submit.
 LOCKSTEP_SUBMITS = 8
 LOCKSTEP_GAP_S = 0.00002
+#: After this many runs in a row of one SUB task each, a run's first submit spins (W1).
+SINGLE_RUNS = 4
 
 
 class Scheduler(ProgressLoop):
@@ -104,8 +106,8 @@ class Scheduler(ProgressLoop):
         self._freed_inline = False
         self._round_seen = -1  # the doorbell's completion word when the last round began
         self._round_at = 0.0  # and when (time.monotonic())
-        #: Whether this round's pump may wait for children (not inside a submit: the
-        #: orchestration goes on submitting meanwhile).
+        #: Whether this round's pump may wait for children (not inside a submit, but for
+        #: SINGLE_RUNS: the orchestration goes on submitting meanwhile).
         self._pump_spin = True
 
     @contextlib.contextmanager
@@ -185,8 +187,16 @@ class Scheduler(ProgressLoop):
                             self.doorbell.completed() != self._round_seen
                             and time.monotonic() - self._round_at > ROUND_GAP_S
                         )
-                if go:
-                    self._pump_spin = False
+                # After SINGLE_RUNS one-task runs, the pump waits for the first task of a
+                # run alone in admission (its hit rate permitting): the run ends with its
+                # build, no round later, and no other run's work waits behind the spin.
+                first = (
+                    self.single_runs >= SINGLE_RUNS
+                    and slot.index == 0
+                    and self.admission.successor is None
+                )
+                if go or first:
+                    self._pump_spin = first
                     completed = self.stats["completed"]
                     try:
                         self.round()
@@ -486,7 +496,7 @@ class Scheduler(ProgressLoop):
                 continue  # an idle lane gets a plain dispatch below
             frame = stager.active.task_slot.lease_slot & 1
             best: deque[TaskSlot] | None = None
-            best_key = _NO_PASS
+            best_key = NO_PASS
             for rid, q in per.items():
                 if not q:
                     continue
@@ -499,7 +509,7 @@ class Scheduler(ProgressLoop):
                     or self.groups.get(rid)  # a group queued ahead keeps FIFO order
                 ):
                     continue
-                key = _pass(slot.run)
+                key = run_pass(slot.run)
                 if best is None or key < best_key:
                     best, best_key = q, key
             if best is None:
@@ -519,7 +529,9 @@ class Scheduler(ProgressLoop):
     def _groups_fair(self, fair: FairAdmission, reserved: set[int]) -> bool:
         did = False
         manager = self.manager
-        heads = sorted((_pass(gq[0].run), i, gq) for i, gq in enumerate(self.groups.values()) if gq)
+        heads = sorted(
+            (run_pass(gq[0].run), i, gq) for i, gq in enumerate(self.groups.values()) if gq
+        )
         blocked = False
         for _, _, gq in heads:
             while gq:
@@ -572,12 +584,12 @@ class Scheduler(ProgressLoop):
                     self._notice_dead(target)
                 continue
             best: deque[TaskSlot] | None = None
-            best_key = _NO_PASS
+            best_key = NO_PASS
             for q in per.values():
                 while q and q[0].state != SlotState.READY:
                     q.popleft()
                 if q and not target.lacks(q[0].digest):
-                    key = _pass(q[0].run)
+                    key = run_pass(q[0].run)
                     if best is None or key < best_key:
                         best, best_key = q, key
             if best is None:
@@ -598,14 +610,14 @@ class Scheduler(ProgressLoop):
                 for q in list(self.subs.values()):
                     did |= self._fail_subs(q)
             return did
-        heap = [(_pass(q[0].run), i, q) for i, q in enumerate(self.subs.values()) if q]
+        heap = [(run_pass(q[0].run), i, q) for i, q in enumerate(self.subs.values()) if q]
         heapq.heapify(heap)
         while heap and idle:
             key, i, q = heapq.heappop(heap)
             if not q:
                 continue  # emptied meanwhile (its run failed and was retired)
             slot = q[0]
-            now = _pass(slot.run)
+            now = run_pass(slot.run)
             if now != key:
                 # Charging a run also moves its client's pass: re-file a stale entry
                 # (passes only grow, so the entry on top with a current key is the least).
@@ -648,7 +660,7 @@ class Scheduler(ProgressLoop):
                     self._send(idle.pop(k), WorkerDispatch(slot, 0))
                     did = True
             if q:
-                heapq.heappush(heap, (_pass(q[0].run), i, q))
+                heapq.heappush(heap, (run_pass(q[0].run), i, q))
         return did
 
     def _fail_subs(self, q: deque[TaskSlot]) -> bool:
@@ -785,12 +797,3 @@ class Scheduler(ProgressLoop):
 #: The queue the pump is given when no SUB queue may dispatch: it stays empty (the pump
 #: only pops), so the call polls and completes what is in flight and publishes nothing.
 _NO_QUEUE: deque[TaskSlot] = deque()
-
-#: Sorts after every pass.
-_NO_PASS = (float("inf"), float("inf"))
-
-
-def _pass(run: Run) -> tuple[float, float]:
-    """A run's place under fair admission: its client's pass, then its own."""
-    share = run.share
-    return (share.vpass if share is not None else 0.0, run.vpass)

@@ -37,8 +37,10 @@ from simpler_daemon.scheduler.runmodel import Admission, Run, RunState
 __all__ = [
     "ADMISSION_POLICIES",
     "DEFAULT_MAX_ACTIVE_RUNS",
+    "NO_PASS",
     "FairAdmission",
     "Share",
+    "run_pass",
 ]
 
 #: The admission policies a Scheduler accepts.
@@ -46,6 +48,15 @@ ADMISSION_POLICIES: Final = ("fifo", "fair")
 #: Runs executing at once under ``fair`` unless told otherwise (the daemon passes
 #: ``limits.max_concurrent_runs``).
 DEFAULT_MAX_ACTIVE_RUNS: Final = 64
+#: Sorts after every pass (``run_pass``).
+NO_PASS: Final = (float("inf"), float("inf"))
+
+
+def run_pass(run: Run) -> tuple[float, float]:
+    """A run's place under fair admission: its client's pass, then its own (the least is
+    served first)."""
+    share = run.share
+    return (share.vpass if share is not None else 0.0, run.vpass)
 
 
 class Share:

@@ -109,24 +109,6 @@ class ProgressLoop(RunCompletion):
             self._poked = False
         return True
 
-    def busy(self) -> bool:
-        if self.completions:
-            return True
-        # A loop, not any() over a generator (a frame per lane): ~3 times a run.
-        for lane in self._lanes:  # noqa: SIM110
-            if lane.inflight:
-                return True
-        return False
-
-    def quiet(self) -> bool:
-        """Nothing to look at again: no task in flight on any lane and no run admitted
-        or waiting (a one-task run the round just ended). Not ``busy`` alone: a run
-        still admitted may have a task made ready that this round left queued."""
-        if self.busy():  # every lane, those whose completions come on a socket too
-            return False
-        admission = self.admission
-        return not (admission.active or admission.waiting or admission.detached)
-
     def spin_budget(self) -> float:
         """How long to spin before parking: ``spin_s`` while tasks finish quickly, 0 when
         they typically run longer than that (spinning would only steal a core from them),

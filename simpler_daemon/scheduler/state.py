@@ -90,6 +90,8 @@ class SchedulerState:
         self._stall_warned = False
         self.in_round = False
         self._poked = False
+        #: Runs in a row that ended with one task each (``dispatch.SINGLE_RUNS``).
+        self.single_runs = 0
         #: Spin or park while tasks are in flight (spingate.py): fed by every completion.
         self.spin_gate = SpinGate(spin_s)
         self._suspect: set[WorkerThread] = set()
@@ -137,6 +139,24 @@ class SchedulerState:
             # eventfd (the coroutine's next round sees it; a ring would cost both sides a
             # system call and this loop one more round).
             self.doorbell.unpark()
+
+    def busy(self) -> bool:
+        if self.completions:
+            return True
+        # A loop, not any() over a generator (a frame per lane): ~3 times a run.
+        for lane in self._lanes:  # noqa: SIM110
+            if lane.inflight:
+                return True
+        return False
+
+    def quiet(self) -> bool:
+        """Nothing to look at again: no task in flight on any lane and no run admitted
+        or waiting (a one-task run the round just ended). Not ``busy`` alone: a run
+        still admitted may have a task made ready that this round left queued."""
+        if self.busy():  # every lane, those whose completions come on a socket too
+            return False
+        admission = self.admission
+        return not (admission.active or admission.waiting or admission.detached)
 
     # -- SubmitSink ------------------------------------------------------------------------------
 
