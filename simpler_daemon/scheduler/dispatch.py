@@ -194,6 +194,7 @@ class Scheduler(ProgressLoop):
                     self.single_runs >= SINGLE_RUNS
                     and slot.index == 0
                     and self.admission.successor is None
+                    and self.spins_first_submit
                 )
                 if go or first:
                     self._pump_spin = first

@@ -92,6 +92,10 @@ class SchedulerState:
         self._poked = False
         #: Runs in a row that ended with one task each (``dispatch.SINGLE_RUNS``).
         self.single_runs = 0
+        #: Whether a streak of them has a run's first submit wait for its task. The
+        #: daemon says no: its handler has a run's bookkeeping to do after the submit,
+        #: and its ``settle`` spins after that, while the child wakes up meanwhile.
+        self.spins_first_submit = True
         #: Spin or park while tasks are in flight (spingate.py): fed by every completion.
         self.spin_gate = SpinGate(spin_s)
         self._suspect: set[WorkerThread] = set()

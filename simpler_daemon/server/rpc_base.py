@@ -178,6 +178,10 @@ class ServiceBase:
         # Worker traces every run (topology.new_worker), for GetRunTrace.
         sched.on_task_event = self._runs.on_task_event
         sched.on_pumped = self._runs.on_pumped
+        # A one-task run's submit does not wait for its task here: the handler records
+        # the run first and then settles it, so the child's wake-up overlaps that work
+        # (a waiting submit measured 110 against 122 µs per W6 fast-path run).
+        sched.spins_first_submit = False
         if self._metrics is not None:  # gauges read at scrape time: heap, runs by state...
             self._metrics.watch_daemon(self._worker, self._runs.state_counts)
         self.start_ns = time.time_ns()

@@ -95,6 +95,17 @@ def test_a_run_of_more_tasks_ends_the_streak(rig: Rig, spins_catch: None) -> Non
     assert rounds_per_run(rig, one, 1) == [1]
 
 
+def test_a_scheduler_told_not_to_spin_on_submit_keeps_its_two_rounds(
+    rig: Rig, spins_catch: None
+) -> None:
+    """The daemon's setting (server/rpc_base.py): its handler settles the run later."""
+    rig.sched.spins_first_submit = False
+    one = tasks_of(rig.quick, 1)
+    rounds_per_run(rig, one, SINGLE_RUNS)
+    assert rig.sched.single_runs == SINGLE_RUNS  # the streak is counted all the same
+    assert all(n >= 2 for n in rounds_per_run(rig, one, RUNS))
+
+
 def test_tasks_too_long_for_the_spin_stop_it(rig: Rig) -> None:
     """20 ms tasks cannot end within the pump's 50 µs spin: each spin misses, and the hit
     rate falls below the threshold (the submit's round then waits only on probes)."""
