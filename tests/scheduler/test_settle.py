@@ -16,43 +16,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from simpler_daemon import CallableHandle, RunHandle, TaskArgs, Worker
-from simpler_daemon.examples.tasks import empty
-from simpler_daemon.scheduler import dispatch, progress, subpump
-from simpler_daemon.scheduler.dispatch import Scheduler
-from tests.support.sub_tasks import sleep_ms, targs
+from simpler_daemon import CallableHandle, RunHandle, TaskArgs
+from tests.support.pump_rig import CATCH_S, Rig, new_worker
+from tests.support.pump_rig import spins_catch as catch_every_spin
+from tests.support.sub_tasks import targs
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio]
 
-WAIT_S = 30.0
+WAIT_S = CATCH_S
 RUNS = 20
 
 
-class Rig(NamedTuple):
-    w: Worker
-    sched: Scheduler
-    quick: CallableHandle  # an empty task
-    slow: CallableHandle  # sleeps scalars[0] ms
-
-
 @pytest_asyncio.fixture
-async def worker(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
-    # Off: after a streak of one-task runs a run ends inside its own submit
-    # (tests/scheduler/test_single_runs.py), and never reaches settle with its task in
-    # flight. Settle serves the runs that do: before a streak, or after a longer run.
-    monkeypatch.setattr(dispatch, "SINGLE_RUNS", 1 << 30)
-    w = Worker(num_sub_workers=2, admission="fifo")
-    quick = w.register(empty)
-    slow = w.register(sleep_ms)
-    w.init()
+async def worker() -> AsyncIterator[Rig]:
+    w, quick, slow = new_worker()
     try:
         await w.start_async()
         assert w.scheduler is not None
+        # As in the daemon: a streak of one-task runs would otherwise end each run inside
+        # its own submit (tests/scheduler/test_single_runs.py), and no run would reach
+        # settle with its task in flight.
+        w.scheduler.spins_first_submit = False
         yield Rig(w, w.scheduler, quick, slow)
     finally:
         await w.close_async()
@@ -61,9 +50,7 @@ async def worker(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
 @pytest.fixture
 def spins_catch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pump's spin waits as long as a child takes, whatever the load, and counts."""
-    monkeypatch.setattr(subpump, "PUMP_SPIN_NS", int(WAIT_S * 1e9))
-    monkeypatch.setattr(subpump, "PUMP_MIN_HIT_RATE", 0.0)
-    monkeypatch.setattr(progress, "PUMP_MIN_HIT_RATE", 0.0)
+    catch_every_spin(monkeypatch)
 
 
 def one_task(h: CallableHandle, args: TaskArgs | None = None) -> Any:

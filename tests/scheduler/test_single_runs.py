@@ -14,34 +14,25 @@ and the hit rate threshold zero, so the machine's load cannot decide the outcome
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
-from simpler_daemon import CallableHandle, TaskArgs, Worker
-from simpler_daemon.examples.tasks import empty
-from simpler_daemon.scheduler import progress, subpump
-from simpler_daemon.scheduler.dispatch import SINGLE_RUNS, Scheduler
-from tests.support.sub_tasks import sleep_ms, targs
+from simpler_daemon import CallableHandle, TaskArgs
+from simpler_daemon.scheduler import subpump
+from simpler_daemon.scheduler.dispatch import SINGLE_RUNS
+from tests.support.pump_rig import CATCH_S, Rig, new_worker
+from tests.support.pump_rig import spins_catch as catch_every_spin
+from tests.support.sub_tasks import targs
 
 pytestmark = pytest.mark.timeout(60)
 
 RUNS = 20
 
 
-class Rig(NamedTuple):
-    w: Worker
-    sched: Scheduler
-    quick: CallableHandle  # an empty task
-    slow: CallableHandle  # sleeps scalars[0] ms
-
-
 @pytest.fixture
 def rig() -> Iterator[Rig]:
-    w = Worker(num_sub_workers=2, admission="fifo")
-    quick = w.register(empty)
-    slow = w.register(sleep_ms)
-    w.init()
+    w, quick, slow = new_worker()
     try:
         assert w.scheduler is not None
         yield Rig(w, w.scheduler, quick, slow)
@@ -51,9 +42,7 @@ def rig() -> Iterator[Rig]:
 
 @pytest.fixture
 def spins_catch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(subpump, "PUMP_SPIN_NS", 30 * 10**9)
-    monkeypatch.setattr(subpump, "PUMP_MIN_HIT_RATE", 0.0)
-    monkeypatch.setattr(progress, "PUMP_MIN_HIT_RATE", 0.0)
+    catch_every_spin(monkeypatch)
 
 
 def tasks_of(h: CallableHandle, n: int, args: TaskArgs | None = None) -> Any:
@@ -118,9 +107,7 @@ def test_tasks_too_long_for_the_spin_stop_it(rig: Rig) -> None:
 
 @pytest.mark.asyncio
 async def test_on_the_loop_the_handle_is_done_when_the_submit_returns(spins_catch: None) -> None:
-    w = Worker(num_sub_workers=2, admission="fifo")
-    quick = w.register(empty)
-    w.init()
+    w, quick, _ = new_worker()
     try:
         await w.start_async()
         sched = w.scheduler
@@ -134,6 +121,6 @@ async def test_on_the_loop_the_handle_is_done_when_the_submit_returns(spins_catc
             assert handle.run.error is None
             # Nothing is left for the progress coroutine: it was not poked again.
             assert not sched._poked
-            await handle.wait_async(timeout=30)
+            await handle.wait_async(timeout=CATCH_S)
     finally:
         await w.close_async()
